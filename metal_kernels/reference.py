@@ -1,0 +1,67 @@
+"""Pure-MLX reference implementations: the fallback off Metal and the oracle for the kernels."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_infer.models.base import BatchMetadata
+
+
+def attention_mask(meta: BatchMetadata, key_len: int, sliding_window: int | None) -> mx.array:
+    """Boolean ``[B, 1, Qmax, L]``: key j is visible to a query at position p when j <= p,
+    j < context_len, and (with a window) j > p - window."""
+    key_pos = mx.arange(key_len, dtype=mx.int32)[None, None, :]
+    q_pos = meta.q_positions[:, :, None]
+    visible = (key_pos <= q_pos) & (key_pos < meta.context_lens[:, None, None])
+    if sliding_window is not None:
+        visible = visible & (key_pos > q_pos - sliding_window)
+    return visible[:, None]
+
+
+def paged_attention(
+    queries: mx.array,
+    key_pool: mx.array,
+    value_pool: mx.array,
+    meta: BatchMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> mx.array:
+    """Attention of ragged queries ``[T, H, D]`` over paged K/V pools ``[slots, n_kv_heads, D]``.
+
+    Gathers each sequence's keys by its block table into ``[B, L, n_kv, D]``, pads the queries
+    to ``[B, Qmax]``, attends with a causal/context/window mask and unpads. Masked positions
+    never contribute, so padding slots may hold anything.
+    """
+    n_tokens, n_heads, head_dim = queries.shape
+    batch = meta.batch_size
+    q_max = meta.max_query_len
+    q = queries if meta.q_pad_index is None else queries[meta.q_pad_index.reshape(-1)]
+    q = q.reshape(batch, q_max, n_heads, head_dim).transpose(0, 2, 1, 3)
+    keys = key_pool[meta.key_slots].transpose(0, 2, 1, 3)  # [B, n_kv, L, D]
+    values = value_pool[meta.key_slots].transpose(0, 2, 1, 3)
+    mask = attention_mask(meta, keys.shape[2], sliding_window)
+    if logit_softcap is None:
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale, mask=mask
+        )
+    else:
+        out = _softcapped_attention(q, keys, values, mask, scale, logit_softcap)
+    out = out.transpose(0, 2, 1, 3).reshape(batch * q_max, n_heads, head_dim)
+    return out if meta.q_unpad_index is None else out[meta.q_unpad_index]
+
+
+def _softcapped_attention(
+    q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float, softcap: float
+) -> mx.array:
+    batch, n_heads, q_len, head_dim = q.shape
+    n_kv = keys.shape[1]
+    rep = n_heads // n_kv
+    q = q.reshape(batch, n_kv, rep * q_len, head_dim).astype(mx.float32)
+    scores = (q * scale) @ keys.astype(mx.float32).swapaxes(-1, -2)
+    scores = mx.tanh(scores / softcap) * softcap
+    scores = scores.reshape(batch, n_kv, rep, q_len, -1)
+    scores = mx.where(mask[:, :, None], scores, -mx.inf)
+    weights = mx.softmax(scores, axis=-1).reshape(batch, n_kv, rep * q_len, -1)
+    out = weights @ values.astype(mx.float32)
+    return out.reshape(batch, n_heads, q_len, head_dim).astype(values.dtype)

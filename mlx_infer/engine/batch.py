@@ -1,0 +1,80 @@
+"""Host-side construction of a step's :class:`BatchMetadata` from per-sequence block tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_infer.models.base import BatchMetadata
+
+
+@dataclass
+class SequenceSlice:
+    """What one sequence contributes to a step."""
+
+    block_table: list[int]  # physical blocks, in logical order, covering at least context_len tokens
+    num_computed: int  # tokens already in the cache before this step
+    num_new: int  # tokens this step appends (and computes)
+    want_all_logits: bool = False  # logits for every new token instead of only the last one
+
+
+def build_metadata(slices: list[SequenceSlice], block_size: int) -> BatchMetadata:
+    query_lens = tuple(s.num_new for s in slices)
+    batch, q_max = len(slices), max(query_lens)
+    context_lens = np.array([s.num_computed + s.num_new for s in slices], dtype=np.int32)
+    max_blocks = max(-(-int(c) // block_size) for c in context_lens)
+    block_tables = np.zeros((batch, max_blocks), dtype=np.int32)
+    for i, s in enumerate(slices):
+        n = min(len(s.block_table), max_blocks)
+        block_tables[i, :n] = s.block_table[:n]
+
+    offsets = np.arange(block_size, dtype=np.int32)
+    key_slots = (block_tables[:, :, None] * block_size + offsets).reshape(batch, max_blocks * block_size)
+
+    positions = np.concatenate(
+        [np.arange(s.num_computed, s.num_computed + s.num_new, dtype=np.int32) for s in slices]
+    )
+    seq_of_token = np.repeat(np.arange(batch), query_lens)
+    slot_mapping = key_slots[seq_of_token, positions]
+
+    starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int32)
+    q_positions = np.zeros((batch, q_max), dtype=np.int32)
+    if q_max == 1:
+        q_pad_index = q_unpad_index = None
+        q_positions[:, 0] = positions
+    else:
+        col = np.arange(q_max, dtype=np.int32)[None, :]
+        valid = col < np.array(query_lens)[:, None]
+        pad_index = np.where(valid, starts[:, None] + col, starts[:, None])
+        q_positions = np.where(valid, positions[pad_index], 0).astype(np.int32)
+        token_col = np.arange(len(positions), dtype=np.int32) - np.repeat(starts, query_lens)
+        q_unpad_index = mx.array((seq_of_token * q_max + token_col).astype(np.int32))
+        q_pad_index = mx.array(pad_index.astype(np.int32))
+
+    if any(s.want_all_logits for s in slices):
+        rows = np.concatenate(
+            [
+                np.arange(st, st + s.num_new) if s.want_all_logits else np.array([st + s.num_new - 1])
+                for st, s in zip(starts, slices)
+            ]
+        )
+        logits_index = None if len(rows) == len(positions) else mx.array(rows.astype(np.int32))
+    else:
+        last = starts + np.array(query_lens, dtype=np.int32) - 1
+        logits_index = None if q_max == 1 else mx.array(last.astype(np.int32))
+
+    return BatchMetadata(
+        positions=mx.array(positions),
+        slot_mapping=mx.array(slot_mapping.astype(np.int32)),
+        block_tables=mx.array(block_tables),
+        context_lens=mx.array(context_lens),
+        query_lens=query_lens,
+        key_slots=mx.array(key_slots.astype(np.int32)),
+        q_pad_index=q_pad_index,
+        q_unpad_index=q_unpad_index,
+        q_positions=mx.array(q_positions),
+        logits_index=logits_index,
+        block_size=block_size,
+    )

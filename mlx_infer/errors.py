@@ -1,0 +1,54 @@
+"""Typed errors of mlx-infer.
+
+Each error carries the CLI exit code and the HTTP status it maps to, so the CLI and the
+server translate errors in one place each (``cli.main`` and ``server.errors``).
+"""
+
+from __future__ import annotations
+
+
+class MlxInferError(Exception):
+    """Base class: a user-facing error whose message is one line."""
+
+    exit_code = 1
+    http_status = 500
+    openai_type = "server_error"
+
+
+class ModelNotFound(MlxInferError):
+    exit_code = 2
+    http_status = 404
+    openai_type = "invalid_request_error"
+
+
+class UnsupportedArchitecture(MlxInferError):
+    exit_code = 3
+    http_status = 400
+    openai_type = "invalid_request_error"
+
+
+class InvalidCheckpoint(MlxInferError):
+    """A truncated file, a wrong dtype, a missing tensor: the checkpoint cannot be used."""
+
+    exit_code = 4
+    http_status = 500
+
+
+class InvalidRequest(MlxInferError):
+    exit_code = 2
+    http_status = 400
+    openai_type = "invalid_request_error"
+
+
+class ContextTooLong(InvalidRequest):
+    """A prompt (plus what must be generated) does not fit the model's context or the KV pool."""
+
+
+class QueueFull(MlxInferError):
+    exit_code = 5
+    http_status = 429
+    openai_type = "rate_limit_error"
+
+
+class DistributedError(MlxInferError):
+    exit_code = 6

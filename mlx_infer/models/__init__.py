@@ -1,0 +1,30 @@
+"""Model registry keyed by the Hugging Face ``model_type``."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from mlx_infer.errors import UnsupportedArchitecture
+
+# model_type -> module in this package. Several types share one implementation.
+MODEL_TYPES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "smollm": "llama",
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(MODEL_TYPES)
+
+
+def model_module(model_type: str) -> ModuleType:
+    """The module (with ``Model`` and ``ModelArgs``) implementing ``model_type``."""
+    try:
+        name = MODEL_TYPES[model_type]
+    except KeyError:
+        raise UnsupportedArchitecture(
+            f"unsupported architecture {model_type!r}; supported: {', '.join(supported_model_types())}"
+        ) from None
+    return importlib.import_module(f"mlx_infer.models.{name}")

@@ -1,0 +1,158 @@
+"""What every architecture shares: the batch metadata, the attention interface, RoPE and the registry.
+
+Models run on a *flattened ragged batch*: ``tokens`` is ``[T]`` (all scheduled tokens of all
+sequences, one after the other) and every attention layer calls :func:`attention` with the
+step's :class:`BatchMetadata`. Models know nothing about paging: :func:`attention` writes the new
+K/V into the layer's pool and attends over the block tables, through the kernel dispatch in
+``mlx_infer.metal_kernels``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+
+@dataclass
+class BaseModelArgs:
+    """Base of every ``ModelArgs``: builds itself from a Hugging Face ``config.json`` dict,
+    ignoring keys the architecture does not use."""
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]):
+        names = inspect.signature(cls).parameters
+        return cls(**{k: v for k, v in params.items() if k in names})
+
+
+@dataclass
+class BatchMetadata:
+    """One model step over ``B`` sequences whose new tokens are flattened into ``T`` rows.
+
+    Host-built once per step (numpy) by the model runner; all arrays are int32.
+    """
+
+    positions: mx.array  # [T] absolute position of each new token (RoPE, causal and window masks)
+    slot_mapping: mx.array  # [T] flat pool slot (block * block_size + offset) receiving each token's K/V
+    block_tables: mx.array  # [B, max_blocks] physical block of each logical block (padding: 0)
+    context_lens: mx.array  # [B] tokens in the cache once this step's tokens are written
+    query_lens: tuple[int, ...]  # host copy: new tokens per sequence (sum = T)
+    key_slots: mx.array  # [B, L] pool slot of logical key position j (L = max_blocks * block_size)
+    q_pad_index: mx.array | None  # [B, Qmax] row of T for each padded query (None when every Q is 1)
+    q_unpad_index: mx.array | None  # [T] row of the padded [B * Qmax] layout for each token
+    q_positions: mx.array  # [B, Qmax] position of each padded query (padding: 0, so no row is fully masked)
+    logits_index: mx.array | None  # rows of T whose logits are wanted (None: all rows)
+    block_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+
+class LayerKV:
+    """The K and V pools of one attention layer.
+
+    Stored flat as ``[num_blocks * block_size, n_kv_heads, head_dim]``: the same memory as the
+    ``[num_blocks, block_size, n_kv_heads, head_dim]`` layout the kernels index, and the shape
+    MLX's scatter writes in place when the pool is donated (no other reference alive).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype):
+        self.block_size = block_size
+        self.keys = mx.zeros((num_blocks * block_size, n_kv_heads, head_dim), dtype=dtype)
+        self.values = mx.zeros((num_blocks * block_size, n_kv_heads, head_dim), dtype=dtype)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.keys.shape[0] // self.block_size
+
+    def write(self, keys: mx.array, values: mx.array, slot_mapping: mx.array) -> None:
+        """Scatter this step's ``[T, n_kv_heads, head_dim]`` keys/values into their slots.
+
+        Rebinding ``self.keys`` drops the last reference to the old pool, so the lazy scatter may
+        reuse (donate) its buffer instead of copying the whole pool every step.
+        """
+        k, v = self.keys, self.values
+        self.keys = self.values = None  # type: ignore[assignment]
+        k[slot_mapping] = keys.astype(k.dtype)
+        v[slot_mapping] = values.astype(v.dtype)
+        self.keys, self.values = k, v
+
+    def state(self) -> list[mx.array]:
+        return [self.keys, self.values]
+
+
+def attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    kv: LayerKV,
+    meta: BatchMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> mx.array:
+    """Write ``keys``/``values`` ([T, n_kv_heads, D]) into ``kv`` and attend ``queries`` ([T, H, D]).
+
+    Returns ``[T, H, D]``. The one attention entry point of every model.
+    """
+    from mlx_infer.metal_kernels.dispatch import paged_attention
+
+    kv.write(keys, values, meta.slot_mapping)
+    return paged_attention(queries, kv.keys, kv.values, meta, scale, sliding_window, logit_softcap)
+
+
+def rope_frequencies(
+    head_dim: int, base: float, scaling: dict[str, Any] | None = None, rotary_dim: int | None = None
+) -> mx.array | None:
+    """Inverse frequencies for ``mx.fast.rope``'s ``freqs`` argument, or None for plain RoPE.
+
+    Implements the Llama-3 ``rope_type: llama3`` scaling; ``linear`` scaling is handled by the
+    caller through ``scale``.
+    """
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return None
+    dims = rotary_dim or head_dim
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling["original_max_position_embeddings"]
+    freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    wavelens = 2 * mx.pi * freqs
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    freqs = mx.where(wavelens > low_wavelen, freqs * factor, freqs)
+    smooth = (old_ctx / wavelens - low) / (high - low)
+    smoothed = freqs / ((1 - smooth) / factor + smooth)
+    is_medium = (wavelens > high_wavelen) & (wavelens < low_wavelen)
+    return mx.where(is_medium, smoothed, freqs)
+
+
+def rope_scale(scaling: dict[str, Any] | None) -> float:
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "linear":
+        return 1.0 / scaling["factor"]
+    return 1.0
+
+
+def apply_rope(
+    x: mx.array, positions: mx.array, dims: int, base: float, traditional: bool, scale: float,
+    freqs: mx.array | None,
+) -> mx.array:
+    """RoPE on ``[T, H, D]`` at per-token ``positions`` ([T])."""
+    # mx.fast.rope rotates along the second-to-last axis with one offset per leading-axis row:
+    # [T, H, 1, D] makes each token a sequence of length one starting at its own position.
+    y = mx.fast.rope(
+        x[:, :, None], dims, traditional=traditional, base=None if freqs is not None else base,
+        scale=scale, offset=positions, freqs=freqs,
+    )
+    return y[:, :, 0]
+
+
+def select_rows(h: mx.array, meta: BatchMetadata) -> mx.array:
+    """The rows of ``h`` ([T, D]) whose logits the step needs."""
+    return h if meta.logits_index is None else h[meta.logits_index]
