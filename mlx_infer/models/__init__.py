@@ -12,6 +12,12 @@ MODEL_TYPES: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
     "smollm": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+    "phi3": "phi3",
 }
 
 

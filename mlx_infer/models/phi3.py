@@ -1,0 +1,157 @@
+"""Phi-3 / Phi-3.5 / Phi-4-mini: Llama-like blocks with fused ``qkv_proj`` and ``gate_up_proj``.
+
+RoPE may rotate only the first ``partial_rotary_factor`` of each head. The long-context ``su`` /
+``longrope`` scaling is refused (see :data:`SUPPORTED_SCALING`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_infer.models.base import (
+    BaseModelArgs,
+    BatchMetadata,
+    LayerKV,
+    apply_rope,
+    attention,
+    rope_frequencies,
+    rope_scale,
+    select_rows,
+)
+from mlx_infer.models.rope_config import SUPPORTED_SCALING, resolve_rope
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    sliding_window: int | None = None  # transformers' Phi3Attention applies it to every layer
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self.rope_theta, self.rope_scaling = resolve_rope(
+            self.model_type, self.rope_theta, self.rope_scaling, self.rope_parameters, 10000.0,
+            SUPPORTED_SCALING,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        dim = args.hidden_size
+        self.qkv_proj = nn.Linear(dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+        self.rope_dims = int(self.head_dim * args.partial_rotary_factor)
+        self.rope_base = args.rope_theta
+        self.rope_scale = rope_scale(args.rope_scaling)
+        self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling, self.rope_dims)
+        self.sliding_window = args.sliding_window
+
+    def rope(self, x: mx.array, positions: mx.array) -> mx.array:
+        return apply_rope(x, positions, self.rope_dims, self.rope_base, False, self.rope_scale, self._freqs)
+
+    def __call__(self, x: mx.array, kv: LayerKV, meta: BatchMetadata) -> mx.array:
+        n = x.shape[0]
+        q_end = self.n_heads * self.head_dim
+        k_end = q_end + self.n_kv_heads * self.head_dim
+        q, k, v = mx.split(self.qkv_proj(x), [q_end, k_end], axis=-1)
+        q = self.rope(q.reshape(n, self.n_heads, self.head_dim), meta.positions)
+        k = self.rope(k.reshape(n, self.n_kv_heads, self.head_dim), meta.positions)
+        v = v.reshape(n, self.n_kv_heads, self.head_dim)
+        out = attention(q, k, v, kv, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(nn.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, kv: LayerKV, meta: BatchMetadata) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), kv, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Phi3Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Phi3Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.model.embed_tokens(tokens)
+
+    def logits(self, h: mx.array, meta: BatchMetadata) -> mx.array:
+        h = self.model.norm(select_rows(h, meta))
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def __call__(self, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata) -> mx.array:
+        h = self.embed(tokens)
+        for layer, kv in zip(self.layers, cache):
+            h = layer(h, kv, meta)
+        return self.logits(h, meta)
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def kv_shape(self) -> tuple[int, int]:
+        """(n_kv_heads, head_dim) of every attention layer's cache."""
+        return self.args.num_key_value_heads, self.args.head_dim
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return weights
