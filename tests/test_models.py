@@ -52,6 +52,12 @@ CONFIGS: dict[str, dict] = {
                    text_config=dict(_GEMMA_TEXT, sliding_window_pattern=2, num_hidden_layers=3)),
     "phi3": dict(_BASE, model_type="phi3", num_hidden_layers=2, rms_norm_eps=1e-5, rope_theta=10000.0,
                  partial_rotary_factor=0.5, sliding_window=6, tie_word_embeddings=False),
+    # LongRoPE (always the long factors) on a partial rotary head, with its attention factor.
+    "phi3_longrope": dict(_BASE, model_type="phi3", num_hidden_layers=2, rms_norm_eps=1e-5, rope_theta=1e4,
+                          partial_rotary_factor=0.5, tie_word_embeddings=True, max_position_embeddings=16384,
+                          original_max_position_embeddings=4096,
+                          rope_scaling={"type": "longrope", "long_factor": [1.0, 2.5, 4.0, 9.0],
+                                        "short_factor": [1.0] * 4}),
     # Layer 1 dense through mlp_only_layers, layers 0 and 2 sparse.
     "qwen3_moe": dict(_BASE, model_type="qwen3_moe", num_hidden_layers=3, head_dim=16, rms_norm_eps=1e-6,
                       rope_theta=1e6, tie_word_embeddings=True, num_experts=6, num_experts_per_tok=2,
@@ -148,11 +154,12 @@ def _rms(x: np.ndarray, w: np.ndarray, eps: float, gemma: bool) -> np.ndarray:
     return y * ((1.0 + w) if gemma else w)
 
 
-def _rope(x: np.ndarray, pos: np.ndarray, dims: int, base: float, pos_scale: float) -> np.ndarray:
+def _rope(x: np.ndarray, pos: np.ndarray, dims: int, base: float, pos_scale: float,
+          ext_factors: np.ndarray | float = 1.0, attention_factor: float = 1.0) -> np.ndarray:
     """Hugging Face's rotate_half RoPE on the first ``dims`` features of [T, H, D]."""
-    inv = 1.0 / base ** (np.arange(0, dims, 2) / dims)
+    inv = 1.0 / (ext_factors * base ** (np.arange(0, dims, 2) / dims))
     ang = (pos * pos_scale)[:, None, None] * inv[None, None, :]
-    cos, sin = np.cos(ang), np.sin(ang)
+    cos, sin = np.cos(ang) * attention_factor, np.sin(ang) * attention_factor
     half = dims // 2
     x1, x2, rest = x[..., :half], x[..., half:dims], x[..., dims:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
@@ -202,9 +209,15 @@ def oracle_logits(cfg: dict, weights: dict[str, np.ndarray], tokens: list[int]) 
                 window, base = c["sliding_window"], c["rope_local_base_freq"]
             elif c.get("rope_scaling"):
                 pos_scale = 1.0 / c["rope_scaling"]["factor"]
+        ext, attn_factor = 1.0, 1.0
         if fam == "phi3":
             rot, window = int(hd * c["partial_rotary_factor"]), c.get("sliding_window")
-        q, k = _rope(q, pos, rot, base, pos_scale), _rope(k, pos, rot, base, pos_scale)
+            if c.get("rope_scaling"):  # longrope: factor = max / original positions
+                ext = np.array(c["rope_scaling"]["long_factor"])
+                ratio = c["max_position_embeddings"] / c["original_max_position_embeddings"]
+                attn_factor = math.sqrt(1 + math.log(ratio) / math.log(c["original_max_position_embeddings"]))
+        q = _rope(q, pos, rot, base, pos_scale, ext, attn_factor)
+        k = _rope(k, pos, rot, base, pos_scale, ext, attn_factor)
         group = nh // nkv
         qi, kj = np.arange(n)[:, None], np.arange(n)[None, :]
         visible = kj <= qi
@@ -355,11 +368,10 @@ def test_unknown_model_type_names_supported_types():
         assert name in str(err.value)
 
 
-def test_phi3_longrope_is_refused():
-    cfg = dict(CONFIGS["phi3"], rope_scaling={"type": "longrope", "long_factor": [1.0] * 4,
-                                              "short_factor": [1.0] * 4})
-    with pytest.raises(UnsupportedArchitecture, match="longrope"):
-        model_module("phi3").ModelArgs.from_dict(cfg)
+def test_unimplemented_rope_scaling_is_refused():
+    cfg = dict(CONFIGS["qwen2"], rope_scaling={"type": "yarn", "factor": 4.0})
+    with pytest.raises(UnsupportedArchitecture, match="yarn"):
+        model_module("qwen2").ModelArgs.from_dict(cfg)
 
 
 def test_moe_missing_expert_is_an_invalid_checkpoint():

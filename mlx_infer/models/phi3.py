@@ -1,11 +1,14 @@
 """Phi-3 / Phi-3.5 / Phi-4-mini: Llama-like blocks with fused ``qkv_proj`` and ``gate_up_proj``.
 
 RoPE may rotate only the first ``partial_rotary_factor`` of each head. The long-context ``su`` /
-``longrope`` scaling is refused (see :data:`SUPPORTED_SCALING`).
+``longrope`` scaling always uses its ``long_factor``, as vLLM and mlx-lm do: transformers switches to the
+short factors while a sequence is shorter than ``original_max_position_embeddings``, which would make a
+sequence's RoPE depend on how far it has grown, so logits differ from transformers' there.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +25,9 @@ from mlx_infer.models.base import (
     rope_scale,
     select_rows,
 )
-from mlx_infer.models.rope_config import SUPPORTED_SCALING, resolve_rope
+from mlx_infer.models.rope_config import SUPPORTED_SCALING, resolve_rope, scaling_type
+
+_LONGROPE = ("longrope", "su")
 
 
 @dataclass
@@ -40,6 +45,7 @@ class ModelArgs(BaseModelArgs):
     rope_parameters: dict[str, Any] | None = None
     partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 4096
+    original_max_position_embeddings: int | None = None
     sliding_window: int | None = None  # transformers' Phi3Attention applies it to every layer
     tie_word_embeddings: bool = False
 
@@ -48,12 +54,33 @@ class ModelArgs(BaseModelArgs):
             self.num_key_value_heads = self.num_attention_heads
         self.rope_theta, self.rope_scaling = resolve_rope(
             self.model_type, self.rope_theta, self.rope_scaling, self.rope_parameters, 10000.0,
-            SUPPORTED_SCALING,
+            SUPPORTED_SCALING + _LONGROPE,
         )
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_dims(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+def longrope(args: ModelArgs) -> tuple[mx.array, float]:
+    """LongRoPE's ``mx.fast.rope`` frequencies (long factors) and its attention factor, which scales the
+    rotated features (transformers multiplies cos and sin by it)."""
+    scaling = args.rope_scaling
+    dims = args.rope_dims
+    freqs = mx.array(scaling["long_factor"], dtype=mx.float32) * args.rope_theta ** (
+        mx.arange(0, dims, 2, dtype=mx.float32) / dims
+    )
+    factor = scaling.get("attention_factor")
+    if factor is None:
+        original = (args.original_max_position_embeddings
+                    or scaling.get("original_max_position_embeddings") or args.max_position_embeddings)
+        ratio = args.max_position_embeddings / original
+        factor = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(original))
+    return freqs, float(factor)
 
 
 class Attention(nn.Module):
@@ -66,13 +93,22 @@ class Attention(nn.Module):
         dim = args.hidden_size
         self.qkv_proj = nn.Linear(dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
-        self.rope_dims = int(self.head_dim * args.partial_rotary_factor)
+        self.rope_dims = args.rope_dims
         self.rope_base = args.rope_theta
         self.rope_scale = rope_scale(args.rope_scaling)
-        self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling, self.rope_dims)
+        self._feature_scale = None
+        if scaling_type(args.rope_scaling) in _LONGROPE:
+            self._freqs, factor = longrope(args)
+            self._feature_scale = mx.array(
+                [factor] * self.rope_dims + [1.0] * (self.head_dim - self.rope_dims), dtype=mx.float32
+            )
+        else:
+            self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling, self.rope_dims)
         self.sliding_window = args.sliding_window
 
     def rope(self, x: mx.array, positions: mx.array) -> mx.array:
+        if self._feature_scale is not None:
+            x = x * self._feature_scale.astype(x.dtype)
         return apply_rope(x, positions, self.rope_dims, self.rope_base, False, self.rope_scale, self._freqs)
 
     def __call__(self, x: mx.array, kv: LayerKV, meta: BatchMetadata) -> mx.array:
