@@ -1,0 +1,116 @@
+"""BLAS binding (mlx_infer/blas.py).
+
+Each case runs in a fresh interpreter because the binding only works before ``mlx.core`` is
+imported. Which library MLX really calls is read from the dynamic linker's own trace
+(``LD_DEBUG=bindings``), an oracle independent of what ``blas.active()`` claims.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="BLAS binding is Linux-only")
+
+# Computes x @ w.T through MLX for the saved inputs; prints blas.active() and the result's path.
+SCRIPT = """
+import json, sys
+import numpy as np
+from mlx_infer import blas
+import mlx.core as mx
+x, w = (mx.array(np.load(sys.argv[1] + name)) for name in ("/x.npy", "/w.npy"))
+out = np.array(x @ w.T)
+np.save(sys.argv[2], out)
+print(json.dumps({"active": blas.active()}))
+"""
+
+
+def _run(
+    tmp_path: Path, tag: str, blas_env: str | None, prelude: str = ""
+) -> tuple[dict, str, str, np.ndarray]:
+    """Run SCRIPT in a subprocess: (its json, stderr, the library libmlx binds cblas_sgemm to, result)."""
+    env = {k: v for k, v in os.environ.items() if k != "MLX_INFER_BLAS"}
+    if blas_env is not None:
+        env["MLX_INFER_BLAS"] = blas_env
+    trace = tmp_path / f"ld-{tag}"
+    env.update(LD_DEBUG="bindings", LD_DEBUG_OUTPUT=str(trace))
+    out_path = tmp_path / f"out-{tag}.npy"
+    proc = subprocess.run(
+        [sys.executable, "-c", prelude + SCRIPT, str(tmp_path), str(out_path)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    bound = [
+        line.split(" to ")[1].split(" [")[0]
+        for f in tmp_path.glob(f"ld-{tag}.*")
+        for line in f.read_text().splitlines()
+        if "libmlx.so [" in line and "`cblas_sgemm'" in line
+    ]
+    assert len(bound) == 1, bound
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr, bound[0], np.load(out_path)
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> np.ndarray:
+    """SmolLM2-shaped float32 operands (64 rows x 576 -> 1536); returns the float64 oracle."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 576)).astype(np.float32)
+    w = rng.standard_normal((1536, 576)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "w.npy", w)
+    return x.astype(np.float64) @ w.astype(np.float64).T
+
+
+def _is_reference(library: str) -> bool:
+    return "mlx_cpu.libs" in library and "libblas" in Path(library).name
+
+
+def test_accelerated_agrees_with_reference(tmp_path: Path, inputs: np.ndarray) -> None:
+    fast, _, fast_lib, fast_out = _run(tmp_path, "auto", None)
+    if fast["active"].startswith("reference"):
+        pytest.skip(f"no optimized BLAS on this machine: {fast['active']}")
+    ref, _, ref_lib, ref_out = _run(tmp_path, "off", "off")
+    assert not _is_reference(fast_lib) and fast_lib in fast["active"], (fast_lib, fast["active"])
+    assert _is_reference(ref_lib), ref_lib
+    # float32 dot products of length 576 with O(1) terms: absolute error ~1e-5 against float64.
+    np.testing.assert_allclose(ref_out, inputs, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(fast_out, inputs, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(fast_out, ref_out, rtol=1e-5, atol=1e-4)
+
+
+def test_off_leaves_reference_blas(tmp_path: Path, inputs: np.ndarray) -> None:
+    info, stderr, library, _ = _run(tmp_path, "off", "off")
+    assert info["active"] == "reference BLAS (MLX_INFER_BLAS=off)"
+    assert _is_reference(library), library
+    assert stderr == ""
+
+
+def test_bogus_path_warns_once_and_falls_back(tmp_path: Path, inputs: np.ndarray) -> None:
+    bogus = str(tmp_path / "no-such-libblas.so")
+    info, stderr, library, out = _run(tmp_path, "bogus", bogus)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "MLX_INFER_BLAS" in lines[0] and bogus in lines[0], stderr
+    assert "reference" in lines[0]
+    assert info["active"].startswith("reference BLAS")
+    assert _is_reference(library), library
+    np.testing.assert_allclose(out, inputs, rtol=1e-5, atol=1e-4)
+
+
+def test_library_without_cblas_is_refused(tmp_path: Path, inputs: np.ndarray) -> None:
+    # libm loads fine but exports no CBLAS: it must not enter the global symbol scope.
+    info, stderr, library, _ = _run(tmp_path, "libm", "libm.so.6")
+    assert "does not export cblas_sgemm" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert info["active"].startswith("reference BLAS")
+    assert _is_reference(library), library
+
+
+def test_mlx_imported_first_is_reported(tmp_path: Path, inputs: np.ndarray) -> None:
+    info, _, library, _ = _run(tmp_path, "late", None, prelude="import mlx.core\n")
+    assert "imported before mlx_infer" in info["active"]
+    assert _is_reference(library), library
