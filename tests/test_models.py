@@ -37,8 +37,9 @@ _GEMMA_TEXT = dict(
 CONFIGS: dict[str, dict] = {
     "llama": dict(_BASE, model_type="llama", num_hidden_layers=2, rms_norm_eps=1e-5, rope_theta=10000.0,
                   tie_word_embeddings=False),
+    # Qwen's optional sliding window, on the layers from max_window_layers on.
     "qwen2": dict(_BASE, model_type="qwen2", num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=1e6,
-                  tie_word_embeddings=True),
+                  tie_word_embeddings=True, use_sliding_window=True, sliding_window=5, max_window_layers=1),
     "qwen3": dict(_BASE, model_type="qwen3", num_hidden_layers=2, head_dim=24, rms_norm_eps=1e-6,
                   rope_theta=1e6, tie_word_embeddings=False),
     # Both layer kinds, soft-capping, linear RoPE scaling on the global layers, untied head.
@@ -209,6 +210,8 @@ def oracle_logits(cfg: dict, weights: dict[str, np.ndarray], tokens: list[int]) 
                 window, base = c["sliding_window"], c["rope_local_base_freq"]
             elif c.get("rope_scaling"):
                 pos_scale = 1.0 / c["rope_scaling"]["factor"]
+        if fam == "qwen2" and c.get("use_sliding_window") and i >= c["max_window_layers"]:
+            window = c["sliding_window"]
         ext, attn_factor = 1.0, 1.0
         if fam == "phi3":
             rot, window = int(hd * c["partial_rotary_factor"]), c.get("sliding_window")
@@ -293,6 +296,16 @@ def step(model, cache, slices: list[SequenceSlice], tokens: list[int]) -> np.nda
     return np.array(out.astype(mx.float32))
 
 
+def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A minimal Hugging Face tokenizer (one word per id) so the folder is a complete model folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w1", "bos_token": "w2"}))
+
+
 def tokens_for(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 128, n).tolist()
 
@@ -352,6 +365,7 @@ def test_save_and_reload_through_loader(case, tmp_path: Path):
     cfg, weights, model = case
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {k: mx.array(x) for k, x in weights.items()})
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    write_word_tokenizer(tmp_path, 128)
     loaded = load(str(tmp_path)).model
     toks = tokens_for(5, 9)
     slices = [SequenceSlice([2, 0, 5], 0, len(toks), True)]
