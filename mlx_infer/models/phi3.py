@@ -45,7 +45,7 @@ class ModelArgs(BaseModelArgs):
     rope_parameters: dict[str, Any] | None = None
     partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 4096
-    original_max_position_embeddings: int | None = None
+    original_max_position_embeddings: int = 4096
     sliding_window: int | None = None  # transformers' Phi3Attention applies it to every layer
     tie_word_embeddings: bool = False
 
@@ -76,8 +76,7 @@ def longrope(args: ModelArgs) -> tuple[mx.array, float]:
     )
     factor = scaling.get("attention_factor")
     if factor is None:
-        original = (args.original_max_position_embeddings
-                    or scaling.get("original_max_position_embeddings") or args.max_position_embeddings)
+        original = args.original_max_position_embeddings
         ratio = args.max_position_embeddings / original
         factor = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(original))
     return freqs, float(factor)
