@@ -1,0 +1,87 @@
+"""Loading a model and its tokenizer from a folder, a Hub repo id or a GGUF file.
+
+``load(spec)`` accepts:
+- a local Hugging Face / MLX folder (``config.json`` + safetensors, sharded or not; an mlx-community
+  ``quantization`` key makes the listed layers quantized),
+- a Hub repo id (``org/name``), fetched with ``huggingface_hub`` or found in its cache offline,
+- a ``.gguf`` file (or a folder holding exactly one and no ``config.json``).
+The weights then pass the backend policy (``policy.py``) and are evaluated, so a corrupt file fails
+here rather than at the first request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_infer.errors import InvalidCheckpoint, ModelNotFound
+from mlx_infer.loading import hf, hub
+from mlx_infer.loading.build import build_model
+from mlx_infer.loading.policy import apply_weight_policy
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any  # mlx_infer.tokenizer.Tokenizer
+    config: dict[str, Any]
+    source: str  # the local file or folder the weights came from
+    max_context: int
+    weight_policy: str = ""  # one line, e.g. "weights: float32 (dequantized from 4-bit ...), 540 MB"
+
+
+def load(spec: str, *, keep_quantized: bool | None = None) -> LoadedModel:
+    path = resolve(spec)
+    gguf_file = path if path.is_file() else _single_gguf(path)
+    requantize: dict[str, int] = {}
+    if gguf_file is not None:
+        from mlx_infer.loading.gguf import read_gguf
+        from mlx_infer.tokenizer import Tokenizer
+
+        checkpoint = read_gguf(gguf_file)
+        config, weights, requantize = checkpoint.config, checkpoint.weights, checkpoint.requantize
+        tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata)
+        path = gguf_file
+    else:
+        from mlx_infer.tokenizer import Tokenizer
+
+        config = hf.read_config(path)
+        weights = hf.read_weights(path)
+        tokenizer = Tokenizer.from_folder(path)
+    model = build_model(config, weights, path.name)
+    del weights
+    description = apply_weight_policy(model, keep_quantized, requantize)
+    try:
+        mx.eval(model.parameters())
+    except (RuntimeError, ValueError) as e:
+        raise InvalidCheckpoint(f"{path.name}: {hf.one_line(e)}") from None
+    return LoadedModel(model, tokenizer, config, str(path), _max_context(config, model), description)
+
+
+def resolve(spec: str) -> Path:
+    """The local file or folder ``spec`` names: a path, or a Hub repo id's snapshot."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_file() and path.suffix != ".gguf":
+            raise InvalidCheckpoint(f"{spec}: not a .gguf file nor a model folder")
+        return path
+    if hub.looks_like_repo_id(spec):
+        return hub.snapshot(spec)
+    raise ModelNotFound(f"{spec}: no such file or folder")
+
+
+def _single_gguf(folder: Path) -> Path | None:
+    if (folder / "config.json").exists():
+        return None
+    found = sorted(folder.glob("*.gguf"))
+    return found[0] if len(found) == 1 else None
+
+
+def _max_context(config: dict[str, Any], model: nn.Module) -> int:
+    text = config.get("text_config", config)
+    value = text.get("max_position_embeddings") or getattr(model.args, "max_position_embeddings", None)
+    return int(value or 4096)

@@ -1,0 +1,133 @@
+"""GGUF metadata -> a Hugging Face style ``config.json`` dict for the model zoo.
+
+Keys follow llama.cpp's ``gguf.constants.Keys`` (``{arch}.embedding_length`` ...); what llama.cpp
+hard-codes per architecture instead of storing (Gemma 3's sliding-window pattern, its local RoPE
+base) is hard-coded here the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mlx_infer.errors import InvalidCheckpoint, UnsupportedArchitecture
+from mlx_infer.loading.gguf_file import TensorInfo
+
+# GGUF general.architecture -> Hugging Face model_type.
+MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+}
+
+
+def hf_config(metadata: dict[str, Any], tensors: dict[str, TensorInfo], source: str) -> dict[str, Any]:
+    arch = metadata.get("general.architecture")
+    if arch not in MODEL_TYPES:
+        raise UnsupportedArchitecture(
+            f"{source}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(sorted(MODEL_TYPES))}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{key}", default)
+
+    try:
+        n_heads = get("attention.head_count")
+        if isinstance(n_heads, list) or isinstance(get("attention.head_count_kv"), list):
+            raise UnsupportedArchitecture(f"{source}: per-layer head counts are not supported")
+        config: dict[str, Any] = {
+            "model_type": MODEL_TYPES[arch],
+            "hidden_size": int(get("embedding_length")),
+            "num_hidden_layers": int(get("block_count")),
+            "intermediate_size": int(get("feed_forward_length", 0)),
+            "num_attention_heads": int(n_heads),
+            "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            "max_position_embeddings": int(get("context_length", 4096)),
+            "vocab_size": tensors["token_embd.weight"].shape[0],
+            "tie_word_embeddings": "output.weight" not in tensors,
+        }
+    except (TypeError, KeyError) as e:
+        raise InvalidCheckpoint(f"{source}: GGUF metadata lacks {e} for architecture {arch}") from None
+    if get("rope.freq_base") is not None:
+        config["rope_theta"] = float(get("rope.freq_base"))
+    if get("attention.key_length") is not None:
+        config["head_dim"] = int(get("attention.key_length"))
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    config["rope_scaling"] = _rope_scaling(get)
+    _ARCH_EXTRAS.get(arch, lambda *_: None)(config, get, head_dim)
+    return config
+
+
+def _rope_scaling(get) -> dict[str, Any] | None:
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = float(get("rope.scaling.factor", 1.0))
+    scaling: dict[str, Any] = {"rope_type": kind, "type": kind, "factor": factor}
+    if get("rope.scaling.attn_factor") is not None:
+        scaling["attention_factor"] = float(get("rope.scaling.attn_factor"))
+    if get("rope.scaling.original_context_length") is not None:
+        scaling["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+    return scaling
+
+
+def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """Recover Llama 3's ``rope_scaling`` from the per-frequency factors llama.cpp stores (``rope_freqs``).
+
+    llama.cpp keeps only the factors; Llama 3.x always used low/high frequency factors 1 and 4 and an
+    original context of 8192, so those are assumed, and the result is checked against the factors.
+    Returns None when they do not match that scheme.
+    """
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    dims = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    wavelen = 2 * np.pi * theta**dims
+    low_wavelen, high_wavelen = 8192 / 1.0, 8192 / 4.0
+    smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+    expected = np.where(
+        wavelen < high_wavelen, 1.0,
+        np.where(wavelen > low_wavelen, scaling["factor"], 1 / ((1 - smooth) / scaling["factor"] + smooth)),
+    )
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-3):
+        return None
+    return scaling
+
+
+def _gemma3(config: dict[str, Any], get, head_dim: int) -> None:
+    config["sliding_window"] = int(get("attention.sliding_window", 4096))
+    config["sliding_window_pattern"] = 6  # llama.cpp: hparams.set_swa_pattern(6)
+    config["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10000.0))
+    config["rope_theta"] = config.get("rope_theta", 1_000_000.0)
+    # llama.cpp: the 27B model (62 layers) scales queries by 1/sqrt(hidden / heads), the others by head_dim.
+    big = config["num_hidden_layers"] == 62
+    scalar = config["hidden_size"] // config["num_attention_heads"] if big else head_dim
+    config["query_pre_attn_scalar"] = scalar
+    if get("final_logit_softcapping") is not None:
+        config["final_logit_softcapping"] = float(get("final_logit_softcapping"))
+
+
+def _qwen3moe(config: dict[str, Any], get, head_dim: int) -> None:
+    config["num_experts"] = int(get("expert_count"))
+    config["num_experts_per_tok"] = int(get("expert_used_count"))
+    config["moe_intermediate_size"] = int(get("expert_feed_forward_length", config["intermediate_size"]))
+    # llama.cpp's qwen3moe always normalizes the chosen experts' weights.
+    config["norm_topk_prob"] = bool(get("expert_weights_norm", True))
+
+
+def _phi3(config: dict[str, Any], get, head_dim: int) -> None:
+    if get("attention.sliding_window") is not None:
+        config["sliding_window"] = int(get("attention.sliding_window"))
+    if get("rope.scaling.original_context_length") is not None:
+        config["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+    rotary = get("rope.dimension_count")
+    if rotary is not None:
+        config["partial_rotary_factor"] = int(rotary) / head_dim
+
+
+_ARCH_EXTRAS = {"gemma3": _gemma3, "qwen3moe": _qwen3moe, "phi3": _phi3}

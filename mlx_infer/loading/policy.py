@@ -1,0 +1,123 @@
+"""Which form the weights take for the backend that runs them.
+
+On the CPU backend, ``quantized_matmul`` and half-precision matmuls do not go through BLAS and are
+slow (docs: /work/shared/FACTS.md), while float32 matmuls go through the optimized BLAS: so quantized
+layers are dequantized and half-precision weights widened to float32, unless ``keep_quantized`` is True.
+On Metal quantized layers stay quantized (fast kernels, a quarter of the memory traffic); float weights
+dequantized from GGUF K-quants (which MLX cannot hold as such) are quantized again to MLX's affine
+4- or 8-bit format.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+log = logging.getLogger(__name__)
+
+# Group size used when re-quantizing K-quant weights: K-quants scale sub-blocks of 16 or 32 values.
+REQUANT_GROUP_SIZE = 32
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+
+
+def cpu_backend() -> bool:
+    return mx.default_device() == mx.cpu or not mx.metal.is_available()
+
+
+def apply_weight_policy(
+    model: nn.Module, keep_quantized: bool | None, requantize: dict[str, int] | None = None
+) -> str:
+    """Convert ``model``'s weights in place for the current backend; return a one-line description.
+
+    ``keep_quantized``: None chooses per backend (above), True keeps quantized layers quantized
+    everywhere, False dequantizes them everywhere. ``requantize`` maps module paths of float weights
+    that were dequantized from K-quants to the bits to re-quantize them with on Metal.
+    """
+    bits = _quantized_bits(model)
+    if cpu_backend():
+        if keep_quantized:
+            return _describe(model, f"kept {_bits_text(bits)} on the CPU backend" if bits else "")
+        widened = _widen_to_float32(model)
+        if bits:
+            _dequantize(model, mx.float32)
+            return _describe(model, f"dequantized from {_bits_text(bits)} for the CPU backend")
+        return _describe(model, f"from {widened} for the CPU backend" if widened else "")
+    if keep_quantized is False:
+        if bits:
+            _dequantize(model, None)
+            return _describe(model, f"dequantized from {_bits_text(bits)}")
+        return _describe(model, "")
+    if requantize:
+        _requantize(model, requantize)
+        target = _bits_text(set(requantize.values()))
+        log.warning("GGUF K-quant weights re-quantized to MLX affine %s (lossy)", target)
+        return _describe(model, f"K-quants re-quantized to {target}")
+    return _describe(model, f"quantized {_bits_text(bits)}" if bits else "")
+
+
+def _quantized_bits(model: nn.Module) -> set[int]:
+    return {m.bits for _, m in model.named_modules() if isinstance(m, QUANTIZED)}
+
+
+def _bits_text(bits: set[int]) -> str:
+    return "/".join(f"{b}-bit" for b in sorted(bits))
+
+
+def _dequantize(model: nn.Module, dtype: mx.Dtype | None) -> None:
+    """Replace every QuantizedLinear/QuantizedEmbedding by its float counterpart (exact dequantization).
+
+    ``dtype`` None keeps the dtype of the scales. Other quantized modules (MoE experts) stay as they are.
+    """
+    replaced = []
+    for path, m in model.named_modules():
+        if not isinstance(m, QUANTIZED):
+            continue
+        out_dtype = dtype or m.scales.dtype
+        # Scales/biases widened first so that the dequantized values are computed in float32, not in
+        # the float16 GGUF scales come in.
+        biases = m.get("biases")
+        w = mx.dequantize(
+            m.weight, m.scales.astype(mx.float32), None if biases is None else biases.astype(mx.float32),
+            group_size=m.group_size, bits=m.bits, mode=m.mode,
+        ).astype(out_dtype)
+        if isinstance(m, nn.QuantizedEmbedding):
+            new: nn.Module = nn.Embedding(*w.shape)
+        else:
+            new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            if "bias" in m:
+                new.bias = m.bias.astype(out_dtype)
+        new.weight = w
+        replaced.append((path, new))
+    model.update_modules(tree_unflatten(replaced))
+
+
+def _widen_to_float32(model: nn.Module) -> str:
+    """Cast float16/bfloat16 parameters to float32; return the names of the dtypes widened."""
+    half = {mx.float16, mx.bfloat16}
+    params = tree_flatten(model.parameters())
+    found = sorted({str(p.dtype).split(".")[-1] for _, p in params if p.dtype in half})
+    if found:
+        model.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype in half else p, model.parameters()))
+    return "/".join(found)
+
+
+def _requantize(model: nn.Module, requantize: dict[str, int]) -> None:
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        if path not in requantize or not hasattr(module, "to_quantized"):
+            return False
+        module.weight = module.weight.astype(mx.bfloat16)  # scales take the weight's dtype
+        return {"group_size": REQUANT_GROUP_SIZE, "bits": requantize[path], "mode": "affine"}
+
+    nn.quantize(model, class_predicate=predicate)
+
+
+def _describe(model: nn.Module, how: str) -> str:
+    params = tree_flatten(model.parameters())
+    nbytes = sum(p.nbytes for _, p in params)
+    kinds = sorted({str(p.dtype).split(".")[-1] for _, p in params if p.dtype != mx.uint32})
+    quantized = bool(_quantized_bits(model))
+    what = ("quantized + " if quantized else "") + "/".join(kinds)
+    return f"weights: {what}{f' ({how})' if how else ''}, {nbytes / 1e6:.0f} MB"

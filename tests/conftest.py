@@ -1,0 +1,74 @@
+"""Shared fixtures: the real test model (when available) and a tiny random Llama folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+import mlx_infer  # noqa: F401  (binds the optimized BLAS before anything imports mlx.core)
+from mlx_infer.models import model_module
+
+TINY_LLAMA_CONFIG = dict(
+    model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, rope_theta=10000.0,
+    rms_norm_eps=1e-5, tie_word_embeddings=False,
+)
+TINY_WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(TINY_LLAMA_CONFIG["vocab_size"] - 3)]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF (``make test`` sets MLX_INFER_TEST_MODEL)."""
+    value = os.environ.get("MLX_INFER_TEST_MODEL")
+    if not value:
+        pytest.skip("MLX_INFER_TEST_MODEL is not set (run `make test`, which fetches the model)")
+    path = Path(value)
+    if not path.is_file():
+        pytest.skip(f"MLX_INFER_TEST_MODEL={value} does not exist")
+    return path
+
+
+def make_tiny_llama(seed: int = 0, **overrides):
+    """A tiny random Llama (untied head), weights scaled up so logits are far from uniform."""
+    mx.random.seed(seed)
+    module = model_module("llama")
+    model = module.Model(module.ModelArgs.from_dict({**TINY_LLAMA_CONFIG, **overrides}))
+    params = tree_map(lambda p: p * 4 if p.ndim == 2 else p + 0.1 * mx.random.normal(p.shape),
+                      model.parameters())
+    model.update(params)
+    mx.eval(model.parameters())
+    return model
+
+
+def write_tiny_tokenizer(folder: Path) -> None:
+    """A word-level ``tokenizer.json`` over TINY_WORDS, and a ``tokenizer_config.json`` with a template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(TINY_WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False,
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    }))
+
+
+def write_hf_folder(folder: Path, weights: dict[str, mx.array], config: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    write_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture
+def tiny_llama_folder(tmp_path: Path) -> Path:
+    """A Hugging Face folder holding ``make_tiny_llama(0)`` in float32, with a tokenizer."""
+    weights = dict(tree_flatten(make_tiny_llama(0).parameters()))
+    return write_hf_folder(tmp_path / "tiny-llama", weights, TINY_LLAMA_CONFIG)
