@@ -1,0 +1,201 @@
+"""The engine: requests in, token/text deltas out, one ``step()`` at a time.
+
+``generate`` and ``serve`` both drive this class; ``AsyncEngine`` runs it on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_infer.engine.request import Request, RequestOutput, Status, TokenLogprob
+from mlx_infer.engine.runner import ModelRunner, activation_dtype, kv_bytes_per_token
+from mlx_infer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from mlx_infer.engine.stop import StopMatcher
+from mlx_infer.errors import ContextTooLong, InvalidRequest
+from mlx_infer.kv.manager import KVCacheManager
+from mlx_infer.kv.memory import kv_budget_bytes
+from mlx_infer.sampling import SampleResult, SamplingParams
+
+log = logging.getLogger("mlx_infer")
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    kv_memory: float | None = None  # GiB for the KV pool; None: a fraction of what the device has
+    num_blocks: int | None = None  # exact pool size (tests); overrides kv_memory
+    enable_prefix_caching: bool = True
+    max_context: int | None = None  # None: the model's own
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0  # computed (not cached) prompt tokens
+    generated_tokens: int = 0
+    steps: int = 0
+    finished_requests: int = 0
+    ttft: list[float] = field(default_factory=list)  # seconds, per finished-prefill request
+    tpot: list[float] = field(default_factory=list)  # seconds per output token after the first
+
+
+class Engine:
+    def __init__(self, model: nn.Module, tokenizer, max_context: int, config: EngineConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.max_context = min(max_context, self.config.max_context or max_context)
+        dtype = activation_dtype(model)
+        per_token = kv_bytes_per_token(model, dtype)
+        num_blocks = self.config.num_blocks
+        if num_blocks is None:
+            num_blocks = max(
+                1, kv_budget_bytes(self.config.kv_memory) // (per_token * self.config.block_size)
+            )
+        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.runner = ModelRunner(model, self.kv, dtype)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._detokenizers: dict[str, object] = {}
+        self._ids = itertools.count()
+        self.pool_tokens = num_blocks * self.config.block_size
+        log.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)",
+            num_blocks,
+            self.config.block_size,
+            self.pool_tokens,
+            num_blocks * self.config.block_size * per_token / 2**20,
+            dtype,
+        )
+
+    # ---- requests in -------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        params.validate(self.tokenizer.vocab_size)
+        if len(prompt_ids) >= self.max_context:
+            raise ContextTooLong(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_context}"
+            )
+        if len(prompt_ids) + params.max_tokens > self.max_context:
+            raise ContextTooLong(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.max_context} tokens"
+            )
+        if len(prompt_ids) + params.max_tokens > self.pool_tokens:
+            raise ContextTooLong(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV "
+                f"pool of {self.pool_tokens} tokens"
+            )
+        request_id = request_id or self.new_request_id()
+        if request_id in self.requests:
+            raise InvalidRequest(f"duplicate request id {request_id!r}")
+        request = Request(request_id, list(prompt_ids), params, StopMatcher(params.stop))
+        self.requests[request_id] = request
+        self._detokenizers[request_id] = self.tokenizer.detokenizer()
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at any point; its blocks return to the pool at once."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and request.status is not Status.FINISHED:
+            self.scheduler.finish(request, "abort")
+        self._detokenizers.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        result, rows = self.runner.execute(batch)
+        self.stats.steps += 1
+        for s in batch:
+            if s.request.num_computed < s.request.num_prompt_tokens:
+                self.stats.prompt_tokens += min(
+                    s.num_new, s.request.num_prompt_tokens - s.request.num_computed
+                )
+            s.request.num_computed += s.num_new
+        if result is None:
+            return []
+        return self._process_samples([batch[i] for i in rows], result)
+
+    def _process_samples(self, sampled: list[ScheduledRequest], result: SampleResult) -> list[RequestOutput]:
+        tokens = result.tokens.tolist()
+        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        now = time.perf_counter()
+        outputs = []
+        for i, s in enumerate(sampled):
+            request = s.request
+            token = tokens[i]
+            request.token_ids.append(token)
+            self.stats.generated_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            token_logprobs = None
+            if request.params.logprobs is not None and logprobs is not None:
+                k = request.params.logprobs
+                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else []
+                token_logprobs = [TokenLogprob(token, logprobs[i], top)]
+            outputs.append(self._emit(request, token, token_logprobs))
+        return outputs
+
+    def _emit(self, request: Request, token: int, logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        params = request.params
+        finish = None
+        is_stop_token = not params.ignore_eos and token in self.tokenizer.eos_token_ids
+        if is_stop_token or token in params.stop_token_ids:
+            text, finish = "", "stop"
+        else:
+            text, hit_stop = request.stop.feed(self._detokenizers[request.request_id].add(token))
+            if hit_stop:
+                finish = "stop"
+            elif request.num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.max_context:
+                finish = "length"
+        if finish is not None:
+            if finish == "length":
+                text += request.stop.feed(self._detokenizers[request.request_id].flush())[0]
+                text += request.stop.flush()
+            self._finish(request, finish)
+        return RequestOutput(
+            request_id=request.request_id,
+            token_ids=[token],
+            text=text,
+            finished=finish is not None,
+            finish_reason=finish,
+            logprobs=logprobs,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_prompt,
+        )
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.scheduler.finish(request, reason)
+        self.requests.pop(request.request_id, None)
+        self._detokenizers.pop(request.request_id, None)
+        self.stats.finished_requests += 1
+        if request.first_token_time is not None:
+            self.stats.ttft.append(request.first_token_time - request.arrival_time)
+            if request.num_output_tokens > 1:
+                elapsed = time.perf_counter() - request.first_token_time
+                self.stats.tpot.append(elapsed / (request.num_output_tokens - 1))
+
+    def peak_memory(self) -> int:
+        return mx.get_peak_memory()

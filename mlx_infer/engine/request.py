@@ -1,0 +1,86 @@
+"""A request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from mlx_infer.engine.stop import StopMatcher
+from mlx_infer.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: StopMatcher
+    token_ids: list[int] = field(default_factory=list)  # prompt followed by the output so far
+    num_computed: int = 0  # tokens whose K/V is in the cache
+    num_cached_prompt: int = 0  # prompt tokens found in the prefix cache at first admission
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    rng_key: mx.array | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    admitted: bool = False
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_ids)
+        if self.params.seed is not None:
+            self.rng_key = mx.random.key(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def next_rng_key(self) -> mx.array | None:
+        """The key for this step's draw; advancing it keeps seeded output independent of batching."""
+        if self.rng_key is None:
+            return None
+        self.rng_key, key = mx.random.split(self.rng_key)
+        return key
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0

@@ -1,0 +1,63 @@
+"""The model runner: one forward pass over every scheduled sequence, then sampling, all lazy."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.engine.scheduler import ScheduledRequest
+from mlx_infer.kv.manager import KVCacheManager
+from mlx_infer.models.base import LayerKV
+from mlx_infer.sampling import SampleResult, SamplerRow, sample
+
+
+def activation_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype the model computes in (and so the KV cache dtype): what its embedding yields."""
+    return model.embed(mx.array([0])).dtype
+
+
+def kv_bytes_per_token(model: nn.Module, dtype: mx.Dtype) -> int:
+    n_kv_heads, head_dim = model.kv_shape()
+    return 2 * len(model.layers) * n_kv_heads * head_dim * dtype.size
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv: KVCacheManager, dtype: mx.Dtype):
+        self.model = model
+        self.kv = kv
+        n_kv_heads, head_dim = model.kv_shape()
+        self.cache = [
+            LayerKV(kv.pool.num_blocks, kv.block_size, n_kv_heads, head_dim, dtype) for _ in model.layers
+        ]
+
+    def execute(self, batch: list[ScheduledRequest]) -> tuple[SampleResult | None, list[int]]:
+        """Run one step; returns the lazy sample result and the batch rows it covers (sampling ones)."""
+        slices, tokens = [], []
+        for s in batch:
+            r = s.request
+            slices.append(SequenceSlice(self.kv.block_tables[r.request_id], r.num_computed, s.num_new))
+            tokens.extend(r.token_ids[r.num_computed : r.num_computed + s.num_new])
+        meta = build_metadata(slices, self.kv.block_size)
+        logits = self.model(mx.array(np.asarray(tokens, dtype=np.int32)), self.cache, meta)
+        rows = [i for i, s in enumerate(batch) if s.samples]
+        if not rows:
+            # A step of partial prefills only: the K/V writes are all it produces.
+            mx.async_eval([c for layer in self.cache for c in layer.state()])
+            return None, rows
+        if len(rows) < len(batch):
+            logits = logits[mx.array(rows)]
+        sampler_rows = []
+        for i in rows:
+            r = batch[i].request
+            sampler_rows.append(SamplerRow(r.params, r.prompt_ids, r.output_ids, r.next_rng_key()))
+        result = sample(logits, sampler_rows)
+        mx.async_eval(
+            [
+                a
+                for a in (result.tokens, result.logprobs, result.top_ids, result.top_logprobs)
+                if a is not None
+            ]
+        )
+        return result, rows

@@ -1,0 +1,111 @@
+"""vLLM V1-style scheduler: decodes first, then prefill chunks, under a per-step token budget.
+
+It decides *what* runs each step; the KV manager decides *where* K/V lives; the model runner
+executes. When blocks run out, the newest running request is preempted and later recomputed
+(its prefix blocks usually survive in the prefix cache, so recomputation is mostly hits).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from mlx_infer.engine.request import Request, Status
+from mlx_infer.kv.manager import KVCacheManager
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 32  # cap on running sequences
+    max_num_batched_tokens: int = 512  # token budget of one step (bounds prefill chunks)
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
+        return self.request.num_computed + self.num_new == len(self.request.token_ids)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        # Running requests first, in admission order, so streams keep flowing.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_uncomputed, budget)
+            while not self.kv.allocate(
+                request.request_id, request.token_ids, request.num_computed, num_new, register=False
+            ):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                scheduled = [s for s in scheduled if s.request is not victim]
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                index += 1
+        for s in scheduled:
+            r = s.request
+            self.kv.register(r.request_id, r.token_ids, r.num_computed + s.num_new)
+        budget = self.config.max_num_batched_tokens - sum(s.num_new for s in scheduled)
+
+        # Then waiting requests, oldest first, while blocks, budget and sequence slots last.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            request.num_computed = self.kv.find_cached_prefix(request.request_id, request.token_ids)
+            num_new = min(request.num_uncomputed, budget)
+            if not self.kv.allocate(request.request_id, request.token_ids, request.num_computed, num_new):
+                # Hand back the prefix blocks too: a waiting request must hold nothing, or it could
+                # starve the running ones it waits for.
+                self.kv.free(request.request_id)
+                request.num_computed = 0
+                break
+            if not request.admitted:
+                request.num_cached_prompt = request.num_computed
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            request.admitted = True
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Remove a request wherever it is; its blocks return to the pool at once."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)
+        request.status = Status.FINISHED
+        request.finish_reason = reason

@@ -1,0 +1,91 @@
+"""Per-sequence KV bookkeeping on top of the block pool: block tables, prefix hits, slot allocation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mlx_infer.kv.block_pool import BlockHash, BlockPool, hash_block
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}  # hashes of each sequence's full blocks so far
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
+        """Attach the longest cached prefix of ``token_ids`` to a sequence that has no blocks yet.
+
+        Returns how many tokens are already computed. At least one token is always left to compute,
+        since the step needs the logits of the last prompt token.
+        """
+        table = self.block_tables.setdefault(seq_id, [])
+        hashes = self._hashes.setdefault(seq_id, [])
+        if table or not self.enable_prefix_caching:
+            return 0
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        parent: BlockHash | None = None
+        for i in range(max_blocks):
+            parent = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = self.pool.lookup(parent)
+            self.pool.queries += 1
+            if block is None:
+                break
+            self.pool.hits += 1
+            self.pool.acquire(block)
+            table.append(block)
+            hashes.append(parent)
+        return len(table) * self.block_size
+
+    def allocate(
+        self, seq_id: str, token_ids: Sequence[int], num_computed: int, num_new: int, register: bool = True
+    ) -> bool:
+        """Ensure blocks cover ``num_computed + num_new`` tokens; False (nothing taken) if the pool is short.
+
+        With ``register``, full blocks whose tokens are known enter the prefix cache right away: their
+        K/V is written before any attention reads it within the step, so a request scheduled later in
+        the same step may already share them. Callers that may still undo this step's allocation
+        (preemption) register afterwards with :meth:`register`.
+        """
+        table = self.block_tables.setdefault(seq_id, [])
+        total = num_computed + num_new
+        missing = self.blocks_needed(total) - len(table)
+        if missing > 0:
+            blocks = self.pool.allocate(missing)
+            if blocks is None:
+                return False
+            table.extend(blocks)
+        if register:
+            self.register(seq_id, token_ids, total)
+        return True
+
+    def register(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Enter the sequence's full blocks among its first ``num_tokens`` tokens into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_tokens = min(num_tokens, len(token_ids))
+        hashes = self._hashes.setdefault(seq_id, [])
+        table = self.block_tables[seq_id]
+        bs = self.block_size
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            block_hash = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(block_hash)
+            self.pool.register(table[i], block_hash)
+
+    def free(self, seq_id: str) -> None:
+        """Return a sequence's blocks (they stay in the prefix cache until reused)."""
+        self.pool.release(self.block_tables.pop(seq_id, []))
+        self._hashes.pop(seq_id, None)
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used / self.pool.num_blocks
+
+    def hit_rate(self) -> float:
+        return self.pool.hits / self.pool.queries if self.pool.queries else 0.0

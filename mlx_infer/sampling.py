@@ -1,0 +1,179 @@
+"""Sampling parameters and a sampler vectorised over the batch.
+
+One call turns the ``[B, V]`` logits of a step into ``B`` tokens (and log-probabilities when
+asked) without leaving the device; the host only decides, per step, which transforms any
+request needs, so a greedy-only batch pays for one ``argmax``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_infer.errors import InvalidRequest
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output (as in HF and vLLM)
+    presence_penalty: float = 0.0  # over output only (as in OpenAI)
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
+
+    def validate(self, vocab_size: int) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (
+                all(0 <= t < vocab_size for t in self.logit_bias),
+                f"logit_bias token ids must be in [0, {vocab_size})",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequest(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SamplerRow:
+    """What the sampler needs of one sequence this step."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    rng_key: mx.array | None  # per-request key when seeded, advanced by the caller each step
+
+
+@dataclass
+class SampleResult:
+    tokens: mx.array  # [B] int32
+    logprobs: mx.array | None = None  # [B] log-probability of each chosen token
+    top_ids: mx.array | None = None  # [B, K]
+    top_logprobs: mx.array | None = None  # [B, K]
+
+
+def _column(values: list[float]) -> mx.array:
+    return mx.array(np.asarray(values, dtype=np.float32)[:, None])
+
+
+def _apply_penalties(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
+    batch, vocab = logits.shape
+    rep = [r.params.repetition_penalty for r in rows]
+    if any(p != 1.0 for p in rep):
+        seen = np.zeros((batch, vocab), dtype=bool)
+        for i, r in enumerate(rows):
+            seen[i, np.asarray(r.prompt_ids, dtype=np.int64)] = True
+            seen[i, np.asarray(r.output_ids, dtype=np.int64)] = True
+        penalty = _column(rep)
+        penalised = mx.where(logits > 0, logits / penalty, logits * penalty)
+        logits = mx.where(mx.array(seen), penalised, logits)
+    presence = [r.params.presence_penalty for r in rows]
+    frequency = [r.params.frequency_penalty for r in rows]
+    if any(presence) or any(frequency):
+        counts = np.zeros((batch, vocab), dtype=np.float32)
+        for i, r in enumerate(rows):
+            np.add.at(counts[i], np.asarray(r.output_ids, dtype=np.int64), 1.0)
+        counts_mx = mx.array(counts)
+        logits = logits - _column(frequency) * counts_mx - _column(presence) * (counts_mx > 0)
+    if any(r.params.logit_bias for r in rows):
+        bias = np.zeros((batch, vocab), dtype=np.float32)
+        for i, r in enumerate(rows):
+            for token, value in r.params.logit_bias.items():
+                bias[i, token] = value
+        logits = logits + mx.array(bias)
+    return logits
+
+
+def _truncate(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
+    """Top-k, then top-p, then min-p; masked entries become -inf."""
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    if any(top_k) or any(p < 1.0 for p in top_p):
+        vocab = logits.shape[-1]
+        order = mx.argsort(-logits, axis=-1)
+        sorted_logits = mx.take_along_axis(logits, order, axis=-1)
+        keep = mx.ones(sorted_logits.shape, dtype=mx.bool_)
+        if any(top_k):
+            k = np.asarray([t if t > 0 else vocab for t in top_k], dtype=np.int32)[:, None]
+            keep = keep & (mx.arange(vocab)[None, :] < mx.array(k))
+        if any(p < 1.0 for p in top_p):
+            probs = mx.softmax(mx.where(keep, sorted_logits, -mx.inf), axis=-1)
+            # Keep a token when the mass before it is below top_p: the first token always stays.
+            mass_before = mx.cumsum(probs, axis=-1) - probs
+            keep = keep & (mass_before < _column(top_p))
+        inverse = mx.argsort(order, axis=-1)
+        logits = mx.where(mx.take_along_axis(keep, inverse, axis=-1), logits, -mx.inf)
+    if any(min_p):
+        probs = mx.softmax(logits, axis=-1)
+        threshold = _column(min_p) * probs.max(axis=-1, keepdims=True)
+        logits = mx.where(probs >= threshold, logits, -mx.inf)
+    return logits
+
+
+def _draw(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
+    """Categorical draws at each row's temperature (greedy rows take the argmax)."""
+    temps = [r.params.temperature for r in rows]
+    greedy = mx.argmax(logits, axis=-1)
+    if all(t == 0.0 for t in temps):
+        return greedy
+    scaled = logits / _column([t if t > 0 else 1.0 for t in temps])
+    if any(r.rng_key is not None for r in rows):
+        # Seeded rows draw from their own key, so a request's output does not depend on its batch.
+        shared = mx.random.gumbel(scaled.shape)
+        noise = mx.stack(
+            [
+                mx.random.gumbel((scaled.shape[-1],), key=r.rng_key) if r.rng_key is not None else shared[i]
+                for i, r in enumerate(rows)
+            ]
+        )
+    else:
+        noise = mx.random.gumbel(scaled.shape)
+    sampled = mx.argmax(scaled + noise, axis=-1)
+    return mx.where(mx.array([t == 0.0 for t in temps]), greedy, sampled)
+
+
+def sample(logits: mx.array, rows: list[SamplerRow]) -> SampleResult:
+    """Sample one token per row of ``logits`` ([B, V]); lazy, nothing is evaluated here."""
+    logits = logits.astype(mx.float32)
+    processed = _apply_penalties(logits, rows)
+    processed = _truncate(processed, rows)
+    tokens = _draw(processed, rows).astype(mx.int32)
+    result = SampleResult(tokens=tokens)
+    want = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+    if want:
+        # Log-probabilities of the model's distribution (before penalties and truncation), as vLLM reports.
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        result.logprobs = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        k = max(want)
+        if k > 0:
+            top_ids = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
+            top_lp = mx.take_along_axis(logprobs, top_ids, axis=-1)
+            order = mx.argsort(-top_lp, axis=-1)
+            result.top_ids = mx.take_along_axis(top_ids, order, axis=-1).astype(mx.int32)
+            result.top_logprobs = mx.take_along_axis(top_lp, order, axis=-1)
+    return result
