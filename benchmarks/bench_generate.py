@@ -1,0 +1,185 @@
+"""Prefill and decode tokens/s of mlx-infer, llama-bench style, with the peers on the same weights.
+
+    python benchmarks/bench_generate.py -m MODEL [-p 512] [-n 128] [-r 3] [-b 1,4,16]
+        [--compare mlx-lm,llama.cpp] [--llama-bench PATH] [--json FILE] [--profile]
+
+Each decode figure is printed next to its bound: the machine's single-threaded memory read bandwidth
+divided by the bytes a decode step reads (weights + KV cache), times the batch size. See README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# mlx_infer first: it binds the optimized BLAS, which only works before mlx.core is imported.
+import mlx_infer  # noqa: E402,F401,I001
+import hardware  # noqa: E402
+import peers  # noqa: E402
+import run_mlx_infer  # noqa: E402
+from measure import Result, mean, std  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from mlx_infer import blas  # noqa: E402
+
+PEERS = ("mlx-lm", "llama.cpp")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    # Piped output (CI logs, tee) would otherwise be cut to 80 columns and wrap every row.
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    logging.basicConfig(level=logging.WARNING)
+    console.print(f"BLAS: {blas.active()}")
+    bandwidth = hardware.read_bandwidth()
+    console.print(f"memory read bandwidth (1 thread): {bandwidth / 1e9:.1f} GB/s")
+
+    lm = run_mlx_infer.load_model(args.model, args.keep_quantized)
+    if lm.weight_policy:
+        console.print(lm.weight_policy)
+    results = run_mlx_infer.run(lm, args.p, args.n, args.r, args.b)
+    skipped: list[str] = []
+    for peer in args.compare:
+        result, why = _run_peer(peer, lm, args)
+        if result is not None:
+            results.append(result)
+        else:
+            skipped.append(f"{peer}: {why}")
+    profiles = [run_mlx_infer.profile_ops(lm, b, args.p) for b in args.b] if args.profile else []
+
+    _print_table(console, results, bandwidth)
+    _print_ratios(console, results)
+    for line in skipped:
+        console.print(f"[yellow]skipped {line}[/yellow]")
+    for prof in profiles:
+        top = ", ".join(f"{name} {count}" for name, count in list(prof.by_op.items())[:8])
+        console.print(
+            f"profile: batch {prof.batch}: {prof.ops_per_step} MLX ops per decode step "
+            f"({prof.ops_per_token:.0f} per generated token); most frequent: {top}"
+        )
+    if args.json:
+        _write_json(Path(args.json), args, results, profiles, bandwidth, skipped)
+    return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-m", "--model", required=True, help="GGUF file, HF/MLX folder or Hub repo id")
+    parser.add_argument("-p", type=int, default=512, help="prompt tokens (default 512)")
+    parser.add_argument("-n", type=int, default=128, help="generated tokens (default 128)")
+    parser.add_argument("-r", type=int, default=3, help="repetitions (default 3)")
+    parser.add_argument("-b", type=_int_list, default=[1, 4, 16], help="batch sizes (default 1,4,16)")
+    parser.add_argument("--compare", type=_peer_list, default=[], help="peers: mlx-lm,llama.cpp")
+    parser.add_argument("--llama-bench", help="path of llama-bench (default: on PATH)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads")
+    parser.add_argument("--keep-quantized", action="store_true", default=None,
+                        help="keep quantized weights quantized on the CPU backend")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--profile", action="store_true", help="count MLX ops per decode step")
+    args = parser.parse_args(argv)
+    if min(args.p, args.n, args.r, *args.b) < 1:
+        parser.error("-p, -n, -r and -b must be at least 1")
+    return args
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _peer_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(unknown)} (known: {', '.join(PEERS)})")
+    return names
+
+
+def _run_peer(peer: str, lm, args: argparse.Namespace) -> tuple[Result | None, str]:
+    """The peer's batch-1 result, or None and why it was not run."""
+    import mlx.core as mx
+
+    from mlx_infer.engine.runner import kv_bytes_per_token
+
+    if peer == "mlx-lm":
+        if not peers.mlx_lm_installed():
+            return None, "not installed (pip install mlx-lm)"
+        folder = peers.export_mlx_checkpoint(lm, lm.source)
+        kv = kv_bytes_per_token(lm.model, mx.bfloat16)
+        return peers.run_mlx_lm(folder, args.p, args.n, args.r, kv), ""
+    binary = peers.find_llama_bench(args.llama_bench)
+    if binary is None:
+        return None, "llama-bench not found (put it on PATH or pass --llama-bench PATH)"
+    if not lm.source.endswith(".gguf"):
+        return None, "llama.cpp needs a .gguf model"
+    return peers.run_llama_bench(binary, lm.source, args.p, args.n, args.r, args.threads), ""
+
+
+def _print_table(console: Console, results: list[Result], bandwidth: float) -> None:
+    table = Table(title="generate: prefill and decode tokens/s (mean ± std over repetitions)")
+    for name in ("engine", "weights", "batch", "prefill tok/s", "decode tok/s", "decode bound", "of bound"):
+        table.add_column(name, justify="left" if name in ("engine", "weights") else "right")
+    for r in results:
+        bound = _bound(r, bandwidth)
+        share = mean(r.decode) / bound if r.decode else math.nan
+        table.add_row(
+            r.engine, r.weights, str(r.batch), _fmt(r.prefill), _fmt(r.decode), f"{bound:.1f}", f"{share:.0%}"
+        )
+    console.print(table)
+    console.print(
+        "decode bound = batch × bandwidth ÷ (weight bytes + batch × KV bytes at the mean context) per step"
+    )
+
+
+def _print_ratios(console: Console, results: list[Result]) -> None:
+    ours = {r.batch: r for r in results if r.engine == "mlx-infer"}
+    for peer in (r for r in results if r.engine != "mlx-infer"):
+        mine = ours.get(peer.batch)
+        if mine is None:
+            continue
+        console.print(
+            f"mlx-infer / {peer.engine} ({peer.weights}) at batch {peer.batch}: "
+            f"prefill {mean(mine.prefill) / mean(peer.prefill):.2f}×, "
+            f"decode {mean(mine.decode) / mean(peer.decode):.2f}×"
+        )
+
+
+def _bound(r: Result, bandwidth: float) -> float:
+    return hardware.decode_bound(bandwidth, r.weight_bytes, r.kv_bytes_per_token, r.batch, r.decode_context)
+
+
+def _fmt(values: list[float]) -> str:
+    return f"{mean(values):.1f} ± {std(values):.1f}" if values else "-"
+
+
+def _write_json(path: Path, args, results, profiles, bandwidth: float, skipped: list[str]) -> None:
+    data = {
+        "machine": {
+            "platform": platform.platform(), "cpus": os.cpu_count(), "blas": blas.active(),
+            "read_bandwidth_bytes_per_s": bandwidth,
+        },
+        "args": {"model": args.model, "p": args.p, "n": args.n, "r": args.r, "b": args.b,
+                 "compare": args.compare, "keep_quantized": bool(args.keep_quantized)},
+        "results": [dict(r.to_json(), decode_bound=_bound(r, bandwidth)) for r in results],
+        "profile": [
+            {"batch": p.batch, "ops_per_step": p.ops_per_step, "ops_per_token": p.ops_per_token,
+             "by_op": p.by_op}
+            for p in profiles
+        ],
+        "skipped": skipped,
+    }
+    path.write_text(json.dumps(data, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The peers, run on the same weights: mlx-lm (bfloat16, as its users run it) and llama.cpp (the GGUF).
+
+mlx-lm runs in a subprocess that never imports mlx_infer, so it gets MLX exactly as installed (the
+reference BLAS on Linux) rather than the BLAS mlx_infer binds. Its checkpoint is written from the
+weights mlx_infer loaded (HF names and config), cast to bfloat16: mlx-lm cannot read GGUF itself.
+llama.cpp runs through ``llama-bench``; its ``tg`` test decodes from an empty context.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from measure import Result
+
+CACHE = Path(os.environ.get("MLX_INFER_CACHE", Path.home() / ".cache" / "mlx-infer")) / "bench"
+
+
+# ---- mlx-lm ----------------------------------------------------------------------------------
+def mlx_lm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mlx_lm") is not None
+
+
+def export_mlx_checkpoint(lm, source: str) -> Path:
+    """Write (once) an MLX/HF folder of ``lm``'s weights in bfloat16; returns the folder."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    src = Path(source)
+    stat = src.stat()
+    dest = CACHE / f"{src.stem}-{stat.st_size}-{int(stat.st_mtime)}-bf16"
+    if (dest / "model.safetensors").exists():
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in lm.config.items() if k not in ("quantization", "quantization_config")}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {name: a.astype(mx.bfloat16) for name, a in tree_flatten(lm.model.parameters())}
+    tmp = dest / "model.tmp.safetensors"
+    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
+    tmp.rename(dest / "model.safetensors")
+    return dest
+
+
+def run_mlx_lm(folder: Path, prompt_len: int, gen_len: int, repeats: int, kv_bytes_per_token: int) -> Result:
+    """Batch 1 through ``mlx_lm.generate.generate_step`` (the loop ``mlx_lm.generate`` uses)."""
+    env = {k: v for k, v in os.environ.items() if k != "MLX_INFER_BLAS"}
+    cmd = [sys.executable, __file__, "mlx-lm", str(folder), str(prompt_len), str(gen_len), str(repeats)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"mlx-lm failed: {proc.stderr.strip().splitlines()[-1:]}")
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    return Result(
+        "mlx-lm", "bfloat16", 1, data["prefill"], data["decode"], weight_bytes=data["weight_bytes"],
+        kv_bytes_per_token=kv_bytes_per_token,
+        decode_context=prompt_len + gen_len / 2, note=f"mlx-lm {data['version']}",
+    )
+
+
+def _mlx_lm_child(folder: str, prompt_len: int, gen_len: int, repeats: int) -> None:
+    import mlx.core as mx
+    import mlx_lm
+    import numpy as np
+    from mlx.utils import tree_flatten
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(Path(folder))
+    params = tree_flatten(model.parameters())
+    tied = not any(name.startswith("lm_head.") for name, _ in params)
+    weight_bytes = sum(a.nbytes for name, a in params if tied or "embed_tokens" not in name)
+    rng = np.random.default_rng(0)
+
+    def once(p: int, n: int) -> tuple[float, float]:
+        prompt = mx.array(rng.integers(0, config["vocab_size"], p).astype(np.int32))
+        start = time.perf_counter()
+        steps = generate_step(prompt, model, max_tokens=n)
+        next(steps)
+        first = time.perf_counter()
+        for _ in steps:
+            pass
+        return first - start, time.perf_counter() - first
+
+    once(min(prompt_len, 32), min(gen_len, 4))  # warm-up
+    prefill, decode = [], []
+    for _ in range(repeats):
+        t_prefill, t_decode = once(prompt_len, gen_len)
+        prefill.append(prompt_len / t_prefill)
+        decode.append((gen_len - 1) / t_decode)
+    print(json.dumps({"prefill": prefill, "decode": decode, "weight_bytes": weight_bytes,
+                      "version": mlx_lm.__version__}))
+
+
+# ---- llama.cpp -------------------------------------------------------------------------------
+def find_llama_bench(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit if Path(explicit).is_file() else None
+    return shutil.which("llama-bench")
+
+
+def run_llama_bench(
+    binary: str, gguf: str, prompt_len: int, gen_len: int, repeats: int, threads: int
+) -> Result:
+    cmd = [binary, "-m", gguf, "-p", str(prompt_len), "-n", str(gen_len), "-r", str(repeats),
+           "-t", str(threads), "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed: {proc.stderr.strip().splitlines()[-1:]}")
+    tests = json.loads(proc.stdout)
+    weight_bytes, kv_per_token, qtype = _gguf_sizes(gguf)
+    result = Result(
+        "llama.cpp", qtype, 1, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token,
+        decode_context=gen_len / 2, note=f"llama-bench {tests[0].get('build_commit', '')}, {threads} threads",
+    )
+    for test in tests:
+        samples = [float(x) for x in test.get("samples_ts") or [test["avg_ts"]]]
+        if test["n_prompt"] > 0 and test["n_gen"] == 0:
+            result.prefill = samples
+        elif test["n_gen"] > 0 and test["n_prompt"] == 0:
+            result.decode = samples
+    return result
+
+
+def _gguf_sizes(path: str) -> tuple[int, int, str]:
+    """Bytes one decode step reads (all tensors, less an untied token table), f16 KV bytes per token,
+    and the dominant quantization type."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    untied = "output.weight" in names
+    weight_bytes = sum(
+        int(t.n_bytes) for t in reader.tensors if not (untied and t.name == "token_embd.weight")
+    )
+    types: Counter = Counter()
+    for t in reader.tensors:
+        types[t.tensor_type.name] += int(t.n_bytes)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+    def field(key: str) -> int:
+        return int(reader.fields[f"{arch}.{key}"].parts[-1][0])
+
+    n_kv_heads = field("attention.head_count_kv")
+    head_dim = field("embedding_length") // field("attention.head_count")
+    kv_per_token = 2 * field("block_count") * n_kv_heads * head_dim * 2  # K and V, float16
+    return weight_bytes, kv_per_token, types.most_common(1)[0][0]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["mlx-lm"]:
+    _mlx_lm_child(sys.argv[2], *map(int, sys.argv[3:6]))
