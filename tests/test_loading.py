@@ -24,9 +24,9 @@ from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.errors import InvalidCheckpoint, ModelNotFound, UnsupportedArchitecture
 from mlx_infer.loading import load, policy
 from mlx_infer.loading.gguf import gguf_to_hf_names
-from mlx_infer.loading.gguf_config import MODEL_TYPES
+from mlx_infer.loading.gguf_config import MODEL_TYPES, llama3_scaling
 from mlx_infer.loading.gguf_file import read_header, tensor_bytes
-from mlx_infer.models.base import LayerKV
+from mlx_infer.models.base import LayerKV, rope_frequencies
 
 Q = GGMLQuantizationType
 TOKENS = [1, 5, 17, 42, 8, 33, 60, 2, 9, 11]
@@ -163,6 +163,18 @@ def test_gguf_names_agree_with_llama_cpp_tensor_map(arch: str):
         if "switch_mlp" in hf:  # our stacked-experts name; llama.cpp's map knows HF's per-expert names
             hf = hf.replace("switch_mlp", "experts")
         assert tensor_map.get_name(hf) == gguf_name, (hf, gguf_name)
+
+
+def test_llama3_rope_factors_round_trip():
+    """llama.cpp stores Llama 3.x RoPE scaling only as per-frequency factors (rope_freqs)."""
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    head_dim, theta = 64, 500000.0
+    plain = theta ** (np.arange(0, head_dim, 2) / head_dim)
+    factors = np.array(rope_frequencies(head_dim, theta, scaling)) / plain
+    recovered = llama3_scaling(factors.astype(np.float32), theta, head_dim)
+    assert recovered is not None and recovered["factor"] == pytest.approx(32.0)
+    assert llama3_scaling(factors[::-1].copy(), theta, head_dim) is None
 
 
 # ---------------------------------------------------------------- GGUF: tiny files written here
