@@ -11,7 +11,7 @@ here rather than at the first request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,32 +34,43 @@ class LoadedModel:
     weight_policy: str = ""  # one line, e.g. "weights: float32 (dequantized from 4-bit ...), 540 MB"
 
 
-def load(spec: str, *, keep_quantized: bool | None = None) -> LoadedModel:
+@dataclass
+class Checkpoint:
+    """A checkpoint opened but not built: what ``convert`` works from, and what ``load`` builds."""
+
+    config: dict[str, Any]
+    weights: dict[str, mx.array]  # Hugging Face names, lazy where the format allows (safetensors)
+    tokenizer: Any  # mlx_infer.tokenizer.Tokenizer
+    path: Path  # the .gguf file or the model folder
+    requantize: dict[str, int] = field(default_factory=dict)  # see policy.py
+
+
+def open_checkpoint(spec: str) -> Checkpoint:
+    """Config, HF-named weights and tokenizer of ``spec``; no model built, no weight policy applied."""
+    from mlx_infer.tokenizer import Tokenizer
+
     path = resolve(spec)
     gguf_file = path if path.is_file() else _single_gguf(path)
-    requantize: dict[str, int] = {}
     if gguf_file is not None:
         from mlx_infer.loading.gguf import read_gguf
-        from mlx_infer.tokenizer import Tokenizer
 
-        checkpoint = read_gguf(gguf_file)
-        config, weights, requantize = checkpoint.config, checkpoint.weights, checkpoint.requantize
-        tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata)
-        path = gguf_file
-    else:
-        from mlx_infer.tokenizer import Tokenizer
+        gguf = read_gguf(gguf_file)
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+        return Checkpoint(gguf.config, gguf.weights, tokenizer, gguf_file, gguf.requantize)
+    return Checkpoint(hf.read_config(path), hf.read_weights(path), Tokenizer.from_folder(path), path)
 
-        config = hf.read_config(path)
-        weights = hf.read_weights(path)
-        tokenizer = Tokenizer.from_folder(path)
-    model = build_model(config, weights, path.name)
-    del weights
-    description = apply_weight_policy(model, keep_quantized, requantize)
+
+def load(spec: str, *, keep_quantized: bool | None = None) -> LoadedModel:
+    ckpt = open_checkpoint(spec)
+    path, config = ckpt.path, ckpt.config
+    model = build_model(config, ckpt.weights, path.name)
+    ckpt.weights = {}
+    description = apply_weight_policy(model, keep_quantized, ckpt.requantize)
     try:
         mx.eval(model.parameters())
     except (RuntimeError, ValueError) as e:
         raise InvalidCheckpoint(f"{path.name}: {hf.one_line(e)}") from None
-    return LoadedModel(model, tokenizer, config, str(path), _max_context(config, model), description)
+    return LoadedModel(model, ckpt.tokenizer, config, str(path), _max_context(config, model), description)
 
 
 def resolve(spec: str) -> Path:

@@ -162,7 +162,9 @@ def _fold_rope_tensors(raw: dict[str, mx.array], config: dict[str, Any], arch: s
     if "rope_factors_long.weight" in factors:
         long = factors["rope_factors_long.weight"]
         config["rope_scaling"] = {
-            **(config.get("rope_scaling") or {}), "type": "longrope", "rope_type": "longrope",
+            **(config.get("rope_scaling") or {}),
+            "type": "longrope",
+            "rope_type": "longrope",
             "long_factor": long.tolist(),
             "short_factor": factors.get("rope_factors_short.weight", long).tolist(),
         }

@@ -84,14 +84,20 @@ def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str
     original context of 8192, so those are assumed, and the result is checked against the factors.
     Returns None when they do not match that scheme.
     """
-    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     dims = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
     wavelen = 2 * np.pi * theta**dims
     low_wavelen, high_wavelen = 8192 / 1.0, 8192 / 4.0
     smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
     expected = np.where(
-        wavelen < high_wavelen, 1.0,
+        wavelen < high_wavelen,
+        1.0,
         np.where(wavelen > low_wavelen, scaling["factor"], 1 / ((1 - smooth) / scaling["factor"] + smooth)),
     )
     if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-3):

@@ -80,8 +80,12 @@ def _dequantize(model: nn.Module, dtype: mx.Dtype | None) -> None:
         # the float16 GGUF scales come in.
         biases = m.get("biases")
         w = mx.dequantize(
-            m.weight, m.scales.astype(mx.float32), None if biases is None else biases.astype(mx.float32),
-            group_size=m.group_size, bits=m.bits, mode=m.mode,
+            m.weight,
+            m.scales.astype(mx.float32),
+            None if biases is None else biases.astype(mx.float32),
+            group_size=m.group_size,
+            bits=m.bits,
+            mode=m.mode,
         ).astype(out_dtype)
         if isinstance(m, nn.QuantizedEmbedding):
             new: nn.Module = nn.Embedding(*w.shape)

@@ -140,15 +140,25 @@ def rope_scale(scaling: dict[str, Any] | None) -> float:
 
 
 def apply_rope(
-    x: mx.array, positions: mx.array, dims: int, base: float, traditional: bool, scale: float,
+    x: mx.array,
+    positions: mx.array,
+    dims: int,
+    base: float,
+    traditional: bool,
+    scale: float,
     freqs: mx.array | None,
 ) -> mx.array:
     """RoPE on ``[T, H, D]`` at per-token ``positions`` ([T])."""
     # mx.fast.rope rotates along the second-to-last axis with one offset per leading-axis row:
     # [T, H, 1, D] makes each token a sequence of length one starting at its own position.
     y = mx.fast.rope(
-        x[:, :, None], dims, traditional=traditional, base=None if freqs is not None else base,
-        scale=scale, offset=positions, freqs=freqs,
+        x[:, :, None],
+        dims,
+        traditional=traditional,
+        base=None if freqs is not None else base,
+        scale=scale,
+        offset=positions,
+        freqs=freqs,
     )
     return y[:, :, 0]
 

@@ -30,10 +30,17 @@ from mlx_infer.models.rope_config import resolve_rope
 
 # Prefixes of the text tower in Gemma3ForConditionalGeneration checkpoints (older and newer
 # transformers layouts) and of the parts this text-only model drops.
-_TEXT_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
-                  "model.language_model.": "model."}
-_DROPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                     "model.multi_modal_projector.")
+_TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",
+}
+_DROPPED_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 
 
 @dataclass
@@ -226,7 +233,7 @@ class Model(nn.Module):
                 continue
             for prefix, replacement in _TEXT_PREFIXES.items():
                 if name.startswith(prefix):
-                    name = replacement + name[len(prefix):]
+                    name = replacement + name[len(prefix) :]
                     break
             out[name] = value
         if self.args.tie_word_embeddings:

@@ -53,7 +53,11 @@ class ModelArgs(BaseModelArgs):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         self.rope_theta, self.rope_scaling = resolve_rope(
-            self.model_type, self.rope_theta, self.rope_scaling, self.rope_parameters, 10000.0,
+            self.model_type,
+            self.rope_theta,
+            self.rope_scaling,
+            self.rope_parameters,
+            10000.0,
             SUPPORTED_SCALING + _LONGROPE,
         )
 

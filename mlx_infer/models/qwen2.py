@@ -69,9 +69,7 @@ class ModelArgs(BaseModelArgs):
 
 
 class Attention(nn.Module):
-    def __init__(
-        self, args: ModelArgs, layer_idx: int, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
-    ):
+    def __init__(self, args: ModelArgs, layer_idx: int, *, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads

@@ -49,8 +49,9 @@ class SwitchLinear(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=True)
 
-    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
-                     **_) -> QuantizedSwitchLinear:
+    def to_quantized(
+        self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_
+    ) -> QuantizedSwitchLinear:
         """Called by ``nn.quantize`` so quantized MoE checkpoints load into the same module tree."""
         return QuantizedSwitchLinear(self.weight, group_size, bits, mode)
 
@@ -70,8 +71,16 @@ class QuantizedSwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         return mx.gather_qmm(
-            x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices, transpose=True,
-            group_size=self.group_size, bits=self.bits, mode=self.mode, sorted_indices=True,
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            rhs_indices=indices,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=True,
         )
 
 
