@@ -1,0 +1,51 @@
+"""``mlx-infer`` command line: one subcommand per job, typed errors turned into one line and an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from mlx_infer.errors import MlxInferError
+
+# subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("mlx_infer.generate_cli", "chat with a model in the terminal, or answer one prompt"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-infer", description="LLM inference on MLX.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(sub_parser)
+        sub_parser.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    try:
+        return importlib.import_module(args._module).run(args)
+    except MlxInferError as e:
+        print(f"mlx-infer {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - the last line of defence: one line, not a traceback
+        if os.environ.get("MLX_INFER_DEBUG"):
+            raise
+        print(
+            f"mlx-infer {args.command}: internal error: {type(e).__name__}: {e} "
+            "(set MLX_INFER_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Options shared by the commands that run a model (generate, serve): model, engine, sampling."""
+
+from __future__ import annotations
+
+import argparse
+
+from mlx_infer.engine.engine import EngineConfig
+from mlx_infer.engine.scheduler import SchedulerConfig
+from mlx_infer.sampling import SamplingParams
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument(
+        "--model", "-m", required=True, help="a model folder, a Hugging Face repo id or a .gguf file"
+    )
+    g.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="keep quantized weights quantized on the CPU backend (less memory, slower); default: dequantize",
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--kv-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory for the KV pool in GiB (default: 25%% of free device memory, at most 8 GiB "
+        "and at most max-num-seqs full contexts)",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=max_num_seqs,
+        help=f"most sequences decoded together (default: {max_num_seqs})",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="token budget of one step; longer prompts are prefilled in chunks (default: 512)",
+    )
+    g.add_argument(
+        "--max-context", type=int, default=None, help="cap on context length (default: the model's)"
+    )
+    g.add_argument(
+        "--no-prefix-caching", action="store_true", help="do not reuse KV blocks of earlier prompts"
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        block_size=args.block_size,
+        kv_memory=args.kv_memory,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_context=args.max_context,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+    )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    d = SamplingParams()
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"default: {d.max_tokens}")
+    g.add_argument("--temp", type=float, default=d.temperature, help="temperature; 0 is greedy (default: 0)")
+    g.add_argument("--top-k", type=int, default=d.top_k, help="default: 0 (off)")
+    g.add_argument("--top-p", type=float, default=d.top_p, help="default: 1.0 (off)")
+    g.add_argument("--min-p", type=float, default=d.min_p, help="default: 0.0 (off)")
+    g.add_argument(
+        "--repetition-penalty", type=float, default=d.repetition_penalty, help="default: 1.0 (off)"
+    )
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty, help="default: 0.0")
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty, help="default: 0.0")
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past end-of-sequence (benchmarks)"
+    )
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=list(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
