@@ -55,9 +55,11 @@ class Engine:
         per_token = kv_bytes_per_token(model, dtype)
         num_blocks = self.config.num_blocks
         if num_blocks is None:
-            num_blocks = max(
-                1, kv_budget_bytes(self.config.kv_memory) // (per_token * self.config.block_size)
-            )
+            budget_tokens = kv_budget_bytes(self.config.kv_memory) // per_token
+            if self.config.kv_memory is None:
+                # Never more than every running sequence at full context could use.
+                budget_tokens = min(budget_tokens, self.config.scheduler.max_num_seqs * self.max_context)
+            num_blocks = max(1, budget_tokens // self.config.block_size)
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.runner = ModelRunner(model, self.kv, dtype)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
