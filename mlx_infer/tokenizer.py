@@ -23,8 +23,17 @@ __all__ = ["IncrementalDetokenizer", "Tokenizer"]
 # Tokens that end a turn in common chat templates. The model stops on them even where the files name a
 # different eos (SmolLM's <|endoftext|>, Llama 3's <|end_of_text|>), so they join eos_token_ids when the
 # template uses them.
-_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                    "<|end_of_text|>", "<|return|>", "</s>")
+_TURN_END_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<|return|>",
+    "</s>",
+)
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -76,12 +85,15 @@ class Tokenizer:
         # Like transformers: an explicit add_bos_token/add_eos_token (or a tokenizer.json without a
         # post-processor) rebuilds the post-processor; otherwise tokenizer.json's own is kept.
         if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+
             def named(name: str, flag: str) -> tuple[str, int] | None:
                 text = special.get(name)
                 tid = backend.token_to_id(text) if text and config.get(flag) else None
                 return (text, tid) if tid is not None else None
-            backend.post_processor = bos_eos_post_processor(named("bos_token", "add_bos_token"),
-                                                            named("eos_token", "add_eos_token"))
+
+            backend.post_processor = bos_eos_post_processor(
+                named("bos_token", "add_bos_token"), named("eos_token", "add_eos_token")
+            )
 
         template: Any = config.get("chat_template")
         if isinstance(template, list):  # [{"name": ..., "template": ...}] as transformers saves named ones
@@ -99,8 +111,12 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """Build from the metadata dict of ``mx.load(path, return_metadata=True)``."""
         vocab = build_gguf_vocab(dict(meta))
-        return cls(vocab.backend, special_tokens=vocab.special_tokens, chat_template=vocab.chat_template,
-                   extra_eos_token_ids=vocab.eos_token_ids)
+        return cls(
+            vocab.backend,
+            special_tokens=vocab.special_tokens,
+            chat_template=vocab.chat_template,
+            extra_eos_token_ids=vocab.eos_token_ids,
+        )
 
     # ----------------------------------------------------------------------------------------- text
     @property
@@ -130,8 +146,9 @@ class Tokenizer:
         return self._backend.id_to_token(token_id)
 
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self._backend, skip_special_tokens=skip_special_tokens,
-                                      byte_token_ids=self._byte_token_ids)
+        return IncrementalDetokenizer(
+            self._backend, skip_special_tokens=skip_special_tokens, byte_token_ids=self._byte_token_ids
+        )
 
     # ----------------------------------------------------------------------------------------- chat
     @property
@@ -143,16 +160,23 @@ class Tokenizer:
     ) -> str:
         """The prompt text of ``messages``, as transformers' ``apply_chat_template(tokenize=False)``."""
         template = select_template(self.chat_template, tools)
-        return render_chat(template, messages, special_tokens=self.special_tokens,
-                           add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+        return render_chat(
+            template,
+            messages,
+            special_tokens=self.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **kwargs,
+        )
 
     def encode_chat(
         self, messages: Any, add_generation_prompt: bool = True, tools: list | None = None, **kwargs: Any
     ) -> list[int]:
         """Prompt ids of a conversation. The template writes any BOS itself, so none is added here (as
         transformers' ``apply_chat_template(tokenize=True)``)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                        **kwargs)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
         return self.encode(text, add_special_tokens=False)
 
     # ----------------------------------------------------------------------------------------- helpers
@@ -164,8 +188,11 @@ class Tokenizer:
         if templates is None:
             return []
         sources = [templates] if isinstance(templates, str) else list(templates.values())
-        return [t for t in _TURN_END_TOKENS
-                if any(t in s for s in sources) and self._backend.token_to_id(t) is not None]
+        return [
+            t
+            for t in _TURN_END_TOKENS
+            if any(t in s for s in sources) and self._backend.token_to_id(t) is not None
+        ]
 
     def _byte_fallback_ids(self) -> Iterable[int]:
         for b in range(256):
