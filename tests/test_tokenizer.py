@@ -235,3 +235,19 @@ def test_folder_chat_template_jinja_file_and_missing_template(tmp_path: Path):
 def test_folder_without_tokenizer_json(tmp_path: Path):
     with pytest.raises(InvalidCheckpoint):
         Tokenizer.from_folder(tmp_path)
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    ("gpt2", ["abc", "Ġ12345", "Ġ", "Ġx"]),
+    ("llama-bpe", ["abc", "Ġ", "123", "45", "Ġ", "Ġx"]),  # Llama 3: digits in groups of three
+    ("qwen2", ["abc", "Ġ", "1", "2", "3", "4", "5", "Ġ", "Ġx"]),
+    ("smollm", ["abc", "Ġ", "1", "2", "3", "4", "5", "Ġ", "Ġx"]),  # SmolLM's Digits(individual) split
+])
+def test_gguf_byte_level_pre_tokenizers(pre: str, pieces: list[str]):
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer.from_gguf_metadata({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": alphabet,
+        "tokenizer.ggml.merges": [], "tokenizer.ggml.eos_token_id": mx.array(0, dtype=mx.uint32),
+    })
+    assert [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str("abc 12345  x")] == pieces
+    assert tok.decode(tok.encode("abc 12345  x")) == "abc 12345  x"
