@@ -13,6 +13,7 @@ from mlx_infer.errors import MlxInferError
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("mlx_infer.generate_cli", "chat with a model in the terminal, or answer one prompt"),
+    "serve": ("mlx_infer.server.cli", "serve an OpenAI-compatible API with continuous batching"),
 }
 
 

@@ -81,9 +81,8 @@ class Engine:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> str:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise the typed error ``add_request`` would raise; touches no engine state (thread-safe)."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         params.validate(self.tokenizer.vocab_size)
@@ -101,6 +100,11 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV "
                 f"pool of {self.pool_tokens} tokens"
             )
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        self.check_request(prompt_ids, params)
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise InvalidRequest(f"duplicate request id {request_id!r}")

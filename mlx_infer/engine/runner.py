@@ -31,6 +31,8 @@ class ModelRunner:
         self.cache = [
             LayerKV(kv.pool.num_blocks, kv.block_size, n_kv_heads, head_dim, dtype) for _ in model.layers
         ]
+        # Allocate now, on this thread: the pool is touched by every step, whichever thread runs it.
+        mx.eval([c for layer in self.cache for c in layer.state()])
 
     def execute(self, batch: list[ScheduledRequest]) -> tuple[SampleResult | None, list[int]]:
         """Run one step; returns the lazy sample result and the batch rows it covers (sampling ones)."""

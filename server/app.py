@@ -1,0 +1,291 @@
+"""The starlette application: OpenAI-compatible routes over an AsyncEngine. No model code here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlx_infer.engine.async_engine import AsyncEngine, RequestGroup
+from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
+from mlx_infer.server.errors import error_response, from_exception
+from mlx_infer.server.metrics import Metrics
+from mlx_infer.server.responses import Choice, LogprobFormatter, new_id, now, usage
+from mlx_infer.server.schemas import ChatCompletionRequest, CompletionRequest
+
+DISCONNECT_POLL_SECONDS = 0.5
+
+log = logging.getLogger("mlx_infer")
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.engine.tokenizer
+        self.logprobs = LogprobFormatter(self.tokenizer)
+        self.metrics = Metrics(engine.engine)
+        self.created = now()
+
+    # ---- plumbing -------------------------------------------------------------------------------
+    def app(self) -> Starlette:
+        middleware = []
+        if self.config.allowed_origins:
+            middleware.append(
+                Middleware(
+                    CORSMiddleware,
+                    allow_origins=list(self.config.allowed_origins),
+                    allow_methods=["*"],
+                    allow_headers=["*"],
+                )
+            )
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.render_metrics, methods=["GET"]),
+            Route("/v1/models", self.guarded(self.models), methods=["GET"]),
+            Route("/v1/chat/completions", self.guarded(self.chat_completions), methods=["POST"]),
+            Route("/v1/completions", self.guarded(self.completions), methods=["POST"]),
+        ]
+        return Starlette(routes=routes, middleware=middleware, exception_handlers={404: self._not_found})
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        return error_response(404, f"no route {request.method} {request.url.path}")
+
+    def guarded(self, handler):
+        """Bearer-key check, JSON parsing and typed-error mapping around an API handler."""
+
+        async def wrapped(request: Request) -> Response:
+            if self.config.api_key is not None:
+                if request.headers.get("authorization", "") != f"Bearer {self.config.api_key}":
+                    return error_response(401, "invalid or missing API key", "authentication_error")
+            try:
+                return await handler(request)
+            except (MlxInferError, ValidationError) as e:
+                return from_exception(e)
+            except Exception as e:  # noqa: BLE001 - an engine failure still answers in OpenAI's format
+                log.exception("request failed")
+                return from_exception(e)
+
+        return wrapped
+
+    async def _body(self, request: Request, schema):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise InvalidRequest("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        parsed = schema.model_validate(body)
+        if parsed.model != self.config.model_name:
+            raise ModelNotFound(
+                f"the model {parsed.model!r} does not exist; this server has {self.config.model_name!r}"
+            )
+        return parsed
+
+    # ---- simple routes --------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def render_metrics(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def models(self, request: Request) -> Response:
+        model = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "mlx-infer",
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    # ---- completions ----------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        body: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
+        try:
+            messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        prompt_ids = self.tokenizer.encode_chat(messages, tools=body.tools)
+        return await self._generate(request, body, prompt_ids, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        body: CompletionRequest = await self._body(request, CompletionRequest)
+        if isinstance(body.prompt, str):
+            prompt_ids = self.tokenizer.encode(body.prompt)
+        else:
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in body.prompt):
+                raise InvalidRequest(f"prompt token ids must be in [0, {self.tokenizer.vocab_size})")
+            prompt_ids = list(body.prompt)
+        return await self._generate(request, body, prompt_ids, chat=False)
+
+    async def _generate(self, request: Request, body, prompt_ids: list[int], chat: bool) -> Response:
+        engine = self.engine.engine
+        room = min(engine.max_context, engine.pool_tokens) - len(prompt_ids)
+        max_tokens = body.max_new_tokens() or max(room, 1)
+        logprobs = body.logprobs_count()
+        group = self.engine.submit(
+            [(prompt_ids, body.sampling_params(max_tokens, logprobs, i)) for i in range(body.n)]
+        )
+        call = _Call(self, body, prompt_ids, chat, group)
+        if body.stream:
+            return StreamingResponse(
+                call.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        try:
+            await call.collect(request)
+        except asyncio.CancelledError:
+            group.close()
+            raise
+        if call.disconnected:
+            return Response(status_code=499)
+        return JSONResponse(call.final_body())
+
+
+class _Call:
+    """One API call's choices as they fill in, and the bodies sent for it."""
+
+    def __init__(self, server: OpenAIServer, body, prompt_ids: list[int], chat: bool, group: RequestGroup):
+        self.server = server
+        self.body = body
+        self.prompt_ids = prompt_ids
+        self.chat = chat
+        self.group = group
+        self.choices = [Choice() for _ in range(body.n)]
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = now()
+        self.start = time.perf_counter()
+        self.first_token: list[float | None] = [None] * body.n
+        self.disconnected = False
+        self.echo = "" if chat or not body.echo else server.tokenizer.decode(prompt_ids)
+
+    def _record(self, index: int, out) -> None:
+        self.choices[index].add(out)
+        t = time.perf_counter()
+        if self.first_token[index] is None:
+            self.first_token[index] = t
+        if out.finished:
+            first = self.first_token[index]
+            n = self.choices[index].num_output_tokens
+            tpot = (t - first) / (n - 1) if n > 1 else None
+            self.server.metrics.observe(first - self.start, tpot)
+
+    async def collect(self, request: Request) -> None:
+        try:
+            while not self.group.done:
+                try:
+                    index, out = await asyncio.wait_for(self.group.next(), DISCONNECT_POLL_SECONDS)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        self.disconnected = True
+                        return
+                    continue
+                self._record(index, out)
+        finally:
+            self.group.close()
+
+    def _logprobs(self, choice: Choice, entries, offset: int) -> dict[str, Any] | None:
+        if self.body.logprobs_count() is None:
+            return None
+        if self.chat:
+            return self.server.logprobs.chat(entries)
+        return self.server.logprobs.completion(entries, offset)
+
+    def final_body(self) -> dict[str, Any]:
+        choices = []
+        for i, c in enumerate(self.choices):
+            text = "".join(c.text)
+            lp = self._logprobs(c, c.logprobs, len(self.echo))
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                choices.append(
+                    {"index": i, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
+                )
+            else:
+                choices.append(
+                    {"index": i, "text": self.echo + text, "logprobs": lp, "finish_reason": c.finish_reason}
+                )
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.body.model,
+            "choices": choices,
+            "usage": usage(len(self.prompt_ids), self.choices),
+            "system_fingerprint": None,
+        }
+
+    def _chunk(self, choices: list[dict[str, Any]], usage_body: dict[str, Any] | None = None) -> str:
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.body.model,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            chunk["usage"] = usage_body
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    async def stream(self) -> AsyncIterator[str]:
+        offsets = [len(self.echo)] * self.body.n
+        try:
+            for i in range(self.body.n):
+                if self.chat:
+                    delta = {"role": "assistant", "content": ""}
+                    yield self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+                elif self.echo:
+                    yield self._chunk(
+                        [{"index": i, "text": self.echo, "logprobs": None, "finish_reason": None}]
+                    )
+            async for index, out in self.group:
+                self._record(index, out)
+                choice = self.choices[index]
+                if not out.text and not out.finished and not out.logprobs:
+                    continue
+                lp = self._logprobs(choice, out.logprobs or [], offsets[index])
+                offsets[index] += len(out.text)
+                if self.chat:
+                    delta = {"content": out.text} if out.text else {}
+                    body = {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": lp,
+                        "finish_reason": out.finish_reason,
+                    }
+                else:
+                    body = {
+                        "index": index,
+                        "text": out.text,
+                        "logprobs": lp,
+                        "finish_reason": out.finish_reason,
+                    }
+                yield self._chunk([body])
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield self._chunk([], usage(len(self.prompt_ids), self.choices))
+            yield "data: [DONE]\n\n"
+        except MlxInferError as e:
+            error = {"error": {"message": str(e), "type": e.openai_type, "param": None, "code": None}}
+            yield f"data: {json.dumps(error)}\n\n"
+        finally:
+            self.group.close()

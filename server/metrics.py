@@ -1,0 +1,74 @@
+"""Prometheus metrics: engine state read at scrape time, latencies observed per request."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+from mlx_infer.engine.engine import Engine
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+class Metrics:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        r = self.registry
+        kv = engine.kv
+        Gauge("mlx_infer_requests_running", "Requests being decoded or prefilled", registry=r).set_function(
+            lambda: len(engine.scheduler.running)
+        )
+        Gauge("mlx_infer_requests_waiting", "Requests waiting for admission", registry=r).set_function(
+            lambda: len(engine.scheduler.waiting)
+        )
+        Gauge("mlx_infer_kv_blocks_total", "KV blocks in the pool", registry=r).set(kv.pool.num_blocks)
+        Gauge("mlx_infer_kv_blocks_used", "KV blocks referenced by requests", registry=r).set_function(
+            lambda: kv.pool.num_used
+        )
+        Gauge(
+            "mlx_infer_kv_blocks_cached", "KV blocks findable in the prefix cache", registry=r
+        ).set_function(lambda: kv.pool.num_cached)
+        Gauge(
+            "mlx_infer_prefix_cache_hit_rate", "Prefix-cache block hits / lookups", registry=r
+        ).set_function(kv.hit_rate)
+        Gauge(
+            "mlx_infer_prompt_tokens_computed_total", "Prompt tokens computed (cache misses)", registry=r
+        ).set_function(lambda: engine.stats.prompt_tokens)
+        Gauge("mlx_infer_generation_tokens_total", "Tokens generated", registry=r).set_function(
+            lambda: engine.stats.generated_tokens
+        )
+        Gauge(
+            "mlx_infer_generation_tokens_per_second",
+            "Generation throughput since the last scrape",
+            registry=r,
+        ).set_function(self._throughput)
+        self.ttft = Histogram(
+            "mlx_infer_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "mlx_infer_time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._last = (time.monotonic(), 0)
+
+    def _throughput(self) -> float:
+        t, tokens = time.monotonic(), self.engine.stats.generated_tokens
+        last_t, last_tokens = self._last
+        self._last = (t, tokens)
+        return (tokens - last_tokens) / (t - last_t) if t > last_t else 0.0
+
+    def observe(self, ttft: float | None, tpot: float | None) -> None:
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

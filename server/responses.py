@@ -1,0 +1,82 @@
+"""OpenAI response and stream-chunk bodies built from engine outputs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_infer.engine.request import RequestOutput, TokenLogprob
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text)
+        self.logprobs.extend(out.logprobs or [])
+        self.num_output_tokens = out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(num_prompt_tokens: int, choices: list[Choice]) -> dict[str, Any]:
+    completion = sum(c.num_output_tokens for c in choices)
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": num_prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": choices[0].num_cached_tokens if choices else 0},
+    }
+
+
+class LogprobFormatter:
+    """Turns token ids into the text OpenAI's logprobs fields carry."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def chat(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {
+            "content": [
+                {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                for e in entries
+            ]
+        }
+
+    def completion(self, entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for e in entries:
+            offsets.append(text_offset)
+            tokens.append(self._text(e.token_id))
+            text_offset += len(tokens[-1])
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }

@@ -1,0 +1,117 @@
+"""Request schemas of the OpenAI API subset mlx-infer serves (validated with pydantic)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mlx_infer.sampling import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    # Unknown fields (user, service_tier, ...) are accepted and ignored, as OpenAI-compatible servers do.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value and any(not -100.0 <= v <= 100.0 for v in value.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_count(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > 16:
+            raise ValueError("at most 16 stop sequences")
+        return value
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=dict(self.logit_bias or {}),
+            # n choices from one seed must differ, and stay reproducible.
+            seed=None if self.seed is None else self.seed + choice,
+            stop=self.stop_list(),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            # The text parts of a multi-part message; images and audio are not supported.
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts are supported")
+                parts.append(part["text"])
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] = Field(min_length=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+    def max_new_tokens(self) -> int | None:
+        # The legacy completions API defaults to 16 new tokens.
+        return self.max_tokens if self.max_tokens is not None else 16
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
