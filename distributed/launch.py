@@ -1,0 +1,267 @@
+"""``mlx-infer launch``: start one rank per host (ssh, or a local process for 127.0.0.1/localhost).
+
+Unlike ``mlx.launch`` 0.32.4 it exits non-zero when any rank fails (and stops the others at once: each
+rank runs in its own process group, killed as a whole; over ssh, ``-tt`` makes the remote side hang up
+with the connection), takes ``generate``/``serve`` or a bare ``script.py`` as the command, and runs a
+one-host "ring" as a plain single process. Every output line is prefixed with ``[rank N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlx_infer.errors import DistributedError
+
+from . import hostfile as hf
+from .runtime import BACKEND_ENV, STRATEGIES, STRATEGY_ENV
+
+DEFAULT_SSH = "ssh -tt -o LogLevel=QUIET -o BatchMode=yes"
+DEFAULT_PORT = 32323
+STOP_GRACE_S = 3.0
+_LINES = re.compile(b"(?<=\n)")  # split after each newline, keeping it
+# Passed on to every rank when set here (ssh does not carry the environment).
+FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "MLX_INFER_BLAS", "MLX_INFER_KERNELS", "MLX_INFER_DEBUG")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--hosts", help="comma-separated hosts, one rank each (addresses, or names to resolve)"
+    )
+    where.add_argument("--hostfile", help="an MLX host file (JSON, as mlx.distributed_config writes)")
+    parser.add_argument(
+        "--backend", choices=hf.BACKENDS, default=None, help="default: the host file's, else ring"
+    )
+    parser.add_argument("--strategy", choices=STRATEGIES, default="pipeline", help="default: pipeline")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the host file and the commands, run nothing"
+    )
+    parser.add_argument("--save-hostfile", metavar="FILE", help="write the host file (MLX format) to FILE")
+    parser.add_argument(
+        "--ssh", default=DEFAULT_SSH, help=f"command to reach a remote host (default: {DEFAULT_SSH!r})"
+    )
+    parser.add_argument("--python", default=sys.executable, help="python on the hosts (default: this one)")
+    parser.add_argument(
+        "--cwd", default=None, help="working directory on the hosts (default: this one, if there)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"first ring port (default: {DEFAULT_PORT})"
+    )
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="set on every rank")
+    parser.add_argument("--verbose", action="store_true", help="MLX_RING_VERBOSE=1 on every rank")
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- generate|serve ARGS, or -- PROGRAM ARGS"
+    )
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    host: hf.Host
+    argv: list[str]  # what runs on this machine (bash -c SCRIPT, or SSH HOST SCRIPT)
+
+
+def run(args: argparse.Namespace) -> int:
+    table = hf.read(args.hostfile) if args.hostfile else hf.from_list(args.hosts)
+    table.backend = args.backend or table.backend or "ring"
+    if table.backend not in hf.BACKENDS:
+        raise DistributedError(f"backend {table.backend!r} is not one of {', '.join(hf.BACKENDS)}")
+    plans = plan_ranks(table, args)
+    if args.save_hostfile:
+        Path(args.save_hostfile).write_text(json.dumps(table.to_json(), indent=2) + "\n")
+    if args.dry_run:
+        print(json.dumps(table.to_json(), indent=2))
+        for p in plans:
+            print(f"# rank {p.rank} on {p.host.ssh}")
+            print(shlex.join(p.argv))
+        return 0
+    return Launcher(plans).run()
+
+
+def plan_ranks(table: hf.HostFile, args: argparse.Namespace) -> list[RankPlan]:
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise DistributedError("no command: add -- generate|serve ARGS (or -- PROGRAM ARGS)")
+    argv = rank_command(command, args.python)
+    env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
+    env["PYTHONUNBUFFERED"] = "1"  # output reaches the prefixer as it is written
+    files: dict[str, str] = {}
+    distributed = len(table.hosts) > 1  # one host: a plain process (mlx.launch crashes on a one-rank ring)
+    if distributed:
+        backend_env, files = hf.rank_setup(table, table.backend, args.port)
+        if table.backend == "jaccl":
+            table.envs = [e for e in table.envs if not e.startswith("MLX_JACCL_COORDINATOR=")] + [
+                f"MLX_JACCL_COORDINATOR={backend_env['MLX_JACCL_COORDINATOR']}"
+            ]
+        env.update(backend_env)
+        env[BACKEND_ENV] = table.backend
+        env[STRATEGY_ENV] = args.strategy
+        if args.verbose:
+            env["MLX_RING_VERBOSE"] = "1"
+    for item in [*table.envs, *args.env]:
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise DistributedError(f"--env {item!r}: expected NAME=VALUE")
+        env[name] = value
+    plans = []
+    for rank, host in enumerate(table.hosts):
+        rank_env = {**env, "MLX_RANK": str(rank)} if distributed else env
+        script = rank_script(rank_env, files, args.cwd, argv)
+        local = host.is_local
+        plans.append(
+            RankPlan(
+                rank, host, ["bash", "-c", script] if local else [*shlex.split(args.ssh), host.ssh, script]
+            )
+        )
+    return plans
+
+
+def rank_command(command: list[str], python: str) -> list[str]:
+    """``generate``/``serve`` run the mlx-infer CLI; a ``.py`` script and ``python`` get ``--python``."""
+    head, rest = command[0], command[1:]
+    if head in ("generate", "serve"):
+        return [python, "-m", "mlx_infer.cli", head, *rest]
+    if head.endswith(".py"):
+        return [python, *command]
+    if head in ("python", "python3"):
+        return [python, *rest]
+    return command
+
+
+def rank_script(env: dict[str, str], files: dict[str, str], cwd: str | None, argv: list[str]) -> str:
+    """A POSIX shell script (bash locally, the login shell over ssh) that becomes the rank's process."""
+    steps = ["set -e"]
+    steps += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
+    for name, content in files.items():
+        steps.append(f'{name}="$(mktemp)"; printf %s {shlex.quote(content)} > "${name}"; export {name}')
+    if cwd:
+        steps.append(f"cd {shlex.quote(cwd)}")
+    else:
+        steps.append(f"cd {shlex.quote(os.getcwd())} 2>/dev/null || true")
+    steps.append("exec " + shlex.join(argv))
+    return "; ".join(steps)
+
+
+class Launcher:
+    def __init__(self, plans: list[RankPlan]):
+        self.plans = plans
+        self.procs: list[subprocess.Popen] = []
+        self.lock = threading.Lock()
+
+    def run(self) -> int:
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        threads: list[threading.Thread] = []
+        try:
+            for p in self.plans:
+                proc = subprocess.Popen(
+                    p.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+                self.procs.append(proc)
+                self._note(f"rank {p.rank} on {p.host.ssh}: pid {proc.pid}")
+                for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                    t = threading.Thread(target=self._forward, args=(p.rank, stream, out), daemon=True)
+                    t.start()
+                    threads.append(t)
+            return self._watch()
+        except KeyboardInterrupt:
+            self._note("interrupted; stopping every rank")
+            return 130
+        finally:
+            self._stop_all()
+            for t in threads:
+                t.join(timeout=2)
+            signal.signal(signal.SIGTERM, previous)
+
+    def _watch(self) -> int:
+        while True:
+            codes = [proc.poll() for proc in self.procs]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                for rank, code in failed:
+                    host = self.plans[rank].host.ssh
+                    self._note(f"rank {rank} ({host}) {_describe(code)}; stopping the other ranks")
+                code = failed[0][1]
+                return code if code > 0 else 128 - code
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(0.05)
+
+    def _stop_all(self) -> None:
+        alive = [proc for proc in self.procs if proc.poll() is None]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in alive:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + STOP_GRACE_S
+            while time.monotonic() < deadline and any(proc.poll() is None for proc in alive):
+                time.sleep(0.05)
+            alive = [proc for proc in alive if proc.poll() is None]
+            if not alive:
+                return
+
+    def _forward(self, rank: int, stream, out) -> None:
+        prefix = f"[rank {rank}] ".encode()
+        at_line_start = True
+        fd = stream.fileno()
+        while chunk := os.read(fd, 65536):
+            chunk = chunk.replace(b"\r\n", b"\n")  # ssh -tt's terminal line endings
+            text = bytearray()
+            for piece in _LINES.split(chunk):
+                if piece:
+                    text += prefix + piece if at_line_start else piece
+                    at_line_start = piece.endswith(b"\n")
+            with self.lock:
+                out.buffer.write(bytes(text))
+                out.buffer.flush()
+
+    def _note(self, message: str) -> None:
+        with self.lock:
+            print(f"[launch] {message}", file=sys.stderr, flush=True)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"was killed by signal {-code} ({name})"
+    return f"exited with code {code}"
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mlx-infer launch", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except DistributedError as e:
+        print(f"mlx-infer launch: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

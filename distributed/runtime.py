@@ -1,0 +1,185 @@
+"""A distributed run: join the group, load this rank's shard, then drive (rank 0) or follow (the others).
+
+Rank 0 owns tokenization, scheduling and sampling: its :class:`~mlx_infer.engine.engine.Engine` drives a
+:class:`ShardedModel`, which broadcasts each step's batch before running the sharded forward, so the
+engine, the scheduler, prefix caching and the continuous batcher work unchanged (and ``serve`` does too).
+The other ranks run :meth:`Session.follow`: receive a step, run the same forward on their shard, repeat.
+KV pools are per rank (each holds its layers' or heads' K/V) and have the same number of blocks everywhere,
+because rank 0's block tables index every rank's pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.engine.runner import kv_bytes_per_token
+from mlx_infer.errors import DistributedError, InvalidCheckpoint
+from mlx_infer.kv.memory import device_memory_bytes, kv_budget_bytes
+from mlx_infer.loading import LoadedModel
+from mlx_infer.models.base import BatchMetadata, LayerKV
+
+from .channel import StepChannel
+from .pipeline import PipelineShard, shard_pipeline
+from .tensor import TensorShard, shard_tensor
+
+log = logging.getLogger("mlx_infer")
+
+STRATEGIES = ("pipeline", "tensor")
+# Set by `mlx-infer launch` for every rank (next to MLX_RANK and the backend's own variables).
+STRATEGY_ENV = "MLX_INFER_STRATEGY"
+BACKEND_ENV = "MLX_INFER_BACKEND"
+Shard = PipelineShard | TensorShard
+
+
+def init_group() -> mx.distributed.Group | None:
+    """The group this process was launched into, or None for a single process.
+
+    Joins strictly: a rank that cannot reach its peers fails loudly instead of running alone.
+    """
+    backend = os.environ.get(BACKEND_ENV, "ring")
+    if "MLX_RANK" not in os.environ:
+        return None
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except RuntimeError as e:
+        raise DistributedError(
+            f"rank {os.environ['MLX_RANK']}: cannot join the {backend} group ({e})"
+        ) from None
+    return group if group.size() > 1 else None
+
+
+class ShardedModel:
+    """Rank 0's model: the model contract (``__call__``, ``embed``, ``layers``, ``kv_shape``) over the group.
+
+    Each call first broadcasts the step, then runs rank 0's part of the sharded forward.
+    """
+
+    def __init__(self, model: nn.Module, shard: Shard, channel: StepChannel):
+        self.model, self.shard, self.channel = model, shard, channel
+
+    def __call__(self, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata) -> mx.array:
+        self.channel.send_step(np.array(tokens), meta)
+        return self.shard.leader(self.model, tokens, cache, meta)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+
+@dataclass
+class Session:
+    loaded: LoadedModel  # this rank's shard (model) and the tokenizer
+    group: mx.distributed.Group
+    shard: Shard
+    channel: StepChannel
+    config: EngineConfig  # num_blocks agreed by all ranks
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    def engine(self) -> Engine:
+        """Rank 0's engine over the whole group."""
+        model = ShardedModel(self.loaded.model, self.shard, self.channel)
+        return Engine(model, self.loaded.tokenizer, self.loaded.max_context, self.config)
+
+    def follow(self) -> None:
+        """Run rank 0's steps on this rank's shard until rank 0 closes the session."""
+        model = self.loaded.model
+        n_kv_heads, head_dim = model.kv_shape()
+        cache = [
+            LayerKV(self.config.num_blocks, self.config.block_size, n_kv_heads, head_dim, self.shard.dtype)
+            for _ in model.layers
+        ]
+        while (step := self.channel.receive()) is not None:
+            tokens, meta = step
+            mx.eval(self.shard.follower(model, tokens, cache, meta))
+
+    def close(self) -> None:
+        """Rank 0: let the followers return."""
+        self.channel.send_stop()
+
+
+def open_session(
+    spec: str,
+    group: mx.distributed.Group,
+    config: EngineConfig,
+    strategy: str | None = None,
+    keep_quantized: bool | None = None,
+) -> Session:
+    """Load this rank's shard of ``spec`` and agree on the KV pool size with the other ranks."""
+    strategy = strategy or os.environ.get(STRATEGY_ENV, "pipeline")
+    if strategy not in STRATEGIES:
+        raise DistributedError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if strategy == "pipeline":
+        # Layers in proportion to each host's memory.
+        memory = mx.distributed.all_gather(mx.array([device_memory_bytes() / 2**30]), group=group)
+        weights = memory.tolist()
+
+        def transform(m: nn.Module) -> Shard:
+            return shard_pipeline(m, group, weights)
+    else:
+
+        def transform(m: nn.Module) -> Shard:
+            return shard_tensor(m, group)
+
+    loaded, shard = load_sharded(spec, transform, keep_quantized)
+    if isinstance(shard, PipelineShard):
+        log.info("rank %d: layers %d-%d of the model", group.rank(), shard.start, shard.stop - 1)
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        # Engine's own rule for the pool (its memory budget, capped at max_num_seqs full contexts when
+        # no budget is given), applied to this rank's share of the KV.
+        budget = kv_budget_bytes(config.kv_memory) // kv_bytes_per_token(loaded.model, shard.dtype)
+        if config.kv_memory is None:
+            context = min(loaded.max_context, config.max_context or loaded.max_context)
+            budget = min(budget, config.scheduler.max_num_seqs * context)
+        num_blocks = max(1, budget // config.block_size)
+    # Rank 0's block tables index every pool: all ranks take the smallest pool any of them can hold.
+    num_blocks = int(mx.distributed.all_min(mx.array([num_blocks]), group=group).item())
+    return Session(
+        loaded, group, shard, StepChannel(group, shard.traffic), replace(config, num_blocks=num_blocks)
+    )
+
+
+def load_sharded(
+    spec: str, transform: Callable[[nn.Module], Shard], keep_quantized: bool | None = None
+) -> tuple[LoadedModel, Shard]:
+    """``mlx_infer.loading.load`` with ``transform`` applied before the weights are evaluated.
+
+    ``mx.load`` is lazy: weights of the layers a shard drops (or the rows and columns it slices away)
+    are never materialized, so a rank's peak memory follows its share of the model.
+    """
+    from mlx_infer.loading import _max_context, _single_gguf, hf, resolve
+    from mlx_infer.loading.build import build_model
+    from mlx_infer.loading.policy import apply_weight_policy
+    from mlx_infer.tokenizer import Tokenizer
+
+    path = resolve(spec)
+    gguf_file = path if path.is_file() else _single_gguf(path)
+    requantize: dict[str, int] = {}
+    if gguf_file is not None:
+        from mlx_infer.loading.gguf import read_gguf
+
+        checkpoint = read_gguf(gguf_file)
+        config, weights, requantize = checkpoint.config, checkpoint.weights, checkpoint.requantize
+        tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata)
+        path = gguf_file
+    else:
+        config, weights, tokenizer = hf.read_config(path), hf.read_weights(path), Tokenizer.from_folder(path)
+    model = build_model(config, weights, path.name)
+    del weights
+    description = apply_weight_policy(model, keep_quantized, requantize)
+    shard = transform(model)
+    try:
+        mx.eval(model.parameters())
+    except (RuntimeError, ValueError) as e:
+        raise InvalidCheckpoint(f"{path.name}: {hf.one_line(e)}") from None
+    return LoadedModel(model, tokenizer, config, str(path), _max_context(config, model), description), shard
