@@ -37,6 +37,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -97,6 +98,7 @@ class Scheduler:
         self.kv.free(request.request_id)
         request.num_computed = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = Status.WAITING
         self.waiting.appendleft(request)
 

@@ -1,0 +1,254 @@
+"""Engine, scheduler, block pool and sampler on a tiny random Llama (CPU, no real weights)."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from engine_helpers import CharTokenizer, full_forward_logits, greedy_reference, tiny_llama
+
+from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.engine.scheduler import SchedulerConfig
+from mlx_infer.errors import ContextTooLong, InvalidRequest
+from mlx_infer.kv.block_pool import BlockPool
+from mlx_infer.kv.manager import KVCacheManager
+from mlx_infer.sampling import SamplerRow, SamplingParams, sample
+
+PROMPTS = [list(range(5, 23)), [3, 4, 5], list(range(1, 40)), [9] * 20]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def references(model):
+    return [greedy_reference(model, p, 12) for p in PROMPTS]
+
+
+def make_engine(model, num_blocks=64, block_size=4, budget=512, max_seqs=32, prefix=True) -> Engine:
+    config = EngineConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        enable_prefix_caching=prefix,
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
+    )
+    return Engine(model, CharTokenizer(), 256, config)
+
+
+def run_all(engine: Engine, prompts, params_list) -> dict[str, list]:
+    ids = [engine.add_request(p, params) for p, params in zip(prompts, params_list)]
+    outputs = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    return [outputs[i] for i in ids]
+
+
+def tokens_of(outputs) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+@pytest.mark.parametrize(
+    "num_blocks,budget,max_seqs",
+    [(64, 512, 32), (14, 8, 32), (16, 5, 32), (64, 512, 1), (13, 3, 2)],
+    ids=["roomy", "preempting", "tiny-budget", "one-at-a-time", "preempt-and-cap"],
+)
+def test_batched_greedy_equals_uncached_reference(model, references, num_blocks, budget, max_seqs):
+    engine = make_engine(model, num_blocks=num_blocks, budget=budget, max_seqs=max_seqs)
+    params = [SamplingParams(max_tokens=12) for _ in PROMPTS]
+    results = run_all(engine, PROMPTS, params)
+    assert [tokens_of(r) for r in results] == references
+    assert engine.kv.pool.num_used == 0  # every block returned
+    assert all(r[-1].finished for r in results)
+
+
+def test_preemption_happens_and_recomputes(model, references):
+    engine = make_engine(model, num_blocks=14, budget=8)
+    run_all(engine, PROMPTS, [SamplingParams(max_tokens=12) for _ in PROMPTS])
+    # A pool of 14 blocks of 4 cannot hold all four sequences: someone had to be recomputed.
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hits_and_counts(model):
+    engine = make_engine(model, block_size=4)
+    prompt = list(range(1, 30))
+    first = run_all(engine, [prompt], [SamplingParams(max_tokens=3)])[0]
+    second = run_all(engine, [prompt + [7, 8]], [SamplingParams(max_tokens=3)])[0]
+    assert first[-1].num_cached_tokens == 0
+    assert second[-1].num_cached_tokens == 28  # 7 full blocks of the shared 29-token prefix
+    # The cached run gives what an uncached engine gives.
+    fresh = run_all(make_engine(model, prefix=False), [prompt + [7, 8]], [SamplingParams(max_tokens=3)])[0]
+    assert tokens_of(second) == tokens_of(fresh)
+
+
+def test_same_step_requests_share_prompt_blocks(model):
+    engine = make_engine(model, block_size=4)
+    prompt = list(range(1, 22))
+    results = run_all(engine, [prompt, prompt], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4)])
+    assert tokens_of(results[0]) == tokens_of(results[1])
+    assert results[1][-1].num_cached_tokens == 20
+
+
+def test_abort_returns_blocks_at_once(model):
+    engine = make_engine(model)
+    rid = engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.kv.pool.num_used > 0
+    engine.abort(rid)
+    assert engine.kv.pool.num_used == 0
+    assert not engine.has_unfinished()
+
+
+def test_stop_string_across_tokens_is_not_emitted(model, references):
+    # CharTokenizer maps token t to chr(97 + t % 26): a stop string of tokens 3 and 4 of the reference.
+    ref = references[0]
+    text = "".join(chr(97 + t % 26) for t in ref)
+    stop = text[3:5]
+    out = run_all(make_engine(model), [PROMPTS[0]], [SamplingParams(max_tokens=12, stop=[stop])])[0]
+    emitted = "".join(o.text for o in out)
+    assert emitted == text[: text.find(stop)]
+    assert out[-1].finish_reason == "stop"
+
+
+def test_eos_and_length_finish(model):
+    engine = make_engine(model)
+    out = run_all(engine, [PROMPTS[1]], [SamplingParams(max_tokens=5)])[0]
+    assert out[-1].finish_reason == "length" and len(tokens_of(out)) == 5
+    first = tokens_of(out)[0]
+    engine.tokenizer.eos_token_ids = {first}
+    try:
+        out = run_all(engine, [PROMPTS[1]], [SamplingParams(max_tokens=5)])[0]
+        assert out[-1].finish_reason == "stop" and tokens_of(out) == [first]
+        out = run_all(engine, [PROMPTS[1]], [SamplingParams(max_tokens=5, ignore_eos=True)])[0]
+        assert len(tokens_of(out)) == 5
+    finally:
+        engine.tokenizer.eos_token_ids = {0}
+
+
+def test_rejects_impossible_requests(model):
+    engine = make_engine(model, num_blocks=8)
+    with pytest.raises(InvalidRequest):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(ContextTooLong, match="256"):
+        engine.add_request([1] * 300, SamplingParams(max_tokens=1))
+    with pytest.raises(ContextTooLong, match="KV pool of 32 tokens"):
+        engine.add_request([1] * 30, SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidRequest, match="top_p"):
+        engine.add_request([1], SamplingParams(top_p=0.0))
+    assert not engine.has_unfinished()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(model):
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=1234)
+    alone = tokens_of(run_all(make_engine(model), [PROMPTS[0]], [params])[0])
+    crowd = run_all(
+        make_engine(model),
+        [PROMPTS[2], PROMPTS[0], PROMPTS[1]],
+        [
+            SamplingParams(max_tokens=10, temperature=1.0),
+            params,
+            SamplingParams(max_tokens=10, temperature=0.7),
+        ],
+    )
+    assert tokens_of(crowd[1]) == alone
+    other = tokens_of(
+        run_all(make_engine(model), [PROMPTS[0]], [SamplingParams(max_tokens=10, temperature=1.0, seed=99)])[
+            0
+        ]
+    )
+    assert other != alone
+
+
+def test_logprobs_match_log_softmax(model):
+    out = run_all(make_engine(model), [PROMPTS[0]], [SamplingParams(max_tokens=1, logprobs=3)])[0][0]
+    logits = full_forward_logits(model, PROMPTS[0]).astype(mx.float32)
+    expected = np.array(logits - mx.logsumexp(logits))
+    entry = out.logprobs[0]
+    assert entry.token_id == int(np.argmax(expected))
+    assert entry.logprob == pytest.approx(float(expected.max()), abs=1e-4)
+    top_ids = [t for t, _ in entry.top]
+    assert top_ids == list(np.argsort(-expected)[:3])
+
+
+# ---- the sampler alone ---------------------------------------------------------------------------
+def _rows(params: SamplingParams, n: int = 1, prompt=(), output=()):
+    return [SamplerRow(params, list(prompt), list(output), None) for _ in range(n)]
+
+
+def test_sampler_truncations():
+    logits = mx.array([[0.0, 1.0, 2.0, 3.0, 4.0]] * 200)
+    draws = lambda p: set(sample(logits, _rows(p, 200)).tokens.tolist())  # noqa: E731
+    assert draws(SamplingParams(temperature=1.0, top_k=1)) == {4}
+    assert draws(SamplingParams(temperature=1.0, top_k=2)) <= {3, 4}
+    # softmax of 0..4: the top token has 0.636 of the mass, the top two 0.87.
+    assert draws(SamplingParams(temperature=1.0, top_p=0.6)) == {4}
+    assert draws(SamplingParams(temperature=1.0, top_p=0.8)) == {3, 4}
+    assert draws(SamplingParams(temperature=1.0, min_p=0.3)) == {3, 4}  # e^-1 = 0.37 >= 0.3 > e^-2
+    assert len(draws(SamplingParams(temperature=1.0))) == 5
+
+
+def test_sampler_penalties_and_bias():
+    logits = mx.array([[1.0, 2.0, 3.0, 2.5]])
+    greedy = lambda p, **kw: sample(logits, _rows(p, **kw)).tokens.item()  # noqa: E731
+    assert greedy(SamplingParams()) == 2
+    assert greedy(SamplingParams(logit_bias={0: 10.0})) == 0
+    assert greedy(SamplingParams(repetition_penalty=2.0), prompt=[2]) == 3  # 3/2 < 2.5
+    assert greedy(SamplingParams(presence_penalty=1.0), output=[2]) == 3  # 3-1 < 2.5
+    assert greedy(SamplingParams(frequency_penalty=0.3), output=[2, 2]) == 3  # 3-0.6 < 2.5
+    assert greedy(SamplingParams(frequency_penalty=0.3), output=[2]) == 2
+
+
+# ---- the block pool alone ------------------------------------------------------------------------
+def test_block_pool_lru_eviction_only_when_unreferenced():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    tokens_a = [1, 2, 3, 4, 5]
+    assert kv.allocate("a", tokens_a, 0, 5)
+    assert kv.pool.num_used == 3 and kv.pool.num_cached == 2
+    kv.free("a")
+    assert kv.pool.num_used == 0 and kv.pool.num_cached == 2
+    # A new sequence with the same prefix finds both full blocks.
+    assert kv.find_cached_prefix("b", tokens_a) == 4
+    # Filling the pool evicts cached blocks only once they are unreferenced.
+    assert kv.allocate("c", [9, 9, 9, 9], 0, 4)
+    assert kv.pool.num_cached == 4  # a's two (still referenced by b) and c's two
+    assert not kv.allocate("d", [8, 8], 0, 2)  # nothing unreferenced is left
+    kv.free("b")
+    assert kv.allocate("d", [8, 8], 0, 2)
+    assert kv.pool.num_cached == 4  # one of a's blocks evicted, d's own registered
+    # The tail block of the freed prefix went first: its head block is still found.
+    assert kv.find_cached_prefix("e", tokens_a) == 2
+
+
+def test_block_pool_refcounts_reject_double_free():
+    pool = BlockPool(2)
+    blocks = pool.allocate(2)
+    pool.release(blocks)
+    with pytest.raises(RuntimeError):
+        pool.release(blocks)
+
+
+def test_decode_step_cost_independent_of_pool_size(model):
+    """KV writes are in-place scatters into a donated pool: a step must not copy the pool."""
+
+    def measure(num_blocks: int) -> tuple[float, int]:
+        engine = make_engine(model, num_blocks=num_blocks, block_size=16)
+        engine.add_request(list(range(1, 20)), SamplingParams(max_tokens=60, ignore_eos=True))
+        for _ in range(5):
+            engine.step()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        start = time.perf_counter()
+        for _ in range(40):
+            engine.step()
+        return (time.perf_counter() - start) / 40, mx.get_peak_memory() - base
+
+    small_time, small_mem = measure(64)
+    big_time, big_mem = measure(64 * 256)  # 256x the pool: a copy per step would be ~100 MB
+    pool_bytes = 64 * 256 * 16 * 2 * 2 * 16 * 4 * len(model.layers)
+    assert big_mem < pool_bytes / 20, (small_mem, big_mem, pool_bytes)
+    assert big_time < small_time * 3 + 0.005, (small_time, big_time)
