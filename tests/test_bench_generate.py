@@ -1,0 +1,47 @@
+"""benchmarks/bench_generate.py end to end on the real model, tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_generate.py"
+sys.path.insert(0, str(BENCH.parent))
+
+import hardware  # noqa: E402
+
+
+def test_decode_bound_counts_weights_once_and_kv_per_sequence() -> None:
+    # 1 GB/s, 100 MB of weights, 1 kB of KV per token at context 1000 (1 MB per sequence).
+    assert hardware.decode_bound(1e9, 100_000_000, 1000, 1, 1000) == pytest.approx(1e9 / 101e6)
+    assert hardware.decode_bound(1e9, 100_000_000, 1000, 4, 1000) == pytest.approx(4e9 / 104e6)
+
+
+@pytest.mark.slow
+def test_bench_generate_smoke(smollm2_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "-m", str(smollm2_path), "-p", "16", "-n", "4", "-r", "2", "-b", "1,2",
+         "--profile", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "decode bound" in proc.stdout and "MLX ops per decode step" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["machine"]["read_bandwidth_bytes_per_s"] > 1e8
+    rows = {r["batch"]: r for r in data["results"] if r["engine"] == "mlx-infer"}
+    assert sorted(rows) == [1, 2]
+    for r in rows.values():
+        assert len(r["prefill"]) == 2 and len(r["decode"]) == 2
+        assert all(x > 0 for x in r["prefill"] + r["decode"])
+        # SmolLM2's weights (135M parameters, tied head) as float32: ~540 MB read per step.
+        assert 4 * 100e6 < r["weight_bytes"] < 4 * 200e6
+        assert 0 < r["decode_bound"] < float("inf")
+    profile = {p["batch"]: p for p in data["profile"]}
+    # 30 layers, each with at least 4 matmuls even with fused QKV and gate/up projections.
+    assert profile[1]["ops_per_step"] > 30 * 4 and profile[1]["by_op"]["Matmul"] >= 30 * 4
+    assert profile[2]["ops_per_token"] == profile[2]["ops_per_step"] / 2
