@@ -61,7 +61,7 @@ def setup() -> str:
 
 def _choose() -> str:
     if not sys.platform.startswith("linux"):
-        return "platform default (MLX does not use this module's BLAS binding off Linux)"
+        return f"the platform's own BLAS (Accelerate on macOS; {ENV_VAR} applies to Linux only)"
     requested = os.environ.get(ENV_VAR, "").strip()
     if requested.lower() == "off":
         return f"reference BLAS ({ENV_VAR}=off)"

@@ -114,3 +114,17 @@ def test_mlx_imported_first_is_reported(tmp_path: Path, inputs: np.ndarray) -> N
     info, _, library, _ = _run(tmp_path, "late", None, prelude="import mlx.core\n")
     assert "imported before mlx_infer" in info["active"]
     assert _is_reference(library), library
+
+
+def test_nothing_is_loaded_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
+
+    from mlx_infer import blas
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("no library may be loaded off Linux")
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(ctypes, "CDLL", refuse)
+    monkeypatch.setenv("MLX_INFER_BLAS", "/some/libopenblas.so.0")
+    assert blas._choose().startswith("the platform's own BLAS")
