@@ -65,3 +65,27 @@ def _softcapped_attention(
     weights = mx.softmax(scores, axis=-1).reshape(batch, n_kv, rep * q_len, -1)
     out = weights @ values.astype(mx.float32)
     return out.reshape(batch, n_heads, q_len, head_dim).astype(values.dtype)
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    bias: mx.array | None = None,
+    residual: mx.array | None = None,
+) -> mx.array:
+    """``x @ dequantize(w).T (+ bias) (+ residual)`` for MLX affine-quantized ``w``, in float32.
+
+    MLX's CPU ``quantized_matmul`` accumulates in the activation dtype, so the oracle dequantizes
+    and multiplies in float32 and casts once at the end.
+    """
+    weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(mx.float32)
+    out = x.astype(mx.float32) @ weight.T
+    if bias is not None:
+        out = out + bias.astype(mx.float32)
+    if residual is not None:
+        out = out + residual.astype(mx.float32)
+    return out.astype(x.dtype)

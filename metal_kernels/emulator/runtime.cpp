@@ -359,6 +359,15 @@ char* read_file(const char* path, size_t* size) {
 
 }  // namespace
 
+// float -> bfloat16 (round to nearest even): zig's compiler-rt lacks it without libc++.
+extern "C" __attribute__((weak)) __bf16 __truncsfbf2(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  uint16_t h = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)  // quiet NaN
+                                              : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return __builtin_bit_cast(__bf16, h);
+}
+
 // ---- hooks called from kernel code ---------------------------------------------------------------
 extern "C" void __mtl_threadgroup_barrier(int site) {
   Fiber* f = t_worker->current;

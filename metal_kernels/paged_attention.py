@@ -1,0 +1,185 @@
+"""Paged attention as Metal kernel bodies: decode and prefill chunks, GQA, optional split-KV.
+
+One threadgroup per (query token, head[, key partition]); its SIMD groups take keys round-robin,
+each keeping an online softmax (running max, sum, and its lanes' slice of the output) that the
+threadgroup merges through threadgroup memory. A query at position p sees keys 0..p of its own
+sequence (cached blocks plus its chunk's causal part), so decode and prefill chunks are one kernel.
+
+Split-KV: when too few threadgroups would fill the GPU, the keys are cut into partitions, each
+writes a normalised partial output with its max and sum, and a reduce kernel merges them.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_infer.metal_kernels.launch import KernelSpec, Launcher, metal_launch
+from mlx_infer.models.base import BatchMetadata
+
+N_SIMD = 4  # SIMD groups per threadgroup (128 threads)
+PARTITION_KEYS = 256  # keys per partition of the split-KV variant
+MIN_THREADGROUPS = 128  # below this many (token, head) pairs, long contexts are split
+
+_BODY = """
+  const uint part = threadgroup_position_in_grid.x;
+  const uint head = threadgroup_position_in_grid.y;
+  const uint tok = threadgroup_position_in_grid.z;
+  const uint sg = simdgroup_index_in_threadgroup;
+  const uint lane = thread_index_in_simdgroup;
+  const uint kv_head = head / (H / HKV);
+  const int seq = seq_ids[tok];
+  const int pos = positions[tok];
+  const int n_keys = min(pos + 1, context_lens[seq]);
+  int start = int(part) * PART;
+  const int stop = min(n_keys, start + PART);
+  if (WINDOW) start = max(start, pos + 1 - window);
+  constexpr int PER_LANE = (D + 31) / 32;
+
+  // This lane's slice of the (pre-scaled) query: dims lane, lane + 32, ...
+  float q[PER_LANE];
+  float acc[PER_LANE];
+  for (int i = 0; i < PER_LANE; i++) {
+    const int d = int(lane) + 32 * i;
+    q[i] = d < D ? float(queries[(size_t(tok) * H + head) * D + d]) * scale : 0.0f;
+    acc[i] = 0.0f;
+  }
+  float m = -MAXFLOAT;  // finite, so exp(m - m_new) is 0 (not NaN) before the first key
+  float l = 0.0f;
+  for (int j = start + int(sg); j < stop; j += N_SIMD) {
+    const int slot = block_tables[seq * MAX_BLOCKS + j / BS] * BS + j % BS;
+    const size_t base = (size_t(slot) * HKV + kv_head) * D;
+    float partial = 0.0f;
+    for (int i = 0; i < PER_LANE; i++) {
+      const int d = int(lane) + 32 * i;
+      if (d < D) partial += q[i] * float(key_pool[base + d]);
+    }
+    float s = simd_sum(partial);
+    if (SOFTCAP) s = metal::precise::tanh(s / softcap) * softcap;
+    const float m_new = max(m, s);
+    const float alpha = metal::exp(m - m_new);
+    const float p = metal::exp(s - m_new);
+    l = l * alpha + p;
+    for (int i = 0; i < PER_LANE; i++) {
+      const int d = int(lane) + 32 * i;
+      if (d < D) acc[i] = acc[i] * alpha + p * float(value_pool[base + d]);
+    }
+    m = m_new;
+  }
+
+  threadgroup float sg_max[N_SIMD];
+  threadgroup float sg_sum[N_SIMD];
+  threadgroup float sg_acc[N_SIMD * D];
+  if (lane == 0) {
+    sg_max[sg] = m;
+    sg_sum[sg] = l;
+  }
+  for (int i = 0; i < PER_LANE; i++) {
+    const int d = int(lane) + 32 * i;
+    if (d < D) sg_acc[sg * D + d] = acc[i];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float big = -MAXFLOAT;
+  for (int s = 0; s < N_SIMD; s++) big = max(big, sg_max[s]);
+  float total = 0.0f;
+  for (int s = 0; s < N_SIMD; s++) total += sg_sum[s] * metal::exp(sg_max[s] - big);
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int d = int(thread_index_in_threadgroup); d < D; d += N_SIMD * 32) {
+    float o = 0.0f;
+    for (int s = 0; s < N_SIMD; s++) o += sg_acc[s * D + d] * metal::exp(sg_max[s] - big);
+    EPILOGUE
+  }
+"""
+
+_SINGLE = """out[(size_t(tok) * H + head) * D + d] = static_cast<O>(o * inv);"""
+_PARTIAL = """const size_t row = (size_t(tok) * H + head) * PARTS + part;
+    part_out[row * D + d] = o * inv;
+    if (d == 0) {
+      part_max[row] = big;
+      part_sum[row] = total;
+    }"""
+
+_INPUTS = ("queries", "key_pool", "value_pool", "block_tables", "context_lens", "seq_ids", "positions",
+           "scale", "window", "softcap")
+ATTENTION = KernelSpec("paged_attention", _INPUTS, ("out",), _BODY.replace("EPILOGUE", _SINGLE))
+ATTENTION_PARTIAL = KernelSpec(
+    "paged_attention_partial", _INPUTS, ("part_out", "part_max", "part_sum"),
+    _BODY.replace("EPILOGUE", _PARTIAL),
+)
+REDUCE = KernelSpec(
+    "paged_attention_reduce",
+    ("part_out", "part_max", "part_sum"),
+    ("out",),
+    """
+  const size_t row = size_t(threadgroup_position_in_grid.z) * H + threadgroup_position_in_grid.y;
+  float big = -MAXFLOAT;
+  for (int p = 0; p < PARTS; p++) big = max(big, part_max[row * PARTS + p]);
+  float total = 0.0f;
+  for (int p = 0; p < PARTS; p++) {
+    total += part_sum[row * PARTS + p] * metal::exp(part_max[row * PARTS + p] - big);
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int d = int(thread_position_in_threadgroup.x); d < D; d += int(threads_per_threadgroup.x)) {
+    float o = 0.0f;
+    for (int p = 0; p < PARTS; p++) {
+      const float w = part_sum[row * PARTS + p] * metal::exp(part_max[row * PARTS + p] - big);
+      o += w * part_out[(row * PARTS + p) * D + d];
+    }
+    out[row * D + d] = static_cast<O>(o * inv);
+  }
+""",
+)
+
+
+def paged_attention(
+    queries: mx.array,
+    key_pool: mx.array,
+    value_pool: mx.array,
+    meta: BatchMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    *,
+    launch: Launcher = metal_launch,
+    partition_keys: int | None = None,
+) -> mx.array:
+    """Same contract as ``reference.paged_attention``; ``partition_keys`` forces the split-KV variant."""
+    n_tokens, n_heads, head_dim = queries.shape
+    n_kv = key_pool.shape[1]
+    key_len = meta.key_slots.shape[1]  # host-known bound on every context length
+    if partition_keys is None and n_tokens * n_heads < MIN_THREADGROUPS and key_len > 2 * PARTITION_KEYS:
+        partition_keys = PARTITION_KEYS
+    parts = 1 if partition_keys is None else -(-key_len // partition_keys)
+    seq_ids = (
+        mx.arange(meta.batch_size, dtype=mx.int32)
+        if meta.q_unpad_index is None
+        else meta.q_unpad_index // meta.max_query_len
+    )
+    inputs = [
+        queries, key_pool, value_pool, meta.block_tables, meta.context_lens, seq_ids, meta.positions,
+        mx.array(scale, mx.float32), mx.array(sliding_window or 0, mx.int32),
+        mx.array(logit_softcap or 1.0, mx.float32),
+    ]
+    template = [
+        ("O", queries.dtype), ("D", head_dim), ("H", n_heads), ("HKV", n_kv), ("BS", meta.block_size),
+        ("MAX_BLOCKS", meta.block_tables.shape[1]), ("N_SIMD", N_SIMD),
+        ("PART", partition_keys or key_len), ("PARTS", parts),
+        ("WINDOW", sliding_window is not None), ("SOFTCAP", logit_softcap is not None),
+    ]
+    grid = (32 * N_SIMD * parts, n_heads, n_tokens)
+    threadgroup = (32 * N_SIMD, 1, 1)
+    if parts == 1:
+        (out,) = launch(ATTENTION, inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+                        output_shapes=[queries.shape], output_dtypes=[queries.dtype])
+        return out
+    rows = n_tokens * n_heads * parts
+    partial = launch(
+        ATTENTION_PARTIAL, inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+        output_shapes=[(rows, head_dim), (rows,), (rows,)], output_dtypes=[mx.float32] * 3,
+    )
+    (out,) = launch(
+        REDUCE, inputs=partial,
+        template=[("O", queries.dtype), ("D", head_dim), ("H", n_heads), ("PARTS", parts)],
+        grid=(32, n_heads, n_tokens), threadgroup=(32, 1, 1),
+        output_shapes=[queries.shape], output_dtypes=[queries.dtype],
+    )
+    return out
