@@ -24,7 +24,7 @@ from pathlib import Path
 from mlx_infer.errors import DistributedError
 
 from . import hostfile as hf
-from .runtime import BACKEND_ENV, STRATEGIES, STRATEGY_ENV
+from .runtime import BACKEND_ENV, STRATEGIES, STRATEGY_ENV, TEMP_PREFIX
 
 DEFAULT_SSH = "ssh -tt -o LogLevel=QUIET -o BatchMode=yes"
 DEFAULT_PORT = 32323
@@ -146,7 +146,10 @@ def rank_script(env: dict[str, str], files: dict[str, str], cwd: str | None, arg
     steps = ["set -e"]
     steps += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
     for name, content in files.items():
-        steps.append(f'{name}="$(mktemp)"; printf %s {shlex.quote(content)} > "${name}"; export {name}')
+        steps.append(
+            f'{name}="$(mktemp "${{TMPDIR:-/tmp}}/{TEMP_PREFIX}XXXXXX")"; '
+            f'printf %s {shlex.quote(content)} > "${name}"; export {name}'
+        )
     if cwd:
         steps.append(f"cd {shlex.quote(cwd)}")
     else:

@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,6 +37,8 @@ STRATEGIES = ("pipeline", "tensor")
 # Set by `mlx-infer launch` for every rank (next to MLX_RANK and the backend's own variables).
 STRATEGY_ENV = "MLX_INFER_STRATEGY"
 BACKEND_ENV = "MLX_INFER_BACKEND"
+# Host files launch writes on each host; a rank deletes its own once it has joined.
+TEMP_PREFIX = "mlx-infer-hosts."
 Shard = PipelineShard | TensorShard
 
 
@@ -53,6 +56,10 @@ def init_group() -> mx.distributed.Group | None:
         raise DistributedError(
             f"rank {os.environ['MLX_RANK']}: cannot join the {backend} group ({e})"
         ) from None
+    for name in ("MLX_HOSTFILE", "MLX_IBV_DEVICES"):
+        path = Path(os.environ.get(name, ""))
+        if path.name.startswith(TEMP_PREFIX):
+            path.unlink(missing_ok=True)
     return group if group.size() > 1 else None
 
 

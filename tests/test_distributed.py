@@ -1,0 +1,594 @@
+"""Distributed sharding, the step broadcast and ``launch``, on real ring groups of local processes.
+
+Multi-rank runs go through ``python -m mlx_infer.distributed.launch`` (ring backend, 127.0.0.1, or network
+namespaces reached through an ssh stand-in) and compare against a single process: sharded greedy tokens
+must equal the unsharded ones, and every architecture's sharded logits must equal its unsharded logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import TINY_LLAMA_CONFIG, make_tiny_llama, write_hf_folder
+from engine_helpers import greedy_reference
+from mlx.utils import tree_flatten
+
+from mlx_infer.distributed import hostfile, launch, shard_pipeline, shard_tensor
+from mlx_infer.distributed.channel import decode_step, encode_step
+from mlx_infer.distributed.pipeline import layer_ranges
+from mlx_infer.distributed.runtime import load_sharded
+from mlx_infer.distributed.tensor import _keep_columns, _keep_rows
+from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.errors import DistributedError
+
+PY = sys.executable
+TESTS = Path(__file__).parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+# A tiny Llama whose heads (and KV heads, and MLP columns) divide by 2 and by 3.
+TINY_TP = dict(
+    hidden_size=96, num_attention_heads=6, num_key_value_heads=6, intermediate_size=192, num_hidden_layers=3
+)
+TINY_PROMPT = "w1 w2 w3 w4 w5"
+FRANCE = "What is the capital of France?"
+
+
+class FakeGroup:
+    """What the shard transforms read of a group (they communicate only when the model runs)."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def free_port(count: int = 4) -> int:
+    """A port p such that p .. p + count - 1 look free (ranks listen on consecutive ports)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + count < 65000 and all(_free(port + k) for k in range(count)):
+            return port
+    raise RuntimeError("no free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def run_launch(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PY, "-m", "mlx_infer.distributed.launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+        cwd=TESTS.parent,
+    )
+
+
+def results(out: str) -> dict[int, dict]:
+    """Each rank's ``RESULT`` line, by rank."""
+    found = {}
+    for line in out.splitlines():
+        if "RESULT {" in line:
+            data = json.loads(line.split("RESULT ", 1)[1])
+            found[data["rank"]] = data
+    return found
+
+
+def worker_args(model: Path, prompt: str, max_tokens: int, raw: bool) -> list[str]:
+    args = [
+        "python",
+        "-m",
+        "mlx_infer.distributed.worker",
+        "-m",
+        str(model),
+        "-p",
+        prompt,
+        "--max-tokens",
+        str(max_tokens),
+    ]
+    return args + (["--no-chat-template", "--ignore-eos"] if raw else [])
+
+
+def launched_tokens(
+    hosts: str, strategy: str, model: Path, prompt: str, max_tokens: int, raw: bool, *extra: str
+) -> list[int]:
+    done = run_launch(
+        "--hosts",
+        hosts,
+        "--port",
+        str(free_port()),
+        "--strategy",
+        strategy,
+        *extra,
+        "--",
+        *worker_args(model, prompt, max_tokens, raw),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    by_rank = results(done.stdout)
+    assert sorted(by_rank) == list(range(len(hosts.split(",")))), done.stdout[-2000:]
+    for line in done.stdout.splitlines():  # every line of output names its rank
+        assert line.startswith("[rank "), line
+    return by_rank[0]["tokens"]
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def tiny_tp(tmp_path_factory) -> tuple[Path, list[int]]:
+    """A tiny Llama folder and its greedy continuation of TINY_PROMPT by an uncached full forward."""
+    folder = tmp_path_factory.mktemp("dist") / "tiny-tp"
+    model = make_tiny_llama(3, **TINY_TP)
+    write_hf_folder(folder, dict(tree_flatten(model.parameters())), {**TINY_LLAMA_CONFIG, **TINY_TP})
+    from mlx_infer.loading import load
+
+    prompt_ids = load(str(folder)).tokenizer.encode(TINY_PROMPT)
+    return folder, greedy_reference(model, prompt_ids, 24, eos=None)
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smollm2_path: Path) -> list[int]:
+    """Single-process greedy tokens of SmolLM2 for FRANCE, through the same worker without a group."""
+    done = subprocess.run(
+        [
+            PY,
+            "-m",
+            "mlx_infer.distributed.worker",
+            "-m",
+            str(smollm2_path),
+            "-p",
+            FRANCE,
+            "--max-tokens",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Paris" in done.stdout
+    return results(done.stdout)[0]["tokens"]
+
+
+@pytest.fixture(scope="module")
+def netns(tmp_path_factory):
+    """Two network namespaces on a bridge (10.77.0.1, 10.77.0.2) and an ssh stand-in that enters them."""
+    tag = f"{os.getpid() % 100000}"
+    bridge, spaces = f"mlxd{tag}br", [f"mlxd{tag}n{i}" for i in range(2)]
+    addresses = [f"10.77.0.{i + 1}" for i in range(2)]
+    created: list[str] = []
+
+    def ip(*args: str, ns: str | None = None) -> None:
+        cmd = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+    try:
+        try:
+            ip("link", "add", bridge, "type", "bridge")
+            created.append("bridge")
+            ip("link", "set", bridge, "up")
+            for i, (ns, addr) in enumerate(zip(spaces, addresses)):
+                ip("netns", "add", ns)
+                created.append(ns)
+                host_end, ns_end = f"mlxd{tag}h{i}", f"mlxd{tag}p{i}"
+                ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
+                ip("link", "set", ns_end, "netns", ns)
+                ip("link", "set", host_end, "master", bridge)
+                ip("link", "set", host_end, "up")
+                ip("addr", "add", f"{addr}/24", "dev", ns_end, ns=ns)
+                ip("link", "set", ns_end, "up", ns=ns)
+                ip("link", "set", "lo", "up", ns=ns)
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:
+            pytest.skip(f"cannot create network namespaces here: {getattr(e, 'stderr', e)}")
+        stand_in = tmp_path_factory.mktemp("ssh") / "ssh-netns"
+        cases = "\n".join(f"  {addr}) ns={ns};;" for ns, addr in zip(spaces, addresses))
+        stand_in.write_text(
+            textwrap.dedent("""\
+            #!/bin/bash
+            # ssh stand-in: "ssh-netns HOST SCRIPT" runs SCRIPT inside HOST's network namespace.
+            case "$1" in
+            {cases}
+              *) echo "ssh-netns: unknown host $1" >&2; exit 255;;
+            esac
+            shift
+            exec ip netns exec "$ns" bash -c "$*"
+            """).format(cases=cases)
+        )
+        stand_in.chmod(0o755)
+        yield {"hosts": ",".join(addresses), "ssh": str(stand_in)}
+    finally:
+        for ns in spaces:
+            if ns in created:
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        if "bridge" in created:
+            subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+# ------------------------------------------------------------------------------- units (one process)
+def test_layer_ranges_follow_the_weights_and_give_every_rank_a_layer():
+    assert layer_ranges(30, [1, 1]) == [(0, 15), (15, 30)]
+    assert layer_ranges(30, [64, 128, 64]) == [(0, 8), (8, 22), (22, 30)]
+    assert layer_ranges(3, [100, 1, 1]) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(DistributedError, match="at least 3 layers"):
+        layer_ranges(2, [1, 1, 1])
+
+
+def test_tensor_parallel_refuses_heads_that_do_not_divide():
+    model = make_tiny_llama(0, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(DistributedError, match=r"attention heads \(4\) and KV heads \(2\) to divide by 3"):
+        shard_tensor(model, FakeGroup(0, 3))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_row_and_column_shards_match_the_dequantized_slices(bits: int):
+    mx.random.seed(0)
+    full = nn.Linear(128, 96, bias=True)
+    q = nn.QuantizedLinear.from_linear(full, group_size=32, bits=bits)
+    dense = mx.dequantize(q.weight, q.scales, q.biases, group_size=32, bits=bits)
+    x = mx.random.normal((3, 128))
+    rows = nn.QuantizedLinear.from_linear(full, group_size=32, bits=bits)
+    _keep_rows(rows, [(0, 16), (48, 80)])
+    expected = x @ mx.concatenate([dense[0:16], dense[48:80]]).T + mx.concatenate(
+        [q.bias[0:16], q.bias[48:80]]
+    )
+    assert np.allclose(rows(x), expected, atol=1e-4)
+    cols = nn.QuantizedLinear.from_linear(full, group_size=32, bits=bits)
+    _keep_columns(cols, (64, 128), rank=1)  # not rank 0: the bias is left to rank 0
+    assert np.allclose(cols(x[:, 64:]), x[:, 64:] @ dense[:, 64:].T, atol=1e-4)
+    with pytest.raises(DistributedError, match="quantization group"):
+        _keep_columns(nn.QuantizedLinear.from_linear(full, group_size=32, bits=bits), (0, 48), rank=0)
+
+
+def test_step_broadcast_rebuilds_identical_metadata():
+    slices = [SequenceSlice([7, 3, 9], 20, 5), SequenceSlice([2], 0, 1), SequenceSlice([4, 8], 14, 3)]
+    tokens = np.arange(9, dtype=np.int32) + 5
+    for all_logits in (False, True):
+        slices[0].want_all_logits = all_logits
+        meta = build_metadata(slices, 16)
+        got_tokens, got = decode_step(encode_step(tokens, meta))
+        assert got_tokens.tolist() == tokens.tolist()
+        for name in (
+            "positions",
+            "slot_mapping",
+            "block_tables",
+            "context_lens",
+            "key_slots",
+            "q_pad_index",
+            "q_unpad_index",
+            "q_positions",
+            "logits_index",
+        ):
+            assert np.array_equal(np.array(getattr(got, name)), np.array(getattr(meta, name))), name
+        assert got.query_lens == meta.query_lens and got.block_size == meta.block_size
+
+
+@pytest.mark.slow
+def test_a_pipeline_rank_materializes_only_its_share(smollm2_path: Path):
+    from mlx_infer.loading import load
+
+    def measure(loader):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        loaded = loader()
+        return loaded, mx.get_active_memory() - base, mx.get_peak_memory() - base
+
+    full, full_kept, full_peak = measure(lambda: load(str(smollm2_path)))
+    del full
+    (loaded, shard), kept, peak = measure(
+        lambda: load_sharded(str(smollm2_path), lambda m: shard_pipeline(m, FakeGroup(1, 2)))
+    )
+    assert (shard.start, shard.stop) == (15, 30) and len(loaded.model.layers) == 15
+    assert "embed_tokens" not in loaded.model.model  # rank 0 embeds and applies the (tied) head
+    # Half the layers and no embedding stay resident. The peak also holds the GGUF file's quantized
+    # tensors, which mx.load reads whole (it is lazy for safetensors only), hence the looser bound.
+    assert kept < 0.45 * full_kept, (kept, full_kept)
+    assert peak < 0.6 * full_peak, (peak, full_peak)
+
+
+def test_dry_run_prints_the_host_file_and_one_command_per_rank(capsys):
+    assert (
+        launch.main(
+            [
+                "--hosts",
+                "127.0.0.1,127.0.0.1,127.0.0.1",
+                "--port",
+                "40100",
+                "--strategy",
+                "tensor",
+                "--dry-run",
+                "--",
+                "generate",
+                "-m",
+                "M",
+                "-p",
+                "hi there",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    table = json.loads(out[: out.index("# rank 0")])
+    assert table["backend"] == "ring" and [h["ips"] for h in table["hosts"]] == [["127.0.0.1"]] * 3
+    commands = [line for line in out.splitlines() if line.startswith("bash -c")]
+    assert len(commands) == 3
+    for rank, line in enumerate(commands):
+        assert f"export MLX_RANK={rank};" in line and "MLX_INFER_STRATEGY=tensor" in line
+        assert "127.0.0.1:40100" in line and "127.0.0.1:40102" in line
+        assert f"{PY} -m mlx_infer.cli generate -m M -p" in line
+    # One host is a plain process: no ring (mlx.launch 0.32.4 crashes on a one-rank ring).
+    assert launch.main(["--hosts", "127.0.0.1", "--dry-run", "--", "generate", "-m", "M"]) == 0
+    assert "MLX_RANK" not in capsys.readouterr().out
+
+
+def test_jaccl_host_file_matches_the_mlx_format(tmp_path: Path, capsys):
+    from mlx._distributed_utils.common import Hostfile  # mlx.launch's own reader: the format oracle
+
+    hosts = [
+        {
+            "ssh": f"mac{i}",
+            "ips": [f"192.0.2.{i + 1}"],
+            "rdma": [None if j == i else f"rdma_en{j + 2}" for j in range(3)],
+        }
+        for i in range(3)
+    ]
+    source = tmp_path / "in.json"
+    source.write_text(json.dumps({"backend": "jaccl", "envs": [], "hosts": hosts}))
+    saved = tmp_path / "out.json"
+    assert (
+        launch.main(
+            [
+                "--hostfile",
+                str(source),
+                "--port",
+                "5000",
+                "--ssh",
+                "fake-ssh",
+                "--dry-run",
+                "--save-hostfile",
+                str(saved),
+                "--",
+                "serve",
+                "-m",
+                "M",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    parsed = Hostfile.from_file(saved)
+    assert parsed.backend == "jaccl" and "MLX_JACCL_COORDINATOR=192.0.2.1:5000" in parsed.envs
+    assert [h.rdma for h in parsed.hosts] == [h["rdma"] for h in hosts]
+    assert all(h.rdma[i] is None for i, h in enumerate(parsed.hosts))
+    commands = [line for line in out.splitlines() if line.startswith("fake-ssh ")]
+    assert [c.split()[1] for c in commands] == ["mac0", "mac1", "mac2"]
+    matrix = json.dumps([h["rdma"] for h in hosts])
+    for c in commands:
+        assert "MLX_IBV_DEVICES" in c and matrix in c.replace("'\"'\"'", "'")
+        assert "MLX_JACCL_COORDINATOR=192.0.2.1:5000" in c and "MLX_INFER_BACKEND=jaccl" in c
+    # A device towards itself, or none towards a peer, is refused before anything starts.
+    hosts[1]["rdma"][1] = "rdma_en9"
+    source.write_text(json.dumps({"backend": "jaccl", "hosts": hosts}))
+    with pytest.raises(DistributedError, match="mac1 must have null"):
+        launch.run(_launch_args(["--hostfile", str(source), "--dry-run", "--", "serve"]))
+    with pytest.raises(DistributedError, match="RDMA devices"):
+        launch.run(
+            _launch_args(["--hosts", "127.0.0.1,127.0.0.1", "--backend", "jaccl", "--dry-run", "--", "serve"])
+        )
+
+
+def _launch_args(argv: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    launch.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_host_list_resolves_names_and_ring_ports_count_up():
+    table = hostfile.from_list("127.0.0.1,localhost")
+    assert [h.ips for h in table.hosts] == [["127.0.0.1"], ["127.0.0.1"]]
+    assert hostfile.ring_addresses(table.hosts, 100) == [["127.0.0.1:100"], ["127.0.0.1:101"]]
+
+
+# --------------------------------------------------------------------------------- ring groups
+ZOO_RANK = """
+import sys
+sys.path.insert(0, {tests!r})
+import mlx_infer  # noqa: F401  (BLAS binding first)
+import mlx.core as mx
+import numpy as np
+from test_models import BLOCK, CONFIGS, NUM_BLOCKS, build, hf_weights
+from mlx_infer.distributed import shard_pipeline, shard_tensor
+from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.models.base import LayerKV
+
+from mlx_infer.distributed.runtime import init_group
+group = init_group()
+rank, size = group.rank(), group.size()
+tokens = [list(range(3, 12)), list(range(20, 25))]
+tables = [[5, 2, 7], [1, 9]]
+# (sequence, first token, count) per step: a prefill chunk, a ragged chunk+prefill, a two-sequence decode.
+steps = [[(0, 0, 6)], [(0, 6, 2), (1, 0, 4)], [(0, 8, 1), (1, 4, 1)]]
+
+def run(model, cache, drive):
+    out = []
+    for step in steps:
+        slices = [SequenceSlice(tables[s], a, n) for s, a, n in step]
+        ids = mx.array([t for s, a, n in step for t in tokens[s][a : a + n]])
+        out.append(drive(model, ids, cache, build_metadata(slices, BLOCK)))
+    return out
+
+def with_kv_heads(cfg, n):
+    inner = cfg.get("text_config", cfg)
+    if inner["num_key_value_heads"] % n == 0:
+        return cfg
+    fixed = dict(inner, num_key_value_heads=n)
+    return dict(cfg, text_config=fixed) if "text_config" in cfg else fixed
+
+worst = 0.0
+for name in sorted(CONFIGS):
+    cfg = with_kv_heads(CONFIGS[name], size)
+    weights = hf_weights(cfg, seed=1)
+    ref = build(cfg, weights)
+    ref_cache = [LayerKV(NUM_BLOCKS, BLOCK, *ref.kv_shape(), mx.float32) for _ in ref.layers]
+    expected = [np.array(x) for x in run(ref, ref_cache, lambda m, t, c, meta: m(t, c, meta))]
+    for strategy in ("pipeline", "tensor"):
+        model = build(cfg, weights)
+        shard = (shard_pipeline if strategy == "pipeline" else shard_tensor)(model, group)
+        cache = [LayerKV(NUM_BLOCKS, BLOCK, *model.kv_shape(), mx.float32) for _ in model.layers]
+        if rank == 0:
+            got = [np.array(x) for x in run(model, cache, shard.leader)]
+            diff = max(float(np.abs(g - e).max()) for g, e in zip(got, expected))
+            worst = max(worst, diff)
+            print(f"ZOO {{name}} {{strategy}} {{diff:.2e}}", flush=True)
+        else:
+            run(model, cache, lambda *a: mx.eval(shard.follower(*a)))
+sys.exit(0 if worst < 1e-4 else 1)
+"""
+
+
+def test_every_architecture_shards_to_the_same_logits(tmp_path: Path):
+    script = tmp_path / "zoo_rank.py"
+    script.write_text(ZOO_RANK.format(tests=str(TESTS)))
+    done = run_launch("--hosts", "127.0.0.1,127.0.0.1", "--port", str(free_port()), "--", str(script))
+    lines = [line for line in done.stdout.splitlines() if "ZOO" in line]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    from test_models import CONFIGS
+
+    assert len(lines) == 2 * len(CONFIGS), lines
+
+
+@pytest.mark.parametrize("hosts", ["127.0.0.1,127.0.0.1", "127.0.0.1,localhost,127.0.0.1"])
+def test_tensor_parallel_greedy_equals_one_process(tiny_tp, hosts: str):
+    folder, expected = tiny_tp
+    assert launched_tokens(hosts, "tensor", folder, TINY_PROMPT, len(expected), True) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_pipeline_greedy_on_smollm2_equals_one_process(smollm2_path: Path, smol_reference, ranks: int):
+    hosts = ",".join(["127.0.0.1"] * ranks)
+    assert launched_tokens(hosts, "pipeline", smollm2_path, FRANCE, 12, False) == smol_reference
+
+
+@pytest.mark.slow
+def test_killing_a_rank_mid_generation_fails_the_launch_quickly(smollm2_path: Path):
+    proc = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "mlx_infer.distributed.launch",
+            "--hosts",
+            "127.0.0.1,127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--",
+            *worker_args(smollm2_path, "Tell me a long story about a cat.", 400, False),
+            "--ignore-eos",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+        cwd=TESTS.parent,
+    )
+    out, err = bytearray(), bytearray()
+
+    def drain(stream, buf):
+        while chunk := os.read(stream.fileno(), 4096):
+            buf.extend(chunk)
+
+    threads = [
+        threading.Thread(target=drain, args=(s, b), daemon=True)
+        for s, b in ((proc.stdout, out), (proc.stderr, err))
+    ]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 120
+        while b"[rank 0] " not in out and time.monotonic() < deadline:  # rank 0 is streaming tokens
+            assert proc.poll() is None, err.decode()[-2000:]
+            time.sleep(0.1)
+        assert b"[rank 0] " in out, err.decode()[-2000:]
+        pids = {int(line.split()[-1]) for line in err.decode().splitlines() if "rank 1 on" in line}
+        assert len(pids) == 1, err.decode()
+        os.kill(pids.pop(), signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = proc.wait(timeout=30)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for t in threads:
+        t.join(timeout=5)
+    assert code != 0 and elapsed < 30
+    assert "rank 1 (127.0.0.1) was killed by signal 9 (SIGKILL)" in err.decode(), err.decode()[-2000:]
+    rank0 = [int(line.split()[-1]) for line in err.decode().splitlines() if "rank 0 on" in line][0]
+    assert not Path(f"/proc/{rank0}").exists()  # stopped and reaped: no orphan
+
+
+# ------------------------------------------------------------------------------- network namespaces
+def test_hosts_check_across_namespaces(netns):
+    done = subprocess.run(
+        [
+            PY,
+            "-m",
+            "mlx_infer.distributed.hosts",
+            "--hosts",
+            netns["hosts"],
+            "--ssh",
+            netns["ssh"],
+            "--python",
+            PY,
+            "--port",
+            "41000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 0 -> " not in done.stdout  # no Thunderbolt warning off macOS
+    assert "-> rank 1 10.77.0.2:41001: reachable" in done.stdout and "from 10.77.0.1" in done.stdout
+    assert "-> rank 0 10.77.0.1:41000: reachable" in done.stdout and "from 10.77.0.2" in done.stdout
+
+
+def test_tensor_parallel_across_namespaces(netns, tiny_tp):
+    folder, expected = tiny_tp
+    tokens = launched_tokens(
+        netns["hosts"], "tensor", folder, TINY_PROMPT, len(expected), True, "--ssh", netns["ssh"]
+    )
+    assert tokens == expected
+
+
+@pytest.mark.slow
+def test_pipeline_across_namespaces(netns, smollm2_path: Path, smol_reference):
+    tokens = launched_tokens(
+        netns["hosts"], "pipeline", smollm2_path, FRANCE, 12, False, "--ssh", netns["ssh"]
+    )
+    assert tokens == smol_reference
