@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mlx_infer.loading import load
 
+    params = cli_options.sampling_params(args)
+    params.validate()  # before the model loads: bad flags fail at once
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     loaded = load(args.model, keep_quantized=args.keep_quantized or None)
     err = Console(stderr=True, highlight=False)
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     use_template = not args.no_chat_template and loaded.tokenizer.has_chat_template
     if not use_template and not args.no_chat_template and prompt is None:
         raise InvalidRequest("this model has no chat template; use --no-chat-template for raw text")
-    session = ChatSession(engine, cli_options.sampling_params(args), args.system, use_template)
+    session = ChatSession(engine, params, args.system, use_template)
     if prompt is not None:
         return _one_shot(session, prompt, args.verbose, err)
     return _interactive(session, err)

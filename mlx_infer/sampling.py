@@ -33,7 +33,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
 
-    def validate(self, vocab_size: int) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequest for the first bad field (token ids only once the vocabulary is known)."""
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
             (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
@@ -45,7 +46,7 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (
-                all(0 <= t < vocab_size for t in self.logit_bias),
+                vocab_size is None or all(0 <= t < vocab_size for t in self.logit_bias),
                 f"logit_bias token ids must be in [0, {vocab_size})",
             ),
         ]

@@ -1,0 +1,126 @@
+"""`mlx-infer generate` end to end on the real SmolLM2 GGUF: greedy output against transformers, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.errors import ContextTooLong
+from mlx_infer.loading import load
+from mlx_infer.sampling import SamplingParams
+
+REFERENCES = json.loads((Path(__file__).parent / "oracle" / "smollm2_references.json").read_text())
+CLI = [sys.executable, "-m", "mlx_infer.cli"]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    return load(str(smollm2_path))
+
+
+def test_greedy_matches_transformers_in_one_batch(smollm2):
+    """Every reference prompt (English, code, German, French, Russian, Chinese, Japanese, digits,
+    multi-turn), all decoded together in one continuous batch, equals transformers' float32 greedy
+    output on the same GGUF weights."""
+    generations = REFERENCES["generations"]
+    assert len(generations) >= 6
+    engine = Engine(smollm2.model, smollm2.tokenizer, smollm2.max_context, EngineConfig(kv_memory=0.25))
+    ids = {}
+    for g in generations:
+        assert smollm2.tokenizer.encode_chat(g["messages"]) == g["prompt_ids"]
+        params = SamplingParams(max_tokens=REFERENCES["max_new_tokens"])
+        ids[engine.add_request(g["prompt_ids"], params)] = g
+    got = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.token_ids)
+    for rid, g in ids.items():
+        assert got[rid] == g["output_ids"], g["name"]
+
+
+def _run(*args: str, input_text: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, input=input_text, env=env, timeout=300
+    )
+
+
+def test_one_shot_prints_the_answer(smollm2_path):
+    result = _run("generate", "-m", str(smollm2_path), "-p", "What is the capital of France?", "--verbose")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "The capital of France is Paris."
+    assert "tok/s" in result.stderr and "TTFT" in result.stderr
+
+
+def test_prompt_from_stdin_and_stop_string(smollm2_path):
+    result = _run(
+        "generate",
+        "-m",
+        str(smollm2_path),
+        "-p",
+        "-",
+        "--stop",
+        " is",
+        input_text="What is the capital of France?",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "The capital of France"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["generate", "-m", "/nonexistent/model.gguf", "-p", "hi"], "no such file or folder"),
+        (["generate", "-m", "{model}", "-p", "hi", "--top-p", "0"], "top_p"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(smollm2_path, args, message):
+    result = _run(*[a.format(model=smollm2_path) for a in args])
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_too_long_request_names_both_numbers(smollm2):
+    engine = Engine(smollm2.model, smollm2.tokenizer, smollm2.max_context, EngineConfig(kv_memory=0.05))
+    with pytest.raises(ContextTooLong, match=r"prompt \(3 tokens\) plus max_tokens \(9000\).*8192"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=9000))
+
+
+def test_interactive_chat_two_turns_and_reset(smollm2_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TERM": "dumb", "COLUMNS": "200"}
+    child = pexpect.spawn(
+        CLI[0],
+        [*CLI[1:], "generate", "-m", str(smollm2_path), "--max-tokens", "24"],
+        env=env,
+        encoding="utf-8",
+        timeout=180,
+    )
+    try:
+        child.expect(">>> ")
+        child.sendline("What is the capital of France?")
+        child.expect("Paris")
+        child.expect(r"generation: \d+ tokens")
+        child.expect(">>> ")
+        child.sendline("And of Germany?")
+        child.expect(r"prompt: (\d+) tokens \((\d+) cached\)")
+        prompt_tokens, cached = int(child.match.group(1)), int(child.match.group(2))
+        # The second turn reuses the first turn's KV blocks: all but the new message and a partial block.
+        assert cached >= prompt_tokens - 16 - 12, (prompt_tokens, cached)
+        child.expect(">>> ")
+        child.sendline("/reset")
+        child.expect("conversation cleared")
+        child.expect(">>> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
