@@ -6,6 +6,7 @@ import argparse
 
 from mlx_infer.engine.engine import EngineConfig
 from mlx_infer.engine.scheduler import SchedulerConfig
+from mlx_infer.errors import InvalidRequest
 from mlx_infer.sampling import SamplingParams
 
 
@@ -53,6 +54,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int) -> 
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    positive = {
+        "--block-size": args.block_size,
+        "--max-num-seqs": args.max_num_seqs,
+        "--max-num-batched-tokens": args.max_num_batched_tokens,
+        "--kv-memory": 1 if args.kv_memory is None else args.kv_memory,
+        "--max-context": 1 if args.max_context is None else args.max_context,
+    }
+    for flag, value in positive.items():
+        if value <= 0:
+            raise InvalidRequest(f"{flag} must be positive, not {value}")
     return EngineConfig(
         block_size=args.block_size,
         kv_memory=args.kv_memory,

@@ -32,12 +32,13 @@ def run(args: argparse.Namespace) -> int:
 
     params = cli_options.sampling_params(args)
     params.validate()  # before the model loads: bad flags fail at once
+    config = cli_options.engine_config(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     loaded = load(args.model, keep_quantized=args.keep_quantized or None)
     err = Console(stderr=True, highlight=False)
     if args.verbose or prompt is None:
         err.print(f"[dim]{loaded.source}: {loaded.weight_policy}[/dim]", soft_wrap=True)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.max_context, cli_options.engine_config(args))
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.max_context, config)
     use_template = not args.no_chat_template and loaded.tokenizer.has_chat_template
     if not use_template and not args.no_chat_template and prompt is None:
         raise InvalidRequest("this model has no chat template; use --no-chat-template for raw text")
