@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -215,3 +216,22 @@ def test_dispatch_is_the_reference_off_metal():
     assert dispatch.paged_attention is reference.paged_attention
     assert dispatch.quantized_matmul is reference.quantized_matmul
     assert dispatch.gguf_matmul is gguf_reference.gguf_matmul
+
+
+@needs_emulator
+@pytest.mark.skipif(os.environ.get("MLX_INFER_EMULATOR_TSAN") != "1",
+                    reason="ThreadSanitizer builds need zig's TSan runtime (about 8 minutes to build once); "
+                           "set MLX_INFER_EMULATOR_TSAN=1")
+def test_kernels_are_race_free_under_thread_sanitizer():
+    tsan = Emulator(tsan=True).launch
+    queries, keys, values, meta = attention_case([1, 17, 40], [1, 1, 1], 4, 2, 64, mx.float16)
+    f32 = [a.astype(mx.float32) for a in (queries, keys, values)]
+    expect = reference.paged_attention(*f32, meta, 0.125)
+    for partition_keys in (None, 16):
+        out = pa.paged_attention(queries, keys, values, meta, 0.125, launch=tsan,
+                                 partition_keys=partition_keys)
+        assert float(mx.abs(out.astype(mx.float32) - expect).max()) < ATOL[mx.float16]
+    x, wq, scales, biases, bias, residual = affine_case(4, 32, mx.float32)
+    out = quantized.affine_matvec(x, wq, scales, biases, 32, 4, bias, residual, launch=tsan)
+    expect = reference.quantized_matmul(x, wq, scales, biases, 32, 4, bias, residual)
+    assert float(mx.abs(out - expect).max()) < 1e-4

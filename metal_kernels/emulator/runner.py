@@ -113,7 +113,8 @@ def _failure(spec: KernelSpec, unit: Translation, proc: subprocess.CompletedProc
              ) -> errors.EmulatorError:
     stderr = proc.stderr
     if "ThreadSanitizer: data race" in stderr:
-        where = sorted(set(re.findall(r"kernel\.metal:(\d+)", stderr)), key=int)
+        where = sorted({n for n in re.findall(r"kernel\.metal:(\d+)", stderr)
+                        if int(n) <= len(unit.source_lines)}, key=int)
         lines = "; ".join(f"line {n}: {_line(unit, int(n))}" for n in where[:4])
         return errors.DataRace(f"kernel {spec.name}: ThreadSanitizer data race at {lines}")
     match = re.search(r"MTL-EMU-ERROR (\w+) (.*)", stderr)

@@ -68,7 +68,7 @@ struct Worker {
   int arena_ids[64];
   unsigned arena_offsets[64];
   int n_arena = 0;
-  TSAN(void* tsan_sched = nullptr; char tg_sync[2][8]; char run_sync[2][8]; unsigned tg_parity = 0);
+  TSAN(void* tsan_sched = nullptr; char tg_sync[2][8]; char run_sync[1][8]);
 };
 
 struct Buffer {
@@ -209,9 +209,8 @@ void yield_to_scheduler() {
 void fiber_main() {
   Worker* w = t_worker;
   Fiber* f = w->current;
-  TSAN(__tsan_acquire(w->run_sync[(w->tg_parity + 1) % 2]));  // after the previous threadgroup
   __mtl_kernel_entry(g_ptrs, &f->ids);
-  TSAN(__tsan_release(w->run_sync[w->tg_parity % 2]));
+  TSAN(__tsan_release(w->run_sync[0]));  // the scheduler acquires it before reusing stacks and arena
   f->state = DONE;
   yield_to_scheduler();
   __builtin_trap();
@@ -227,7 +226,11 @@ void run_threadgroup(Worker* w, unsigned gx, unsigned gy, unsigned gz) {
   unsigned n_simd = (n + kLanes - 1) / kLanes;
   w->arena_used = 0;
   w->n_arena = 0;
-  TSAN(w->tg_parity++);
+  // The previous threadgroup's accesses happen before this one reuses the stacks and the arena;
+  // switching into a fiber with sync hands that on. NaN in every float type: uninitialised
+  // threadgroup memory reads show up in the outputs.
+  TSAN(__tsan_acquire(w->run_sync[0]));
+  memset(w->arena, 0xff, kThreadgroupMemoryLimit);
   for (unsigned i = 0; i < w->n_threads; i++) w->fibers[i].state = DONE;
   for (unsigned i = 0; i < n; i++) {
     Fiber& f = w->fibers[i];
@@ -329,6 +332,8 @@ void* worker_main(void* arg) {
     if (g >= total) break;
     run_threadgroup(w, g % g_groups[0], (g / g_groups[0]) % g_groups[1], g / (g_groups[0] * g_groups[1]));
   }
+  // Everything the kernel wrote happens before the main thread reads the outputs (after join).
+  TSAN(__tsan_acquire(w->run_sync[0]));
   return nullptr;
 }
 
@@ -412,7 +417,6 @@ extern "C" void* __mtl_threadgroup_alloc(int id, unsigned size, unsigned align) 
   unsigned off = (w->arena_used + align - 1) / align * align;
   if (off + size > kThreadgroupMemoryLimit || w->n_arena == 64)
     fail("threadgroup_memory", "threadgroup memory exceeds %u bytes", kThreadgroupMemoryLimit);
-  memset(w->arena + off, 0xff, size);  // NaN in every float type: uninitialised reads show up
   w->arena_ids[w->n_arena] = id;
   w->arena_offsets[w->n_arena++] = off;
   w->arena_used = off + size;
