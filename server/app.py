@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -65,10 +66,17 @@ class OpenAIServer:
             Route("/v1/chat/completions", self.guarded(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self.guarded(self.completions), methods=["POST"]),
         ]
-        return Starlette(routes=routes, middleware=middleware, exception_handlers={404: self._not_found})
+        return Starlette(
+            routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error}
+        )
 
-    async def _not_found(self, request: Request, exc: Exception) -> Response:
-        return error_response(404, f"no route {request.method} {request.url.path}")
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        # Routing errors (unknown path 404, wrong method 405) answer in OpenAI's error format too.
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        else:
+            message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(exc.status_code, message, headers=exc.headers)
 
     def guarded(self, handler):
         """Bearer-key check, JSON parsing and typed-error mapping around an API handler."""
