@@ -19,7 +19,7 @@ from mlx_infer.models.base import BatchMetadata
 
 from .traffic import Traffic
 
-CAPACITY = 512  # int32s in the first message: a decode step of a few dozen sequences fits
+CAPACITY = 128  # int32s in the first message: a decode step of about a dozen sequences fits
 _STEP, _STOP = 1, 2
 _HEAD = 2  # kind, payload length
 

@@ -72,6 +72,7 @@ print(json.dumps(dict(system=platform.system(), thunderbolt=thunderbolt(), resul
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["check"], help="check: reachability and interfaces per host pair")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--hosts", help="comma-separated hosts, as for launch")
     where.add_argument("--hostfile", help="an MLX host file (JSON)")
@@ -127,7 +128,7 @@ def _probe(host: hf.Host, args: argparse.Namespace, targets: list[list]) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mlx-infer hosts check", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mlx-infer hosts", description=__doc__)
     add_arguments(parser)
     try:
         return run(parser.parse_args(argv))

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import select
 import shlex
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from .runtime import BACKEND_ENV, STRATEGIES, STRATEGY_ENV, TEMP_PREFIX
 DEFAULT_SSH = "ssh -tt -o LogLevel=QUIET -o BatchMode=yes"
 DEFAULT_PORT = 32323
 STOP_GRACE_S = 3.0
+PARTIAL_LINE_S = 0.1  # a partial line waits this long for the rest of its line
 _LINES = re.compile(b"(?<=\n)")  # split after each newline, keeping it
 # Passed on to every rank when set here (ssh does not carry the environment).
 FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "MLX_INFER_BLAS", "MLX_INFER_KERNELS", "MLX_INFER_DEBUG")
@@ -222,19 +224,28 @@ class Launcher:
                 return
 
     def _forward(self, rank: int, stream, out) -> None:
+        """Copy a rank's output with ``[rank N]`` before each line, whole lines at a time so ranks do not
+        interleave mid-line; a partial line (streamed tokens) goes out once the rank pauses."""
         prefix = f"[rank {rank}] ".encode()
-        at_line_start = True
-        fd = stream.fileno()
-        while chunk := os.read(fd, 65536):
-            chunk = chunk.replace(b"\r\n", b"\n")  # ssh -tt's terminal line endings
+        fd, held, at_line_start = stream.fileno(), b"", True
+        while True:
+            ready = select.select([fd], [], [], PARTIAL_LINE_S)[0]
+            chunk = os.read(fd, 65536) if ready else b""
+            held += chunk.replace(b"\r\n", b"\n")  # ssh -tt's terminal line endings
+            # Whole lines while output flows; the rest too once the rank pauses or ends.
+            cut = held.rfind(b"\n") + 1 if chunk else len(held)
             text = bytearray()
-            for piece in _LINES.split(chunk):
+            for piece in _LINES.split(held[:cut]):
                 if piece:
                     text += prefix + piece if at_line_start else piece
                     at_line_start = piece.endswith(b"\n")
-            with self.lock:
-                out.buffer.write(bytes(text))
-                out.buffer.flush()
+            held = held[cut:]
+            if text:
+                with self.lock:
+                    out.buffer.write(bytes(text))
+                    out.buffer.flush()
+            if ready and not chunk:
+                return
 
     def _note(self, message: str) -> None:
         with self.lock:

@@ -558,6 +558,7 @@ def test_hosts_check_across_namespaces(netns):
             PY,
             "-m",
             "mlx_infer.distributed.hosts",
+            "check",
             "--hosts",
             netns["hosts"],
             "--ssh",
