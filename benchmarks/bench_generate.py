@@ -30,6 +30,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from mlx_infer import blas  # noqa: E402
+from mlx_infer.loading import load  # noqa: E402
 
 PEERS = ("mlx-lm", "llama.cpp")
 
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = hardware.read_bandwidth()
     console.print(f"memory read bandwidth (1 thread): {bandwidth / 1e9:.1f} GB/s")
 
-    lm = run_mlx_infer.load_model(args.model, args.keep_quantized)
+    lm = load(args.model, keep_quantized=args.keep_quantized)
     if lm.weight_policy:
         console.print(lm.weight_policy)
     results = run_mlx_infer.run(lm, args.p, args.n, args.r, args.b)

@@ -23,7 +23,7 @@ from mlx_infer import blas
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.runner import activation_dtype, kv_bytes_per_token
 from mlx_infer.engine.scheduler import SchedulerConfig
-from mlx_infer.loading import LoadedModel, load
+from mlx_infer.loading import LoadedModel
 from mlx_infer.sampling import SamplingParams
 
 
@@ -36,10 +36,6 @@ class OpProfile:
     @property
     def ops_per_token(self) -> float:
         return self.ops_per_step / self.batch
-
-
-def load_model(model: str, keep_quantized: bool | None) -> LoadedModel:
-    return load(model, keep_quantized=keep_quantized)
 
 
 def weight_bytes_per_step(model: nn.Module) -> int:
