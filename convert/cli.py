@@ -1,0 +1,58 @@
+"""``mlx-infer convert``: arguments and entry point.
+
+``mlx_infer.cli`` wires ``add_arguments`` and ``run`` in as the ``convert`` subcommand and turns the typed
+errors ``run`` raises into one line and an exit code; ``python -m mlx_infer.convert.cli`` does the same
+on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mlx_infer.errors import MlxInferError
+
+from .pipeline import DTYPES, Options, convert
+from .quant import MODES, RECIPES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # No argparse ``choices`` for the quantization options: ``run`` validates them (and their
+    # combinations) and raises a typed error, so bad values fail in one line like every other error.
+    parser.add_argument("--model", required=True, help="Hugging Face / MLX folder, Hub repo id or .gguf file")
+    parser.add_argument("--out", required=True, type=Path, help="output folder (refused if it exists)")
+    parser.add_argument("--q-bits", type=int, help="affine 2,3,4,5,6,8 (default 4); mxfp4/nvfp4 4; mxfp8 8")
+    parser.add_argument("--q-group-size", type=int, help="affine 32,64,128 (default 64); mx* 32; nvfp4 16")
+    parser.add_argument("--q-mode", help=f"quantization mode: {', '.join(MODES)} (default affine)")
+    parser.add_argument("--recipe", help=f"mixed precision, Q4_K_M style: {', '.join(RECIPES)}")
+    parser.add_argument("--dtype", help=f"floating-point weights and scales: {', '.join(DTYPES)} "
+                                        "(default: the config's torch_dtype, else the source's)")
+    parser.add_argument("--dequantize", action="store_true", help="write every layer in floating point")
+    parser.add_argument("--force", action="store_true", help="replace an existing output folder")
+    parser.add_argument("--eval-file", type=Path, help="text to measure quality on (default: shipped prose)")
+    parser.add_argument("--eval-tokens", type=int, default=1024, help="tokens of it to use (default 1024)")
+    parser.add_argument("--no-eval", action="store_true", help="skip the quality report's evaluation")
+
+
+def run(args: argparse.Namespace) -> int:
+    convert(Options(
+        model=args.model, out=args.out, q_bits=args.q_bits, q_group_size=args.q_group_size,
+        q_mode=args.q_mode, recipe=args.recipe, dtype=args.dtype, dequantize=args.dequantize,
+        force=args.force, eval_file=args.eval_file, eval_tokens=args.eval_tokens, no_eval=args.no_eval,
+    ))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mlx-infer convert", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except MlxInferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""``mlx-infer convert``: every mode on a tiny model, the real SmolLM2 through mlx-infer and mlx-lm."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import TINY_LLAMA_CONFIG, TINY_WORDS, make_tiny_llama, write_hf_folder
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_infer.convert import cli, output
+from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.errors import InvalidRequest, ModelNotFound
+from mlx_infer.loading import load
+from mlx_infer.models.base import LayerKV
+
+
+def convert(model: str | Path, out: Path, *flags: str) -> dict:
+    """Run the subcommand as the CLI would; return the saved report."""
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args(["--model", str(model), "--out", str(out), *flags])) == 0
+    return json.loads((out / "quantization_report.json").read_text())
+
+
+@pytest.fixture
+def eval_file(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    path = tmp_path / "eval.txt"
+    path.write_text(" ".join(TINY_WORDS[i] for i in rng.integers(3, len(TINY_WORDS), 200)))
+    return path
+
+
+def float_weights(folder: Path) -> dict[str, np.ndarray]:
+    """The weights mlx-infer's loader gives for ``folder`` (dequantized to float32 on the CPU)."""
+    return {k: np.array(v) for k, v in tree_flatten(load(str(folder)).model.parameters())}
+
+
+# Relative error (Frobenius) that rounding a Gaussian-like weight to each grid stays below, with margin.
+RELATIVE_ERROR = {("affine", 2): 0.6, ("affine", 3): 0.3, ("affine", 4): 0.15, ("affine", 5): 0.07,
+                  ("affine", 6): 0.035, ("affine", 8): 0.01, ("mxfp4", 4): 0.25, ("nvfp4", 4): 0.2,
+                  ("mxfp8", 8): 0.06}
+
+
+@pytest.mark.parametrize(
+    "mode,bits,group",
+    [("affine", b, 32) for b in (2, 3, 4, 5, 6, 8)]
+    + [("affine", 4, 64), ("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)],
+)
+def test_every_mode_and_bit_width(tiny_llama_folder: Path, tmp_path: Path, eval_file: Path,
+                                  mode: str, bits: int, group: int):
+    out = tmp_path / "out"
+    report = convert(tiny_llama_folder, out, "--q-mode", mode, "--q-bits", str(bits), "--q-group-size",
+                     str(group), "--eval-file", str(eval_file))
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": group, "bits": bits, "mode": mode}
+    assert config["quantization_config"] == config["quantization"]
+    saved = mx.load(str(out / "model.safetensors"))
+    assert saved["model.layers.0.mlp.up_proj.weight"].dtype == mx.uint32
+    assert ("model.layers.0.mlp.up_proj.biases" in saved) == (mode == "affine")
+
+    # Oracle: each source weight through MLX's own quantize/dequantize with the requested parameters:
+    # the converted (saved, reloaded, dequantized) weight must be exactly that, and close to the source.
+    source, converted = float_weights(tiny_llama_folder), float_weights(out)
+    assert source.keys() == converted.keys()
+    for name, w in source.items():
+        if w.ndim == 1:
+            assert np.array_equal(converted[name], w), name  # norms are not quantized (and stay float32)
+            continue
+        packed = mx.quantize(mx.array(w), group, bits, mode=mode)
+        expected = mx.dequantize(*packed, group_size=group, bits=bits, mode=mode)
+        assert np.array_equal(converted[name], np.array(expected.astype(mx.float32))), name
+        assert np.linalg.norm(converted[name] - w) / np.linalg.norm(w) < RELATIVE_ERROR[mode, bits], name
+
+    q = report["evaluation"]
+    assert 0 <= q["kl_mean"] <= q["kl_max"] and 0 <= q["top1_agreement"] <= 1
+    assert q["ppl_source"] > 1 and q["ppl_output"] > 1
+    assert report["bits_per_weight"]["output"] < 32
+
+
+def test_more_bits_less_divergence(tiny_llama_folder: Path, tmp_path: Path, eval_file: Path):
+    kl = {b: convert(tiny_llama_folder, tmp_path / f"q{b}", "--q-bits", str(b), "--q-group-size", "32",
+                     "--eval-file", str(eval_file))["evaluation"]["kl_mean"] for b in (2, 4, 8)}
+    assert kl[8] < kl[4] < kl[2]
+
+
+def test_self_conversion_is_exact(tiny_llama_folder: Path, tmp_path: Path, eval_file: Path):
+    out = tmp_path / "copy"
+    report = convert(tiny_llama_folder, out, "--eval-file", str(eval_file))
+    assert report["evaluation"]["kl_mean"] == 0 and report["evaluation"]["kl_max"] == 0
+    assert report["evaluation"]["top1_agreement"] == 1
+    assert report["evaluation"]["ppl_source"] == report["evaluation"]["ppl_output"]
+    assert "quantization" not in json.loads((out / "config.json").read_text())
+    src, dst = mx.load(str(tiny_llama_folder / "model.safetensors")), mx.load(str(out / "model.safetensors"))
+    assert src.keys() == dst.keys() and all(mx.array_equal(src[k], dst[k]) for k in src)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # copied from the HF folder as they are
+        assert (out / name).read_bytes() == (tiny_llama_folder / name).read_bytes()
+
+
+def test_recipe_and_dequantize(tmp_path: Path, eval_file: Path):
+    config = {**TINY_LLAMA_CONFIG, "num_hidden_layers": 8}
+    src = write_hf_folder(tmp_path / "src", dict(tree_flatten(make_tiny_llama(1, num_hidden_layers=8)
+                                                              .parameters())), config)
+    mixed = tmp_path / "mixed"
+    report = convert(src, mixed, "--recipe", "mixed_3_6", "--q-group-size", "32",
+                     "--eval-file", str(eval_file))
+    quant = json.loads((mixed / "config.json").read_text())["quantization"]
+    defaults = {k: quant[k] for k in ("group_size", "bits", "mode")}
+    assert defaults == {"group_size": 32, "bits": 3, "mode": "affine"}
+    # Q4_K_M's choice for 8 layers: v_proj/down_proj of layers 0, 3, 6, 7 (first/last eighth, every third).
+    high = {f"model.layers.{i}.{m}" for i in (0, 3, 6, 7) for m in ("self_attn.v_proj", "mlp.down_proj")}
+    high |= {"model.embed_tokens", "lm_head"}
+    overrides = {k for k in quant if k.startswith(("model.", "lm_head"))}
+    assert overrides == high and all(quant[k]["bits"] == 6 for k in high)
+    saved = mx.load(str(mixed / "model.safetensors"))
+    assert saved["lm_head.weight"].shape == (64, 64 * 6 // 32)
+    assert saved["model.layers.1.mlp.down_proj.weight"].shape == (64, 128 * 3 // 32)
+    assert 3 < report["bits_per_weight"]["output"] < 6
+    load(str(mixed))  # the overrides rebuild the right shapes
+
+    plain = tmp_path / "plain"
+    convert(mixed, plain, "--dequantize", "--dtype", "float32", "--no-eval")
+    assert "quantization" not in json.loads((plain / "config.json").read_text())
+    dequantized = mx.load(str(plain / "model.safetensors"))
+    assert not any(k.endswith(".scales") for k in dequantized)
+    assert np.array_equal(float_weights(plain)["lm_head.weight"], float_weights(mixed)["lm_head.weight"])
+
+
+def test_layers_the_group_does_not_divide_stay_unquantized(tiny_llama_folder: Path, tmp_path: Path):
+    report = convert(tiny_llama_folder, tmp_path / "g128", "--q-group-size", "128", "--no-eval")
+    left = {u["layer"] for u in report["unquantized_layers"]}
+    # Only down_proj has 128 inputs; everything with 64 inputs stays in floating point.
+    assert "model.layers.0.mlp.down_proj" not in left and "model.layers.0.self_attn.q_proj" in left
+    assert "lm_head" in left and "model.embed_tokens" in left
+    saved = mx.load(str(tmp_path / "g128" / "model.safetensors"))
+    assert saved["model.layers.0.mlp.down_proj.weight"].dtype == mx.uint32
+    assert saved["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float32
+    load(str(tmp_path / "g128"))
+
+
+def test_shards_index_and_force(tiny_llama_folder: Path, tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(output, "MAX_SHARD_BYTES", 40_000)
+    out = tmp_path / "sharded"
+    report = convert(tiny_llama_folder, out, "--q-bits", "8", "--no-eval")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) == report["shards"] > 1
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    for shard in shards:
+        assert (out / shard).stat().st_size <= 40_000 + 4096  # tensor bytes within the limit, plus header
+        assert set(mx.load(str(out / shard))) == {k for k, v in index["weight_map"].items() if v == shard}
+    saved = [v for shard in shards for v in mx.load(str(out / shard)).values()]
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in saved)
+    with pytest.raises(InvalidRequest, match="already exists"):
+        convert(tiny_llama_folder, out, "--no-eval")
+    monkeypatch.undo()
+    convert(tiny_llama_folder, out, "--no-eval", "--force")
+    assert (out / "model.safetensors").exists() and not (out / shards[0]).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sharded", "tiny-llama"]
+
+
+def test_interrupted_write_leaves_nothing(tiny_llama_folder: Path, tmp_path: Path, monkeypatch):
+    real_save = mx.save_safetensors
+
+    def save_then_fail(path, arrays, metadata=None):
+        real_save(path, arrays, metadata=metadata)
+        raise KeyboardInterrupt  # as Ctrl-C between two shards
+
+    monkeypatch.setattr(output, "MAX_SHARD_BYTES", 40_000)
+    monkeypatch.setattr(output.mx, "save_safetensors", save_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_llama_folder, tmp_path / "out", "--q-bits", "4", "--no-eval")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
+
+    # With --force over an existing folder, a failure keeps the old folder as it was.
+    monkeypatch.setattr(output.mx, "save_safetensors", real_save)
+    convert(tiny_llama_folder, tmp_path / "out", "--no-eval")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    monkeypatch.setattr(output.mx, "save_safetensors", save_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_llama_folder, tmp_path / "out", "--q-bits", "4", "--no-eval", "--force")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny-llama"]
+
+
+@pytest.mark.parametrize(
+    "flags,error,message",
+    [
+        (["--q-mode", "int4"], InvalidRequest, "unknown quantization mode 'int4'"),
+        (["--q-bits", "7"], InvalidRequest, "--q-bits 7 is not supported by mode affine"),
+        (["--q-mode", "mxfp4", "--q-bits", "8"], InvalidRequest, "not supported by mode mxfp4"),
+        (["--q-group-size", "48"], InvalidRequest, "--q-group-size 48 is not supported"),
+        (["--recipe", "mixed_4_6", "--q-mode", "mxfp8"], InvalidRequest, "recipe mixed_4_6"),
+        (["--q-bits", "4", "--dequantize"], InvalidRequest, "--dequantize"),
+        (["--dtype", "float64"], InvalidRequest, "unknown --dtype"),
+    ],
+)
+def test_bad_options_fail_before_loading(tmp_path: Path, flags, error, message):
+    with pytest.raises(error) as info:  # the model does not exist: options are checked first
+        convert(tmp_path / "no-such-model", tmp_path / "out", *flags)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_sources_and_targets(tiny_llama_folder: Path, tmp_path: Path):
+    with pytest.raises(ModelNotFound, match="no such file or folder"):
+        convert(tmp_path / "missing", tmp_path / "out")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(InvalidRequest, match="cannot write to"):
+        convert(tiny_llama_folder, blocker / "out", "--no-eval")
+    with pytest.raises(InvalidRequest, match="overwrite the source"):
+        convert(tiny_llama_folder, tiny_llama_folder, "--force", "--no-eval")
+    # Input sizes 48 and 96 (hidden, intermediate): a group of 64 divides neither.
+    config = {**TINY_LLAMA_CONFIG, "hidden_size": 48, "intermediate_size": 96}
+    odd = write_hf_folder(tmp_path / "odd", dict(tree_flatten(
+        make_tiny_llama(0, hidden_size=48, intermediate_size=96).parameters())), config)
+    with pytest.raises(InvalidRequest, match="group size 64 divides no layer's input size"):
+        convert(odd, tmp_path / "out", "--q-bits", "4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "odd", "tiny-llama"]
+
+
+def test_cli_exits_with_one_line(tmp_path: Path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_infer.convert.cli", "--model", str(tmp_path),
+         "--out", str(tmp_path / "o"), "--q-bits", "7"], capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == InvalidRequest.exit_code != 0
+    assert proc.stderr.strip().splitlines() == ["error: --q-bits 7 is not supported by mode affine "
+                                                "(allowed: 2, 3, 4, 5, 6, 8)"]
+
+
+# --------------------------------------------------------------------------------- the real model
+PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2_converted(smollm2_path: Path, tmp_path_factory) -> dict[int, tuple[Path, dict]]:
+    root = tmp_path_factory.mktemp("smollm2")
+    return {bits: (root / f"q{bits}", convert(smollm2_path, root / f"q{bits}", "--q-bits", str(bits),
+                                              "--q-group-size", "64", "--eval-tokens", "128"))
+            for bits in (4, 8)}
+
+
+def greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens through the engine-free path: one prefill, then one token per step, paged KV."""
+    bs, blocks = 16, -(-(len(prompt) + n) // 16)
+    n_kv, head_dim = model.kv_shape()
+    cache = [LayerKV(blocks, bs, n_kv, head_dim, mx.float32) for _ in model.layers]
+    tokens, done, out = prompt, 0, []
+    for _ in range(n):
+        logits = model(mx.array(tokens), cache, build_metadata([SequenceSlice(list(range(blocks)), done,
+                                                                              len(tokens))], bs))
+        out.append(int(mx.argmax(logits[-1]).item()))
+        done, tokens = done + len(tokens), out[-1:]
+    return out
+
+
+def mlx_lm_greedy(folder: Path, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
+    """mlx-lm's load of ``folder`` (its model code, its config reading, its tokenizer), quantized layers
+    dequantized to float32 as mlx-infer's CPU policy does: mlx-lm's quantized matmuls run in float16 on
+    the CPU and take minutes for 16 tokens here. Returns (greedy tokens, its encoding of the prompt)."""
+    from mlx_lm import load as lm_load
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = lm_load(str(folder))
+    floats = []
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(m.weight, m.scales.astype(mx.float32), m.biases.astype(mx.float32),
+                              group_size=m.group_size, bits=m.bits, mode=m.mode)
+            f = nn.Embedding(*w.shape) if isinstance(m, nn.QuantizedEmbedding) else nn.Linear(*w.shape[::-1])
+            f.weight = w
+            floats.append((path, f))
+    model.update_modules(tree_unflatten(floats))
+    model.update(tree_unflatten([(k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())]))
+    steps = zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n))
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True)
+    return [int(t) for (t, _), _ in steps], list(ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [4, 8])
+def test_smollm2_round_trip_through_mlx_infer_and_mlx_lm(smollm2_converted, bits: int):
+    pytest.importorskip("mlx_lm")
+    folder, report = smollm2_converted[bits]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": bits, "mode": "affine"}
+    assert report["unquantized_layers"] == []  # 576 and 1536 inputs: all divisible by 64
+    ours = load(str(folder))
+    prompt = ours.tokenizer.encode_chat(PROMPT)
+    tokens = greedy(ours.model, prompt, 16)
+    theirs, their_prompt = mlx_lm_greedy(folder, prompt, 16)
+    assert their_prompt == prompt  # the tokenizer built from GGUF metadata reads the same in transformers
+    assert tokens == theirs
+
+
+@pytest.mark.slow
+def test_smollm2_quality_report(smollm2_converted):
+    (_, q4), (_, q8) = smollm2_converted[4], smollm2_converted[8]
+    e4, e8 = q4["evaluation"], q8["evaluation"]
+    assert e4["tokens"] == e8["tokens"] == 127
+    assert 0 <= e8["kl_mean"] < e4["kl_mean"] and e8["kl_p99"] < e4["kl_p99"]
+    assert 0 <= e4["top1_agreement"] <= e8["top1_agreement"] <= 1 and e8["top1_agreement"] > 0.9
+    assert e4["ppl_source"] == pytest.approx(e8["ppl_source"], rel=1e-5)  # same source, same tokens
+    assert abs(e8["ppl_output"] - e8["ppl_source"]) < abs(e4["ppl_output"] - e4["ppl_source"])
+    assert 4.4 < q4["bits_per_weight"]["output"] < 4.6 and 8.4 < q8["bits_per_weight"]["output"] < 8.6
+    assert q4["disk_bytes"]["output"] < q8["disk_bytes"]["output"] < 2 * q4["disk_bytes"]["output"]
