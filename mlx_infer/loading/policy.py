@@ -75,13 +75,14 @@ def _dequantize(model: nn.Module, dtype: mx.Dtype | None) -> None:
     for path, m in model.named_modules():
         if not isinstance(m, QUANTIZED):
             continue
-        out_dtype = dtype or m.scales.dtype
         # Scales/biases widened first so that the dequantized values are computed in float32, not in
-        # the float16 GGUF scales come in.
+        # the float16 GGUF scales come in. The microscaling modes' scales are uint8 exponents: kept.
+        floating = mx.issubdtype(m.scales.dtype, mx.floating)
+        out_dtype = dtype or (m.scales.dtype if floating else mx.float16)
         biases = m.get("biases")
         w = mx.dequantize(
             m.weight,
-            m.scales.astype(mx.float32),
+            m.scales.astype(mx.float32) if floating else m.scales,
             None if biases is None else biases.astype(mx.float32),
             group_size=m.group_size,
             bits=m.bits,
