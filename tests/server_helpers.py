@@ -1,0 +1,109 @@
+"""A live ``mlx-infer serve`` in a subprocess, and small readers of its endpoints, for the server tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+# SmolLM2-135M computes in float32: 30 layers x (K and V) x 3 KV heads x 64 dims x 4 bytes.
+SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_gib_for_blocks(num_blocks: int, block_size: int = 16) -> float:
+    """The ``--kv-memory`` that yields exactly ``num_blocks`` blocks (half a block of slack for rounding)."""
+    return (num_blocks + 0.5) * block_size * SMOLLM2_KV_BYTES_PER_TOKEN / 2**30
+
+
+class LiveServer:
+    """``mlx-infer serve -m MODEL ARGS`` on a free loopback port; ``stop()`` terminates it."""
+
+    def __init__(self, model: Path, *args: str, name: str = "smollm2", startup_timeout: float = 180.0):
+        self.name = name
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="mlx-infer-serve-", suffix=".log", delete=False)
+        command = [
+            sys.executable,
+            "-m",
+            "mlx_infer.cli",
+            "serve",
+            "-m",
+            str(model),
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            name,
+            *args,
+        ]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._wait_healthy(startup_timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server did not become healthy in {timeout:.0f} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")[-4000:]
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.base_url}/metrics", timeout=10).text)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        Path(self._log.name).unlink(missing_ok=True)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format -> {sample name with labels: value} (comments skipped)."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def wait_for_idle(server: LiveServer, timeout: float = 10.0) -> dict[str, float]:
+    """Poll /metrics until no request runs or waits and no KV block is referenced; returns the last read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        idle = (
+            m["mlx_infer_kv_blocks_used"] == 0
+            and m["mlx_infer_requests_running"] == 0
+            and m["mlx_infer_requests_waiting"] == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)

@@ -1,0 +1,375 @@
+"""``mlx-infer serve`` on the real SmolLM2 model, driven by the official ``openai`` client.
+
+One server per module (a subprocess on a free loopback port). Token counts are checked against the
+tokenizer read straight from the GGUF, texts against the same request served alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_helpers import LiveServer, wait_for_idle
+
+from mlx_infer.loading.gguf_file import read_header
+from mlx_infer.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(300)
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE_ANSWER = "The capital of France is Paris."  # greedy, see /work/shared/MODELS.md
+LOGPROB_EPS = 1e-4
+METRIC_NAMES = [
+    "mlx_infer_requests_running",
+    "mlx_infer_requests_waiting",
+    "mlx_infer_kv_blocks_total",
+    "mlx_infer_kv_blocks_used",
+    "mlx_infer_kv_blocks_cached",
+    "mlx_infer_prefix_cache_hit_rate",
+    "mlx_infer_generation_tokens_total",
+    "mlx_infer_generation_tokens_per_second",
+    "mlx_infer_time_to_first_token_seconds_bucket",
+    "mlx_infer_time_per_output_token_seconds_bucket",
+]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path: Path):
+    live = LiveServer(smollm2_path, "--kv-memory", "0.5")
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(read_header(smollm2_path).metadata)
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def async_client(server: LiveServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+def n_tokens(tok: Tokenizer, text: str) -> int:
+    return len(tok.encode(text, add_special_tokens=False))
+
+
+def random_words(seed: int, count: int) -> str:
+    rng = random.Random(seed)
+    words = [
+        "river",
+        "stone",
+        "lamp",
+        "orbit",
+        "maple",
+        "violet",
+        "copper",
+        "harbor",
+        "meadow",
+        "signal",
+        "candle",
+        "glacier",
+        "thunder",
+        "pepper",
+        "saddle",
+        "window",
+        "lantern",
+        "marble",
+        "falcon",
+    ]
+    return " ".join(rng.choice(words) for _ in range(count))
+
+
+# ---- simple routes --------------------------------------------------------------------------------
+def test_models_health_and_metrics(server: LiveServer, client: openai.OpenAI):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for name in METRIC_NAMES:
+        assert f"\n{name}" in text, name
+    assert server.metrics()["mlx_infer_kv_blocks_total"] > 0
+
+
+# ---- chat -----------------------------------------------------------------------------------------
+def test_chat_usage_equals_tokenizer_counts(client: openai.OpenAI, tok: Tokenizer):
+    r = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=32)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == FRANCE_ANSWER
+    assert choice.finish_reason == "stop"
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.usage.prompt_tokens == len(tok.encode_chat(FRANCE))
+    # The end-of-turn token that stopped generation counts as a completion token (as in OpenAI and vLLM).
+    assert r.usage.completion_tokens == n_tokens(tok, FRANCE_ANSWER) + 1
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streaming_matches_non_streaming(client: openai.OpenAI, tok: Tokenizer):
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2",
+            messages=FRANCE,
+            temperature=0,
+            max_tokens=32,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with_choices = [c for c in chunks if c.choices]
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == FRANCE_ANSWER
+    assert [c.choices[0].finish_reason for c in with_choices][-1] == "stop"
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    # include_usage: every chunk has usage null except a last one with no choices.
+    assert all(c.usage is None for c in with_choices)
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage.prompt_tokens == len(tok.encode_chat(FRANCE))
+    assert last.usage.completion_tokens == n_tokens(tok, FRANCE_ANSWER) + 1
+
+
+def test_chat_max_completion_tokens_gives_length(client: openai.OpenAI, tok: Tokenizer):
+    r = client.chat.completions.create(
+        model="smollm2", messages=FRANCE, temperature=0, max_completion_tokens=3
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 3
+    assert r.choices[0].message.content == tok.decode(tok.encode(FRANCE_ANSWER, add_special_tokens=False)[:3])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stop", [" Paris", "is Par"])  # one token; a string spanning two tokens
+def test_chat_stop_string(client: openai.OpenAI, stop: str, stream: bool):
+    kwargs = dict(model="smollm2", messages=FRANCE, temperature=0, max_tokens=32, stop=[stop, "never"])
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        text, finish = "".join(pieces), chunks[-1].choices[0].finish_reason
+        assert not any(stop in p for p in pieces)
+    else:
+        r = client.chat.completions.create(**kwargs)
+        text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+    assert text == FRANCE_ANSWER[: FRANCE_ANSWER.index(stop)]
+    assert stop not in text
+    assert finish == "stop"
+
+
+def test_chat_n2(client: openai.OpenAI):
+    greedy = client.chat.completions.create(
+        model="smollm2", messages=FRANCE, temperature=0, max_tokens=12, n=2
+    )
+    assert [c.index for c in greedy.choices] == [0, 1]
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content == FRANCE_ANSWER
+    sampled = client.chat.completions.create(
+        model="smollm2", messages=FRANCE, temperature=1.0, max_tokens=8, n=2, seed=7
+    )
+    assert [c.index for c in sampled.choices] == [0, 1]
+    assert all(c.message.content for c in sampled.choices)
+    assert sampled.usage.completion_tokens <= 16
+
+
+def test_chat_logprobs_greedy(client: openai.OpenAI, tok: Tokenizer):
+    r = client.chat.completions.create(
+        model="smollm2", messages=FRANCE, temperature=0, max_tokens=32, logprobs=True, top_logprobs=3
+    )
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens
+    # Every entry but the stopping end-of-turn token is part of the content.
+    assert "".join(e.token for e in entries[:-1]) == r.choices[0].message.content
+    assert entries[-1].token in {tok.decode([t]) for t in tok.eos_token_ids}
+    for e in entries:
+        assert len(e.top_logprobs) == 3
+        assert e.logprob <= 0 and all(t.logprob <= 0 for t in e.top_logprobs)
+        assert [t.logprob for t in e.top_logprobs] == sorted(
+            (t.logprob for t in e.top_logprobs), reverse=True
+        )
+        assert e.logprob >= e.top_logprobs[0].logprob - LOGPROB_EPS  # greedy picks the best
+        assert e.top_logprobs[0].token == e.token
+        assert e.bytes == list(e.token.encode())
+
+
+# ---- completions ----------------------------------------------------------------------------------
+def test_completions_stream_and_not(client: openai.OpenAI, tok: Tokenizer):
+    prompt = "Once upon a time"
+    r = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=12)
+    text = r.choices[0].text
+    assert r.object == "text_completion"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tok.encode(prompt))
+    assert r.usage.completion_tokens == 12 == n_tokens(tok, text)
+    chunks = list(
+        client.completions.create(
+            model="smollm2",
+            prompt=prompt,
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    with_choices = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in with_choices) == text
+    assert with_choices[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_completions_n2_stream(client: openai.OpenAI):
+    alone = client.completions.create(model="smollm2", prompt="The ocean is", temperature=0, max_tokens=10)
+    chunks = list(
+        client.completions.create(
+            model="smollm2", prompt="The ocean is", temperature=0, max_tokens=10, n=2, stream=True
+        )
+    )
+    texts, finishes = ["", ""], [None, None]
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+    assert texts == [alone.choices[0].text] * 2
+    assert finishes == ["length", "length"]
+
+
+def test_completions_logprobs(client: openai.OpenAI):
+    r = client.completions.create(
+        model="smollm2", prompt="The sky is", temperature=0, max_tokens=8, logprobs=2
+    )
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and all(v <= 0 for v in top.values())
+        assert chosen <= 0
+        assert chosen >= max(top.values()) - LOGPROB_EPS
+        assert token in top
+
+
+# ---- concurrency ----------------------------------------------------------------------------------
+CONCURRENT_PROMPTS = [
+    "Name a fruit.",
+    "What is 2 plus 2?",
+    "Describe the sea.",
+    "Who wrote Hamlet?",
+    "What color is grass?",
+    "Give me a synonym for happy.",
+    "What is the boiling point of water?",
+    "Tell me about cats.",
+    "How many legs does a spider have?",
+    "What is the largest planet?",
+    "Write a haiku about rain.",
+    "Why is the sky blue?",
+    "What is a noun?",
+    "Suggest a name for a dog.",
+    "What do bees make?",
+    "Explain gravity briefly.",
+]
+
+
+def test_16_concurrent_streams_equal_solo_runs(server: LiveServer, client: openai.OpenAI):
+    def messages(p: str) -> list[dict]:
+        return [{"role": "user", "content": p}]
+
+    solo = [
+        client.chat.completions.create(model="smollm2", messages=messages(p), temperature=0, max_tokens=24)
+        .choices[0]
+        .message.content
+        for p in CONCURRENT_PROMPTS
+    ]
+
+    async def one(aclient: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await aclient.chat.completions.create(
+            model="smollm2", messages=messages(prompt), temperature=0, max_tokens=24, stream=True
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def all_at_once() -> list[str]:
+        async with async_client(server) as aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in CONCURRENT_PROMPTS))
+
+    assert asyncio.run(all_at_once()) == solo
+    assert wait_for_idle(server)["mlx_infer_kv_blocks_used"] == 0
+
+
+# ---- prefix caching -------------------------------------------------------------------------------
+def _stream_ttft(client: openai.OpenAI, prompt: str) -> tuple[float, int, str]:
+    """(seconds to the first streamed text, cached prompt tokens, text) of a 4-token greedy completion."""
+    start = time.perf_counter()
+    ttft, text, cached = None, "", None
+    for c in client.completions.create(
+        model="smollm2",
+        prompt=prompt,
+        temperature=0,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if c.choices and c.choices[0].text and ttft is None:
+            ttft = time.perf_counter() - start
+        text += c.choices[0].text if c.choices else ""
+        if c.usage is not None:
+            cached = c.usage.prompt_tokens_details.cached_tokens
+    return ttft, cached, text
+
+
+def test_prefix_cache_hit_lowers_ttft(client: openai.OpenAI, tok: Tokenizer):
+    prefix = "Read these words carefully.\n" + random_words(1234, 1000) + "\n\n"
+    first_prompt, second_prompt = prefix + "Question: which word comes first?", prefix + "Summarise them:"
+    first_ids, second_ids = tok.encode(first_prompt), tok.encode(second_prompt)
+    common = next(i for i, (a, b) in enumerate(zip(first_ids, second_ids)) if a != b)
+    assert common >= 1000
+
+    first_ttft, first_cached, _ = _stream_ttft(client, first_prompt)
+    second_ttft, second_cached, _ = _stream_ttft(client, second_prompt)
+    assert first_cached == 0
+    # Every full block of the shared prefix is found, and nothing beyond it.
+    assert second_cached == common // 16 * 16 >= 1000 - 16
+    assert second_ttft < first_ttft, (first_ttft, second_ttft)
+
+
+# ---- disconnects ----------------------------------------------------------------------------------
+def test_disconnect_mid_stream_frees_blocks(server: LiveServer):
+    body = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "Count to one thousand."}],
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.base_url}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            chunks = 0
+            for line in response.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 4:
+                    # Mid-stream the request holds blocks; leaving the loop closes the connection.
+                    assert server.metrics()["mlx_infer_kv_blocks_used"] > 0
+                    break
+    m = wait_for_idle(server)
+    assert m["mlx_infer_kv_blocks_used"] == 0
+    assert m["mlx_infer_requests_running"] == 0
+
+
+def test_disconnect_while_waiting_non_streaming(server: LiveServer):
+    body = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "Count to one thousand."}],
+        "max_tokens": 2000,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=1.5)
+    m = wait_for_idle(server)
+    assert m["mlx_infer_kv_blocks_used"] == 0
+    assert m["mlx_infer_requests_running"] == 0

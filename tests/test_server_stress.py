@@ -1,0 +1,270 @@
+"""Server error paths, authentication and back-pressure (in process, tiny random model), and preemption
+under a KV pool too small for the running requests (a live server on SmolLM2)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import TINY_LLAMA_CONFIG, make_tiny_llama, write_hf_folder
+from mlx.utils import tree_flatten
+from server_helpers import LiveServer, kv_gib_for_blocks, wait_for_idle
+from starlette.testclient import TestClient
+
+from mlx_infer.engine.async_engine import AsyncEngine
+from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.loading import load
+from mlx_infer.sampling import SamplingParams
+from mlx_infer.server.app import OpenAIServer, ServerConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+CONTEXT = TINY_LLAMA_CONFIG["max_position_embeddings"]
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+GOOD_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2 w3"}], "max_tokens": 4}
+GOOD_COMPLETION = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 4}
+API_KEY = "sekrit"
+
+
+def _chat(**changes) -> dict:
+    return {**GOOD_CHAT, **changes}
+
+
+def _completion(**changes) -> dict:
+    return {**GOOD_COMPLETION, **changes}
+
+
+# (method, path, body: dict to send as JSON or raw bytes or None, expected status)
+BAD_REQUESTS: list[tuple[str, str, object, int]] = [
+    # malformed JSON and non-object bodies
+    ("POST", CHAT, b"{", 400),
+    ("POST", CHAT, b"{'model': 'tiny'}", 400),
+    ("POST", CHAT, b"", 400),
+    ("POST", CHAT, b"\xff\xfe\x00", 400),
+    ("POST", CHAT, b"null", 400),
+    ("POST", CHAT, b"[]", 400),
+    ("POST", COMPLETIONS, b'"just a string"', 400),
+    ("POST", COMPLETIONS, b"42", 400),
+    # missing and wrongly typed fields
+    ("POST", CHAT, {"messages": GOOD_CHAT["messages"]}, 400),
+    ("POST", CHAT, {"model": "tiny"}, 400),
+    ("POST", CHAT, _chat(model=5), 400),
+    ("POST", CHAT, _chat(messages="w1 w2"), 400),
+    ("POST", CHAT, _chat(messages=[{"role": "user", "content": 5}]), 400),
+    ("POST", CHAT, _chat(messages=[{"role": "robot", "content": "w1"}]), 400),
+    ("POST", CHAT, _chat(messages=[{"content": "w1"}]), 400),
+    (
+        "POST",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400,
+    ),
+    ("POST", CHAT, _chat(temperature="hot"), 400),
+    ("POST", CHAT, _chat(max_tokens="many"), 400),
+    ("POST", CHAT, _chat(max_tokens=1.5), 400),
+    ("POST", CHAT, _chat(stream=[1]), 400),
+    ("POST", CHAT, _chat(stop=5), 400),
+    ("POST", CHAT, _chat(stop=["w1"] * 17), 400),
+    ("POST", CHAT, _chat(n="two"), 400),
+    ("POST", CHAT, _chat(seed="x"), 400),
+    ("POST", CHAT, _chat(stream_options="x"), 400),
+    ("POST", CHAT, _chat(logprobs=True, top_logprobs=21), 400),
+    ("POST", CHAT, _chat(logprobs=True, top_logprobs=-1), 400),
+    ("POST", COMPLETIONS, _completion(prompt=5), 400),
+    ("POST", COMPLETIONS, _completion(prompt=""), 400),
+    ("POST", COMPLETIONS, _completion(prompt=[]), 400),
+    ("POST", COMPLETIONS, _completion(prompt=[10**6]), 400),
+    ("POST", COMPLETIONS, _completion(prompt=[-1]), 400),
+    ("POST", COMPLETIONS, _completion(logprobs=21), 400),
+    # empty messages; out-of-range numbers
+    ("POST", CHAT, _chat(messages=[]), 400),
+    ("POST", CHAT, _chat(max_tokens=-1), 400),
+    ("POST", CHAT, _chat(max_tokens=0), 400),
+    ("POST", CHAT, _chat(max_tokens=10**9), 400),
+    ("POST", CHAT, _chat(max_tokens=10**30), 400),
+    ("POST", CHAT, _chat(max_completion_tokens=-5), 400),
+    ("POST", COMPLETIONS, _completion(max_tokens=-1), 400),
+    ("POST", COMPLETIONS, _completion(max_tokens=10**9), 400),
+    ("POST", CHAT, _chat(n=0), 400),
+    ("POST", CHAT, _chat(n=17), 400),
+    ("POST", CHAT, _chat(temperature=5), 400),
+    ("POST", CHAT, _chat(temperature=-1), 400),
+    (
+        "POST",
+        CHAT,
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "temperature": NaN}',
+        400,
+    ),
+    ("POST", CHAT, _chat(top_p=0), 400),
+    ("POST", CHAT, _chat(top_p=1.5), 400),
+    ("POST", CHAT, _chat(min_p=2), 400),
+    ("POST", CHAT, _chat(presence_penalty=3), 400),
+    ("POST", CHAT, _chat(repetition_penalty=0), 400),
+    # logit_bias: not a map, a non-integer key, a value out of range, a token outside the vocabulary
+    ("POST", CHAT, _chat(logit_bias=[1, 2]), 400),
+    ("POST", CHAT, _chat(logit_bias={"abc": 1}), 400),
+    ("POST", CHAT, _chat(logit_bias={"5": 1000}), 400),
+    ("POST", CHAT, _chat(logit_bias={"99999": 1}), 400),
+    # unknown model and route, wrong method
+    ("POST", CHAT, _chat(model="gpt-4"), 404),
+    ("POST", COMPLETIONS, _completion(model="gpt-4"), 404),
+    ("GET", "/v1/nothing", None, 404),
+    ("POST", "/v1/embeddings", {"model": "tiny", "input": "w1"}, 404),
+    ("GET", CHAT, None, 405),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory) -> Engine:
+    folder = tmp_path_factory.mktemp("server") / "tiny"
+    write_hf_folder(folder, dict(tree_flatten(make_tiny_llama(0).parameters())), TINY_LLAMA_CONFIG)
+    loaded = load(str(folder))
+    return Engine(loaded.model, loaded.tokenizer, loaded.max_context, EngineConfig(num_blocks=64))
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_engine: Engine):
+    engine = AsyncEngine(tiny_engine)
+    yield engine
+    engine.close()
+
+
+def make_app(engine: AsyncEngine, api_key: str | None = None, origins: tuple[str, ...] = ()):
+    return OpenAIServer(engine, ServerConfig("tiny", api_key, origins)).app()
+
+
+@pytest.fixture(scope="module")
+def http(async_engine: AsyncEngine):
+    with TestClient(make_app(async_engine)) as client:
+        yield client
+
+
+def send(http: TestClient, method: str, path: str, body: object) -> httpx.Response:
+    if isinstance(body, bytes):
+        return http.request(method, path, content=body, headers={"content-type": "application/json"})
+    return http.request(method, path, json=body)
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json"), response.text
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"] and "\n" not in error["message"]
+    assert isinstance(error["type"], str)
+    assert "param" in error and "code" in error
+    return error
+
+
+# ---- 200 bad requests -----------------------------------------------------------------------------
+def test_200_bad_requests_get_openai_errors_and_server_stays_healthy(http: TestClient, async_engine):
+    for method, path, body, status in itertools.islice(itertools.cycle(BAD_REQUESTS), 200):
+        assert_openai_error(send(http, method, path, body), status)
+    assert async_engine.num_pending == 0  # no rejected request leaked a queue slot
+    assert http.get("/health").json() == {"status": "ok"}
+    chat = http.post(CHAT, json=GOOD_CHAT)
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
+    assert http.post(COMPLETIONS, json=GOOD_COMPLETION).status_code == 200
+
+
+def test_prompt_longer_than_context_names_both_numbers(http: TestClient):
+    words = " ".join(f"w{i % 60}" for i in range(CONTEXT + 44))
+    error = assert_openai_error(http.post(COMPLETIONS, json=_completion(prompt=words)), 400)
+    assert str(CONTEXT + 44) in error["message"] and str(CONTEXT) in error["message"]
+    # And when only prompt plus max_tokens overflows.
+    error = assert_openai_error(http.post(COMPLETIONS, json=_completion(max_tokens=CONTEXT)), 400)
+    assert str(CONTEXT) in error["message"]
+
+
+# ---- authentication -------------------------------------------------------------------------------
+def test_api_key_required(async_engine: AsyncEngine):
+    with TestClient(make_app(async_engine, api_key=API_KEY)) as client:
+        assert assert_openai_error(client.get("/v1/models"), 401)["type"] == "authentication_error"
+        assert_openai_error(client.post(CHAT, json=GOOD_CHAT, headers={"Authorization": "Bearer nope"}), 401)
+        assert client.get("/health").status_code == 200  # probes need no key
+        keyed = openai.OpenAI(
+            base_url="http://testserver/v1", api_key=API_KEY, http_client=client, max_retries=0
+        )
+        assert [m.id for m in keyed.models.list().data] == ["tiny"]
+        r = keyed.chat.completions.create(model="tiny", messages=GOOD_CHAT["messages"], max_tokens=3)
+        assert r.usage.completion_tokens >= 1
+        unkeyed = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="wrong", http_client=client, max_retries=0
+        )
+        with pytest.raises(openai.AuthenticationError):
+            unkeyed.models.list()
+
+
+def test_cors_only_with_allowed_origins(async_engine: AsyncEngine):
+    preflight = {"Origin": "http://example.com", "Access-Control-Request-Method": "POST"}
+    with TestClient(make_app(async_engine)) as client:
+        assert "access-control-allow-origin" not in client.options(CHAT, headers=preflight).headers
+    with TestClient(make_app(async_engine, origins=("http://example.com",))) as client:
+        allowed = client.options(CHAT, headers=preflight)
+        assert allowed.headers["access-control-allow-origin"] == "http://example.com"
+
+
+# ---- back-pressure --------------------------------------------------------------------------------
+def test_queue_full_gets_429_with_retry_after(tiny_engine: Engine):
+    # A second engine thread over a fresh Engine: max_pending belongs to the AsyncEngine.
+    engine = AsyncEngine(
+        Engine(tiny_engine.model, tiny_engine.tokenizer, CONTEXT, EngineConfig(num_blocks=64)), max_pending=1
+    )
+    prompt = tiny_engine.tokenizer.encode("w1 w2 w3")
+
+    async def scenario() -> None:
+        transport = httpx.ASGITransport(app=make_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            held = engine.submit([(prompt, SamplingParams(max_tokens=200, ignore_eos=True))])
+            refused = await client.post(CHAT, json=GOOD_CHAT)
+            assert assert_openai_error(refused, 429)["type"] == "rate_limit_error"
+            assert int(refused.headers["retry-after"]) >= 1
+            held.close()
+            assert (await client.post(CHAT, json=GOOD_CHAT)).status_code == 200
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.close()
+
+
+# ---- preemption on the real model -----------------------------------------------------------------
+PREEMPT_PROMPTS = [
+    "The history of the printing press",
+    "A recipe for tomato soup",
+    "The rules of chess are",
+    "Volcanoes form when",
+    "My favourite season is autumn because",
+]
+PREEMPT_BLOCKS = 6  # 96 tokens: one request (about 8 prompt + 32 new tokens = 3 blocks) at a time fits
+
+
+def test_preemption_with_a_tiny_pool_still_finishes_every_request(smollm2_path: Path):
+    server = LiveServer(smollm2_path, "--kv-memory", f"{kv_gib_for_blocks(PREEMPT_BLOCKS):.9f}")
+    try:
+        assert server.metrics()["mlx_infer_kv_blocks_total"] == PREEMPT_BLOCKS
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+        kwargs = dict(model="smollm2", temperature=0, max_tokens=32, extra_body={"ignore_eos": True})
+        solo = [client.completions.create(prompt=p, **kwargs) for p in PREEMPT_PROMPTS]
+        # Together they need more blocks than the pool has: running requests get preempted and recomputed.
+        needed = [-(-(r.usage.prompt_tokens + 32) // 16) for r in solo]
+        assert max(needed) <= PREEMPT_BLOCKS < sum(needed) - max(needed)
+
+        async def all_at_once() -> list[str]:
+            async with openai.AsyncOpenAI(
+                base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300
+            ) as aclient:
+                results = await asyncio.gather(
+                    *(aclient.completions.create(prompt=p, **kwargs) for p in PREEMPT_PROMPTS)
+                )
+            assert all(r.choices[0].finish_reason == "length" for r in results)
+            return [r.choices[0].text for r in results]
+
+        assert asyncio.run(all_at_once()) == [r.choices[0].text for r in solo]
+        assert wait_for_idle(server)["mlx_infer_kv_blocks_used"] == 0
+    finally:
+        server.stop()
