@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="set on every rank")
     parser.add_argument("--verbose", action="store_true", help="MLX_RING_VERBOSE=1 on every rank")
     parser.add_argument(
-        "command", nargs=argparse.REMAINDER, help="-- generate|serve ARGS, or -- PROGRAM ARGS"
+        "program", nargs=argparse.REMAINDER, help="-- generate|serve ARGS, or -- PROGRAM ARGS"
     )
 
 
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plan_ranks(table: hf.HostFile, args: argparse.Namespace) -> list[RankPlan]:
-    command = list(args.command)
+    command = list(args.program)
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
