@@ -105,9 +105,12 @@ class Session:
             LayerKV(self.config.num_blocks, self.config.block_size, n_kv_heads, head_dim, self.shard.dtype)
             for _ in model.layers
         ]
-        while (step := self.channel.receive()) is not None:
-            tokens, meta = step
-            mx.eval(self.shard.follower(model, tokens, cache, meta))
+        try:
+            while (step := self.channel.receive()) is not None:
+                tokens, meta = step
+                mx.eval(self.shard.follower(model, tokens, cache, meta))
+        except RuntimeError as e:  # how the ring backend reports a peer that went away
+            raise DistributedError(f"rank {self.rank}: {e}") from None
 
     def close(self) -> None:
         """Rank 0: let the followers return."""
