@@ -7,7 +7,7 @@ import sys
 
 from rich.console import Console
 
-from mlx_infer import cli_options
+from mlx_infer import blas, cli_options
 from mlx_infer.chat import ChatSession, TurnStats
 from mlx_infer.engine.engine import Engine
 from mlx_infer.errors import InvalidRequest
@@ -37,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
     loaded = load(args.model, keep_quantized=args.keep_quantized or None)
     err = Console(stderr=True, highlight=False)
     if args.verbose or prompt is None:
-        err.print(f"[dim]{loaded.source}: {loaded.weight_policy}[/dim]", soft_wrap=True)
+        err.print(
+            f"[dim]{loaded.source}: {loaded.weight_policy}; BLAS: {blas.active()}[/dim]", soft_wrap=True
+        )
     engine = Engine(loaded.model, loaded.tokenizer, loaded.max_context, config)
     use_template = not args.no_chat_template and loaded.tokenizer.has_chat_template
     if not use_template and not args.no_chat_template and prompt is None:
