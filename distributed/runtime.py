@@ -167,29 +167,19 @@ def load_sharded(
     ``mx.load`` is lazy: weights of the layers a shard drops (or the rows and columns it slices away)
     are never materialized, so a rank's peak memory follows its share of the model.
     """
-    from mlx_infer.loading import _max_context, _single_gguf, hf, resolve
+    from mlx_infer.loading import _max_context, hf, open_checkpoint
     from mlx_infer.loading.build import build_model
     from mlx_infer.loading.policy import apply_weight_policy
-    from mlx_infer.tokenizer import Tokenizer
 
-    path = resolve(spec)
-    gguf_file = path if path.is_file() else _single_gguf(path)
-    requantize: dict[str, int] = {}
-    if gguf_file is not None:
-        from mlx_infer.loading.gguf import read_gguf
-
-        checkpoint = read_gguf(gguf_file)
-        config, weights, requantize = checkpoint.config, checkpoint.weights, checkpoint.requantize
-        tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata)
-        path = gguf_file
-    else:
-        config, weights, tokenizer = hf.read_config(path), hf.read_weights(path), Tokenizer.from_folder(path)
-    model = build_model(config, weights, path.name)
-    del weights
-    description = apply_weight_policy(model, keep_quantized, requantize)
+    ckpt = open_checkpoint(spec)
+    path, config = ckpt.path, ckpt.config
+    model = build_model(config, ckpt.weights, path.name)
+    ckpt.weights = {}
+    description = apply_weight_policy(model, keep_quantized, ckpt.requantize)
     shard = transform(model)
     try:
         mx.eval(model.parameters())
     except (RuntimeError, ValueError) as e:
         raise InvalidCheckpoint(f"{path.name}: {hf.one_line(e)}") from None
+    tokenizer = ckpt.tokenizer
     return LoadedModel(model, tokenizer, config, str(path), _max_context(config, model), description), shard
