@@ -20,11 +20,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.engine.engine import Engine, EngineConfig, pool_num_blocks
 from mlx_infer.engine.runner import kv_bytes_per_token
-from mlx_infer.errors import DistributedError, InvalidCheckpoint
-from mlx_infer.kv.memory import device_memory_bytes, kv_budget_bytes
-from mlx_infer.loading import LoadedModel
+from mlx_infer.errors import DistributedError
+from mlx_infer.kv.memory import device_memory_bytes
+from mlx_infer.loading import LoadedModel, load
 from mlx_infer.models.base import BatchMetadata, LayerKV
 
 from .channel import StepChannel
@@ -143,15 +143,9 @@ def open_session(
     loaded, shard = load_sharded(spec, transform, keep_quantized)
     if isinstance(shard, PipelineShard):
         log.info("rank %d: layers %d-%d of the model", group.rank(), shard.start, shard.stop - 1)
-    num_blocks = config.num_blocks
-    if num_blocks is None:
-        # Engine's own rule for the pool (its memory budget, capped at max_num_seqs full contexts when
-        # no budget is given), applied to this rank's share of the KV.
-        budget = kv_budget_bytes(config.kv_memory) // kv_bytes_per_token(loaded.model, shard.dtype)
-        if config.kv_memory is None:
-            context = min(loaded.max_context, config.max_context or loaded.max_context)
-            budget = min(budget, config.scheduler.max_num_seqs * context)
-        num_blocks = max(1, budget // config.block_size)
+    context = min(loaded.max_context, config.max_context or loaded.max_context)
+    per_token = kv_bytes_per_token(loaded.model, shard.dtype)  # this rank's share of the KV
+    num_blocks = config.num_blocks or pool_num_blocks(config, context, per_token)
     # Rank 0's block tables index every pool: all ranks take the smallest pool any of them can hold.
     num_blocks = int(mx.distributed.all_min(mx.array([num_blocks]), group=group).item())
     return Session(
@@ -167,19 +161,6 @@ def load_sharded(
     ``mx.load`` is lazy: weights of the layers a shard drops (or the rows and columns it slices away)
     are never materialized, so a rank's peak memory follows its share of the model.
     """
-    from mlx_infer.loading import _max_context, hf, open_checkpoint
-    from mlx_infer.loading.build import build_model
-    from mlx_infer.loading.policy import apply_weight_policy
-
-    ckpt = open_checkpoint(spec)
-    path, config = ckpt.path, ckpt.config
-    model = build_model(config, ckpt.weights, path.name)
-    ckpt.weights = {}
-    description = apply_weight_policy(model, keep_quantized, ckpt.requantize)
-    shard = transform(model)
-    try:
-        mx.eval(model.parameters())
-    except (RuntimeError, ValueError) as e:
-        raise InvalidCheckpoint(f"{path.name}: {hf.one_line(e)}") from None
-    tokenizer = ckpt.tokenizer
-    return LoadedModel(model, tokenizer, config, str(path), _max_context(config, model), description), shard
+    shards: list[Shard] = []
+    loaded = load(spec, keep_quantized=keep_quantized, prepare=lambda model: shards.append(transform(model)))
+    return loaded, shards[0]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from mlx_infer.engine.engine import EngineConfig
+from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.scheduler import SchedulerConfig
-from mlx_infer.errors import InvalidRequest
+from mlx_infer.errors import DistributedError, InvalidRequest
+from mlx_infer.loading import LoadedModel
 from mlx_infer.sampling import SamplingParams
 
 
@@ -109,3 +112,33 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         stop=list(args.stop),
         ignore_eos=args.ignore_eos,
     )
+
+
+@contextmanager
+def open_engine(args: argparse.Namespace) -> Iterator[tuple[LoadedModel, Engine] | None]:
+    """Load the model and build the engine for this process.
+
+    Under ``mlx-infer launch`` (an MLX distributed group of several ranks) this rank loads only its
+    shard; rank 0 gets the engine, every other rank follows rank 0's steps here and gets None.
+    """
+    from mlx_infer.distributed.runtime import init_group, open_session
+    from mlx_infer.loading import load
+
+    config = engine_config(args)  # bad flags fail before the model loads
+    keep_quantized = args.keep_quantized or None
+    group = init_group()
+    if group is None:
+        loaded = load(args.model, keep_quantized=keep_quantized)
+        yield loaded, Engine(loaded.model, loaded.tokenizer, loaded.max_context, config)
+        return
+    session = open_session(args.model, group, config, keep_quantized=keep_quantized)
+    if session.rank != 0:
+        session.follow()
+        yield None
+        return
+    try:
+        yield session.loaded, session.engine()
+    except RuntimeError as e:  # how the ring backend reports a peer that went away
+        raise DistributedError(f"rank 0: {e}") from None
+    finally:
+        session.close()

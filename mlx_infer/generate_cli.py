@@ -9,7 +9,6 @@ from rich.console import Console
 
 from mlx_infer import blas, cli_options
 from mlx_infer.chat import ChatSession, TurnStats
-from mlx_infer.engine.engine import Engine
 from mlx_infer.errors import InvalidRequest
 
 HELP = "commands: /reset (forget the conversation), /system TEXT, /save FILE, /exit; Ctrl-C stops an answer"
@@ -28,26 +27,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlx_infer.loading import load
-
     params = cli_options.sampling_params(args)
     params.validate()  # before the model loads: bad flags fail at once
-    config = cli_options.engine_config(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    loaded = load(args.model, keep_quantized=args.keep_quantized or None)
-    err = Console(stderr=True, highlight=False)
-    if args.verbose or prompt is None:
-        err.print(
-            f"[dim]{loaded.source}: {loaded.weight_policy}; BLAS: {blas.active()}[/dim]", soft_wrap=True
-        )
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.max_context, config)
-    use_template = not args.no_chat_template and loaded.tokenizer.has_chat_template
-    if not use_template and not args.no_chat_template and prompt is None:
-        raise InvalidRequest("this model has no chat template; use --no-chat-template for raw text")
-    session = ChatSession(engine, params, args.system, use_template)
-    if prompt is not None:
-        return _one_shot(session, prompt, args.verbose, err)
-    return _interactive(session, err)
+    with cli_options.open_engine(args) as opened:
+        if opened is None:  # a follower rank under `mlx-infer launch`
+            return 0
+        loaded, engine = opened
+        err = Console(stderr=True, highlight=False)
+        if args.verbose or prompt is None:
+            err.print(
+                f"[dim]{loaded.source}: {loaded.weight_policy}; BLAS: {blas.active()}[/dim]", soft_wrap=True
+            )
+        use_template = not args.no_chat_template and loaded.tokenizer.has_chat_template
+        if not use_template and not args.no_chat_template and prompt is None:
+            raise InvalidRequest("this model has no chat template; use --no-chat-template for raw text")
+        session = ChatSession(engine, params, args.system, use_template)
+        if prompt is not None:
+            return _one_shot(session, prompt, args.verbose, err)
+        return _interactive(session, err)
 
 
 def _one_shot(session: ChatSession, prompt: str, verbose: bool, err: Console) -> int:

@@ -46,21 +46,20 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mlx_infer.engine.async_engine import AsyncEngine
-    from mlx_infer.engine.engine import Engine
-    from mlx_infer.loading import load
     from mlx_infer.server.app import OpenAIServer, ServerConfig
 
-    config = cli_options.engine_config(args)  # bad flags fail before the model loads
-    loaded = load(args.model, keep_quantized=args.keep_quantized or None)
-    log.info("%s: %s", loaded.source, loaded.weight_policy)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.max_context, config)
-    async_engine = AsyncEngine(engine, max_pending=args.max_pending)
-    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-    server_config = ServerConfig(served_name(args.model, args.served_model_name), args.api_key, origins)
-    app = OpenAIServer(async_engine, server_config).app()
-    log.info("serving %r on http://%s:%d/v1", server_config.model_name, args.host, args.port)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
-    finally:
-        async_engine.close()
+    with cli_options.open_engine(args) as opened:
+        if opened is None:  # a follower rank under `mlx-infer launch`: rank 0 serves
+            return 0
+        loaded, engine = opened
+        log.info("%s: %s", loaded.source, loaded.weight_policy)
+        async_engine = AsyncEngine(engine, max_pending=args.max_pending)
+        origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+        server_config = ServerConfig(served_name(args.model, args.served_model_name), args.api_key, origins)
+        app = OpenAIServer(async_engine, server_config).app()
+        log.info("serving %r on http://%s:%d/v1", server_config.model_name, args.host, args.port)
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
+        finally:
+            async_engine.close()
     return 0

@@ -45,6 +45,15 @@ class EngineStats:
     tpot: list[float] = field(default_factory=list)  # seconds per output token after the first
 
 
+def pool_num_blocks(config: EngineConfig, max_context: int, kv_bytes_per_token: int) -> int:
+    """KV blocks that fit the memory budget, and no more than every running sequence at full context
+    could use when no explicit budget is given."""
+    tokens = kv_budget_bytes(config.kv_memory) // kv_bytes_per_token
+    if config.kv_memory is None:
+        tokens = min(tokens, config.scheduler.max_num_seqs * max_context)
+    return max(1, tokens // config.block_size)
+
+
 class Engine:
     def __init__(self, model: nn.Module, tokenizer, max_context: int, config: EngineConfig | None = None):
         self.model = model
@@ -53,13 +62,7 @@ class Engine:
         self.max_context = min(max_context, self.config.max_context or max_context)
         dtype = activation_dtype(model)
         per_token = kv_bytes_per_token(model, dtype)
-        num_blocks = self.config.num_blocks
-        if num_blocks is None:
-            budget_tokens = kv_budget_bytes(self.config.kv_memory) // per_token
-            if self.config.kv_memory is None:
-                # Never more than every running sequence at full context could use.
-                budget_tokens = min(budget_tokens, self.config.scheduler.max_num_seqs * self.max_context)
-            num_blocks = max(1, budget_tokens // self.config.block_size)
+        num_blocks = self.config.num_blocks or pool_num_blocks(self.config, self.max_context, per_token)
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.runner = ModelRunner(model, self.kv, dtype)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)

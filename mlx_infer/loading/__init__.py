@@ -11,6 +11,7 @@ here rather than at the first request.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,21 @@ def open_checkpoint(spec: str) -> Checkpoint:
     return Checkpoint(hf.read_config(path), hf.read_weights(path), Tokenizer.from_folder(path), path)
 
 
-def load(spec: str, *, keep_quantized: bool | None = None) -> LoadedModel:
+def load(
+    spec: str, *, keep_quantized: bool | None = None, prepare: Callable[[nn.Module], None] | None = None
+) -> LoadedModel:
+    """Build and evaluate the model of ``spec``.
+
+    ``prepare`` runs on the built model before any weight is evaluated: weights it drops or slices
+    (a distributed rank's shard) are then never read from lazy files.
+    """
     ckpt = open_checkpoint(spec)
     path, config = ckpt.path, ckpt.config
     model = build_model(config, ckpt.weights, path.name)
     ckpt.weights = {}
     description = apply_weight_policy(model, keep_quantized, ckpt.requantize)
+    if prepare is not None:
+        prepare(model)
     try:
         mx.eval(model.parameters())
     except (RuntimeError, ValueError) as e:
