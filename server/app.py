@@ -198,14 +198,21 @@ class _Call:
             self.server.metrics.observe(first - self.start, tpot)
 
     async def collect(self, request: Request) -> None:
+        # Check for a disconnect on a clock, not only when outputs pause: a request that streams a
+        # token more often than every DISCONNECT_POLL_SECONDS would otherwise never be checked.
+        next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
         try:
             while not self.group.done:
-                try:
-                    index, out = await asyncio.wait_for(self.group.next(), DISCONNECT_POLL_SECONDS)
-                except asyncio.TimeoutError:
+                wait = next_check - time.monotonic()
+                if wait <= 0:
                     if await request.is_disconnected():
                         self.disconnected = True
                         return
+                    next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
+                    continue
+                try:
+                    index, out = await asyncio.wait_for(self.group.next(), wait)
+                except asyncio.TimeoutError:
                     continue
                 self._record(index, out)
         finally:
