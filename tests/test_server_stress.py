@@ -240,7 +240,8 @@ PREEMPT_PROMPTS = [
     "Volcanoes form when",
     "My favourite season is autumn because",
 ]
-PREEMPT_BLOCKS = 6  # 96 tokens: one request (about 8 prompt + 32 new tokens = 3 blocks) at a time fits
+PREEMPT_TOKENS = 24
+PREEMPT_BLOCKS = 4  # 64 tokens: each request (about 6 prompt + 24 new tokens = 2 blocks) fits alone
 
 
 def test_preemption_with_a_tiny_pool_still_finishes_every_request(smollm2_path: Path):
@@ -248,10 +249,10 @@ def test_preemption_with_a_tiny_pool_still_finishes_every_request(smollm2_path: 
     try:
         assert server.metrics()["mlx_infer_kv_blocks_total"] == PREEMPT_BLOCKS
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=180)
-        kwargs = dict(model="smollm2", temperature=0, max_tokens=32, extra_body={"ignore_eos": True})
+        kwargs = dict(model="smollm2", temperature=0, max_tokens=PREEMPT_TOKENS, extra_body={"ignore_eos": True})
         solo = [client.completions.create(prompt=p, **kwargs) for p in PREEMPT_PROMPTS]
         # Together they need more blocks than the pool has: running requests get preempted and recomputed.
-        needed = [-(-(r.usage.prompt_tokens + 32) // 16) for r in solo]
+        needed = [-(-(r.usage.prompt_tokens + PREEMPT_TOKENS) // 16) for r in solo]
         assert max(needed) <= PREEMPT_BLOCKS < sum(needed) - max(needed)
 
         async def all_at_once() -> list[str]:
