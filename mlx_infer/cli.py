@@ -14,6 +14,7 @@ from mlx_infer.errors import MlxInferError
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("mlx_infer.generate_cli", "chat with a model in the terminal, or answer one prompt"),
     "serve": ("mlx_infer.server.cli", "serve an OpenAI-compatible API with continuous batching"),
+    "convert": ("mlx_infer.convert.cli", "convert and quantize a checkpoint, with a quality report"),
     "launch": ("mlx_infer.distributed.launch", "run generate or serve across hosts, one rank each"),
     "hosts": ("mlx_infer.distributed.hosts", "check hosts for launch: reachability and interfaces"),
 }
