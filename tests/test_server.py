@@ -7,6 +7,7 @@ tokenizer read straight from the GGUF, texts against the same request served alo
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from mlx_infer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
+REFERENCES = json.loads((Path(__file__).parent / "oracle" / "smollm2_references.json").read_text())
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 FRANCE_ANSWER = "The capital of France is Paris."  # greedy, see /work/shared/MODELS.md
 LOGPROB_EPS = 1e-4
@@ -196,6 +198,33 @@ def test_chat_logprobs_greedy(client: openai.OpenAI, tok: Tokenizer):
         assert e.logprob >= e.top_logprobs[0].logprob - LOGPROB_EPS  # greedy picks the best
         assert e.top_logprobs[0].token == e.token
         assert e.bytes == list(e.token.encode())
+
+
+def test_chat_matches_transformers_references_in_one_batch(server: LiveServer):
+    """The reference conversations (English, code, German, French, Russian, Chinese, Japanese, digits,
+    multi-turn), sent at once, each equal transformers' float32 greedy output on the same GGUF, with
+    usage equal to transformers' token counts."""
+    generations = REFERENCES["generations"]
+
+    async def all_at_once():
+        async with async_client(server) as aclient:
+            return await asyncio.gather(
+                *(
+                    aclient.chat.completions.create(
+                        model="smollm2",
+                        messages=g["messages"],
+                        temperature=0,
+                        max_tokens=REFERENCES["max_new_tokens"],
+                    )
+                    for g in generations
+                )
+            )
+
+    for g, r in zip(generations, asyncio.run(all_at_once())):
+        assert r.choices[0].message.content == g["output_text"], g["name"]
+        assert r.choices[0].finish_reason == g["finish_reason"], g["name"]
+        assert r.usage.prompt_tokens == len(g["prompt_ids"]), g["name"]
+        assert r.usage.completion_tokens == len(g["output_ids"]), g["name"]
 
 
 # ---- completions ----------------------------------------------------------------------------------
