@@ -299,8 +299,9 @@ class _Call:
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield self._chunk([], usage(len(self.prompt_ids), self.choices))
             yield "data: [DONE]\n\n"
-        except MlxInferError as e:
-            error = {"error": {"message": str(e), "type": e.openai_type, "param": None, "code": None}}
-            yield f"data: {json.dumps(error)}\n\n"
+        except Exception as e:  # noqa: BLE001 - the 200 header is sent: report any failure in the stream
+            if not isinstance(e, MlxInferError):
+                log.exception("request failed")
+            yield f"data: {from_exception(e).body.decode()}\n\n"
         finally:
             self.group.close()
