@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from pathlib import Path
 
 import httpx
@@ -249,7 +250,9 @@ def test_preemption_with_a_tiny_pool_still_finishes_every_request(smollm2_path: 
     try:
         assert server.metrics()["mlx_infer_kv_blocks_total"] == PREEMPT_BLOCKS
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=180)
-        kwargs = dict(model="smollm2", temperature=0, max_tokens=PREEMPT_TOKENS, extra_body={"ignore_eos": True})
+        kwargs = dict(
+            model="smollm2", temperature=0, max_tokens=PREEMPT_TOKENS, extra_body={"ignore_eos": True}
+        )
         solo = [client.completions.create(prompt=p, **kwargs) for p in PREEMPT_PROMPTS]
         # Together they need more blocks than the pool has: running requests get preempted and recomputed.
         needed = [-(-(r.usage.prompt_tokens + PREEMPT_TOKENS) // 16) for r in solo]
@@ -269,3 +272,31 @@ def test_preemption_with_a_tiny_pool_still_finishes_every_request(smollm2_path: 
         assert wait_for_idle(server)["mlx_infer_kv_blocks_used"] == 0
     finally:
         server.stop()
+
+
+# ---- engine failure -------------------------------------------------------------------------------
+def test_engine_failure_fails_the_requests_in_flight_and_server_keeps_serving(
+    tiny_engine: Engine, monkeypatch
+):
+    engine = AsyncEngine(
+        Engine(tiny_engine.model, tiny_engine.tokenizer, CONTEXT, EngineConfig(num_blocks=64))
+    )
+    try:
+        with TestClient(make_app(engine)) as client:
+            with monkeypatch.context() as patch:
+                patch.setattr(engine.engine.runner, "execute", _raise_runtime_error)
+                assert_openai_error(client.post(CHAT, json=GOOD_CHAT), 500)
+                events = [
+                    json.loads(line[6:])
+                    for line in client.post(CHAT, json=_chat(stream=True)).text.splitlines()
+                    if line.startswith("data: {")
+                ]
+                assert events[-1]["error"]["type"] == "server_error"
+            assert client.post(CHAT, json=GOOD_CHAT).status_code == 200
+            assert engine.num_pending == 0
+    finally:
+        engine.close()
+
+
+def _raise_runtime_error(*_: object) -> None:
+    raise RuntimeError("simulated device failure")
