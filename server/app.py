@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -83,7 +84,9 @@ class OpenAIServer:
 
         async def wrapped(request: Request) -> Response:
             if self.config.api_key is not None:
-                if request.headers.get("authorization", "") != f"Bearer {self.config.api_key}":
+                # Constant-time comparison: the time a mismatch takes must not reveal the key's prefix.
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, f"Bearer {self.config.api_key}".encode()):
                     return error_response(401, "invalid or missing API key", "authentication_error")
             try:
                 return await handler(request)
