@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from server_helpers import LiveServer, wait_for_idle
 from mlx_infer.loading.gguf_file import read_header
 from mlx_infer.tokenizer import Tokenizer
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REFERENCES = json.loads((Path(__file__).parent / "oracle" / "smollm2_references.json").read_text())
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -402,3 +403,23 @@ def test_disconnect_while_waiting_non_streaming(server: LiveServer):
     m = wait_for_idle(server)
     assert m["mlx_infer_kv_blocks_used"] == 0
     assert m["mlx_infer_requests_running"] == 0
+
+
+# ---- the serve benchmark, against this server -----------------------------------------------------
+def test_bench_serve_smoke(server: LiveServer, tmp_path: Path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_serve
+
+    out = tmp_path / "serve.json"
+    argv = ["--base-url", f"{server.base_url}/v1", "--num-requests", "3", "--concurrency", "1,2"]
+    argv += ["--input-words", "12", "--output-tokens", "5", "--shared-prefix", "40", "--json", str(out)]
+    assert bench_serve.main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["concurrency"] for r in results] == [1, 2]
+    for r in results:
+        assert r["errors"] == 0 and r["output_tokens"] == 3 * 5  # ignore_eos: exactly max_tokens each
+        assert 0 < r["ttft"]["p50"] <= r["latency"]["p50"] and r["output_tokens_per_second"] > 0
+        # The three prompts of a level share a 40-word prefix (2+ blocks): at least the last finds it.
+        assert r["mean_cached_tokens"] >= 32 / 3
+    prompts = [bench_serve.level_prompts(7, c, bench_serve.parse_args(argv)) for c in (1, 2)]
+    assert not set(prompts[0]) & set(prompts[1])  # fresh words for every level

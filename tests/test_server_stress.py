@@ -245,6 +245,7 @@ PREEMPT_TOKENS = 24
 PREEMPT_BLOCKS = 4  # 64 tokens: each request (about 6 prompt + 24 new tokens = 2 blocks) fits alone
 
 
+@pytest.mark.slow
 def test_preemption_with_a_tiny_pool_still_finishes_every_request(smollm2_path: Path):
     server = LiveServer(smollm2_path, "--kv-memory", f"{kv_gib_for_blocks(PREEMPT_BLOCKS):.9f}")
     try:
