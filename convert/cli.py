@@ -1,17 +1,13 @@
 """``mlx-infer convert``: arguments and entry point.
 
 ``mlx_infer.cli`` wires ``add_arguments`` and ``run`` in as the ``convert`` subcommand and turns the typed
-errors ``run`` raises into one line and an exit code; ``python -m mlx_infer.convert.cli`` does the same
-on its own.
+errors ``run`` raises into one line and an exit code.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-from mlx_infer.errors import MlxInferError
 
 from .pipeline import DTYPES, Options, convert
 from .quant import MODES, RECIPES
@@ -42,17 +38,3 @@ def run(args: argparse.Namespace) -> int:
         force=args.force, eval_file=args.eval_file, eval_tokens=args.eval_tokens, no_eval=args.no_eval,
     ))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mlx-infer convert", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except MlxInferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

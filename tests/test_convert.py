@@ -229,12 +229,13 @@ def test_bad_sources_and_targets(tiny_llama_folder: Path, tmp_path: Path):
 
 def test_cli_exits_with_one_line(tmp_path: Path):
     proc = subprocess.run(
-        [sys.executable, "-m", "mlx_infer.convert.cli", "--model", str(tmp_path),
+        [sys.executable, "-m", "mlx_infer.cli", "convert", "--model", str(tmp_path),
          "--out", str(tmp_path / "o"), "--q-bits", "7"], capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == InvalidRequest.exit_code != 0
-    assert proc.stderr.strip().splitlines() == ["error: --q-bits 7 is not supported by mode affine "
-                                                "(allowed: 2, 3, 4, 5, 6, 8)"]
+    assert proc.stderr.strip().splitlines() == [
+        "mlx-infer convert: error: --q-bits 7 is not supported by mode affine (allowed: 2, 3, 4, 5, 6, 8)"
+    ]
 
 
 # --------------------------------------------------------------------------------- the real model
