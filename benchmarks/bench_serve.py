@@ -227,12 +227,17 @@ async def run_level(
     )
 
 
-async def discover_model(base_url: str, api_key: str | None) -> str:
+async def discover_model(base_url: str, api_key: str | None) -> str | None:
+    """The first model id /models lists, or None (mlx_lm.server, for one, lists none)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=30, headers=headers) as client:
-        response = await client.get(f"{base_url}/models")
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
+    try:
+        async with httpx.AsyncClient(timeout=30, headers=headers) as client:
+            response = await client.get(f"{base_url}/models")
+            response.raise_for_status()
+            data = response.json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return data[0].get("id") if data and isinstance(data[0], dict) else None
 
 
 async def warm_up(base_url: str, model: str, args: argparse.Namespace) -> None:
@@ -352,8 +357,8 @@ def print_ratios(console: Console, results: list[LevelResult]) -> None:
     if len(names) < 2:
         return
     by_key = {(r.target, r.concurrency): r for r in results}
-    table = Table(title=f"ratios against {names[0]} (throughput: higher is better for it; TTFT: lower)")
-    for column in ("target", "c", f"{names[0]} tok/s ÷ target", f"target TTFT p50 ÷ {names[0]}"):
+    table = Table(title=f"{names[0]} against each target (above 1: {names[0]} is ahead)")
+    for column in ("target", "c", f"{names[0]} tok/s ÷ target's", f"target's TTFT p50 ÷ {names[0]}'s"):
         table.add_column(column, justify="right")
     for name in names[1:]:
         for (target, c), r in by_key.items():
@@ -448,7 +453,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def measure_target(target: Target, args: argparse.Namespace, console: Console) -> list[LevelResult]:
-    model = args.model or await discover_model(target.base_url, args.api_key)
+    # mlx_lm.server answers for the model it was started with under the name "default_model".
+    model = args.model or await discover_model(target.base_url, args.api_key) or "default_model"
+    console.print(f"{target.name}: model {model!r}")
     if not args.no_warmup:
         await warm_up(target.base_url, model, args)
     results = []
