@@ -5,6 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_infer.models.base import BatchMetadata
+from mlx_infer.models.step_memo import StepMemo
+
+_step = StepMemo()  # per-step mask and gather rows, shared by every layer
 
 
 def attention_mask(meta: BatchMetadata, key_len: int, sliding_window: int | None) -> mx.array:
@@ -29,26 +32,47 @@ def paged_attention(
 ) -> mx.array:
     """Attention of ragged queries ``[T, H, D]`` over paged K/V pools ``[slots, n_kv_heads, D]``.
 
-    Gathers each sequence's keys by its block table into ``[B, L, n_kv, D]``, pads the queries
+    Gathers each sequence's keys by its block table into ``[B, n_kv, L, D]``, pads the queries
     to ``[B, Qmax]``, attends with a causal/context/window mask and unpads. Masked positions
     never contribute, so padding slots may hold anything.
     """
     n_tokens, n_heads, head_dim = queries.shape
     batch = meta.batch_size
     q_max = meta.max_query_len
-    q = queries if meta.q_pad_index is None else queries[meta.q_pad_index.reshape(-1)]
-    q = q.reshape(batch, q_max, n_heads, head_dim).transpose(0, 2, 1, 3)
-    keys = key_pool[meta.key_slots].transpose(0, 2, 1, 3)  # [B, n_kv, L, D]
-    values = value_pool[meta.key_slots].transpose(0, 2, 1, 3)
-    mask = attention_mask(meta, keys.shape[2], sliding_window)
+    if q_max == 1:
+        # Decode: one query per sequence, [B, 1, H, D] and [B, H, 1, D] are the same memory.
+        q = queries.reshape(batch, n_heads, 1, head_dim)
+    else:
+        q = queries if meta.q_pad_index is None else queries[meta.q_pad_index.reshape(-1)]
+        q = q.reshape(batch, q_max, n_heads, head_dim).transpose(0, 2, 1, 3)
+    keys = _gather_heads_first(key_pool, meta)
+    values = _gather_heads_first(value_pool, meta)
+    # Every layer of a step (of the same window) shares one mask: built once, not once per layer.
+    key_len = keys.shape[2]
+    mask = _step.get(meta, (key_len, sliding_window), lambda: attention_mask(meta, key_len, sliding_window))
     if logit_softcap is None:
         out = mx.fast.scaled_dot_product_attention(
             q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale, mask=mask
         )
     else:
         out = _softcapped_attention(q, keys, values, mask, scale, logit_softcap)
+    if q_max == 1:
+        return out.reshape(batch, n_heads, head_dim)
     out = out.transpose(0, 2, 1, 3).reshape(batch * q_max, n_heads, head_dim)
     return out if meta.q_unpad_index is None else out[meta.q_unpad_index]
+
+
+def _gather_heads_first(pool: mx.array, meta: BatchMetadata) -> mx.array:
+    """``[B, n_kv, L, D]`` keys (or values) of each sequence, gathered straight into the layout the
+    attention matmuls read, so no transposed copy follows: row ``slot * n_kv + head`` of the pool
+    viewed as ``[slots * n_kv, D]``."""
+    n_kv, head_dim = pool.shape[1], pool.shape[2]
+
+    def rows() -> mx.array:
+        heads = mx.arange(n_kv, dtype=mx.int32)[None, :, None]
+        return meta.key_slots[:, None, :] * n_kv + heads
+
+    return pool.reshape(-1, head_dim)[_step.get(meta, ("rows", n_kv), rows)]
 
 
 def _softcapped_attention(

@@ -15,6 +15,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_infer.models.rope_cpu import apply_rope_cpu
+
 
 @dataclass
 class BaseModelArgs:
@@ -149,6 +151,9 @@ def apply_rope(
     freqs: mx.array | None,
 ) -> mx.array:
     """RoPE on ``[T, H, D]`` at per-token ``positions`` ([T])."""
+    if not traditional and mx.default_device() == mx.cpu:
+        # mx.fast.rope has no CPU kernel; this computes the same values with far fewer ops per layer.
+        return apply_rope_cpu(x, positions, dims, base, scale, freqs)
     # mx.fast.rope rotates along the second-to-last axis with one offset per leading-axis row:
     # [T, H, 1, D] makes each token a sequence of length one starting at its own position.
     y = mx.fast.rope(
