@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -9,8 +11,12 @@ import numpy as np
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.scheduler import ScheduledRequest
 from mlx_infer.kv.manager import KVCacheManager
+from mlx_infer.loading.policy import cpu_backend
 from mlx_infer.models.base import LayerKV
+from mlx_infer.models.fused import fuse_projections
 from mlx_infer.sampling import SampleResult, SamplerRow, sample
+
+log = logging.getLogger("mlx_infer")
 
 
 def activation_dtype(model: nn.Module) -> mx.Dtype:
@@ -25,6 +31,9 @@ def kv_bytes_per_token(model: nn.Module, dtype: mx.Dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv: KVCacheManager, dtype: mx.Dtype):
+        if cpu_backend():
+            # Same parameters, fewer and faster ops per step on MLX's CPU backend (see models/fused.py).
+            log.info("CPU decode step: %s", fuse_projections(model))
         self.model = model
         self.kv = kv
         n_kv_heads, head_dim = model.kv_shape()
