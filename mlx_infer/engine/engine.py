@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_infer.engine.request import Request, RequestOutput, Status, TokenLogprob
-from mlx_infer.engine.runner import ModelRunner, activation_dtype, kv_bytes_per_token
-from mlx_infer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from mlx_infer.engine.request import PENDING_TOKEN, Request, RequestOutput, Status, TokenLogprob
+from mlx_infer.engine.runner import InFlight, ModelRunner, activation_dtype, kv_bytes_per_token
+from mlx_infer.engine.scheduler import Scheduler, SchedulerConfig
 from mlx_infer.engine.stop import StopMatcher
 from mlx_infer.errors import ContextTooLong, InvalidRequest
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.memory import kv_budget_bytes
-from mlx_infer.sampling import SampleResult, SamplingParams
+from mlx_infer.sampling import SamplingParams
 
 log = logging.getLogger("mlx_infer")
 
@@ -70,6 +70,7 @@ class Engine:
         self.stats = EngineStats()
         self._detokenizers: dict[str, object] = {}
         self._ids = itertools.count()
+        self._in_flight: InFlight | None = None
         self.pool_tokens = num_blocks * self.config.block_size
         log.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)",
@@ -125,36 +126,61 @@ class Engine:
         self._detokenizers.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        if self.scheduler.has_unfinished():
+            return True
+        # A step in flight still owes tokens to the requests that have not stopped since it launched.
+        return self._in_flight is not None and any(
+            r.status is not Status.FINISHED for r in self._in_flight.sampled
+        )
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        result, rows = self.runner.execute(batch)
-        self.stats.steps += 1
-        for s in batch:
-            if s.request.num_computed < s.request.num_prompt_tokens:
-                self.stats.prompt_tokens += min(
-                    s.num_new, s.request.num_prompt_tokens - s.request.num_computed
-                )
-            s.request.num_computed += s.num_new
-        if result is None:
-            return []
-        return self._process_samples([batch[i] for i in rows], result)
+        """Schedule and launch a step, then read the previous step's samples while this one computes.
 
-    def _process_samples(self, sampled: list[ScheduledRequest], result: SampleResult) -> list[RequestOutput]:
+        Sampled tokens enter ``token_ids`` as PENDING_TOKEN and the next step takes their values from
+        the lazy samples on device, so the host never waits between steps (mlx-lm's ``async_eval``
+        overlap, across a whole batch). Outputs therefore trail by one step; a request that stopped
+        has one extra token computed and dropped. Penalties need every earlier token on the host, so
+        a step whose requests use them reads the previous samples first.
+        """
+        outputs: list[RequestOutput] = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and any(r.uses_penalties for r in previous.sampled):
+            outputs, previous = self._read(previous), None
+        batch = self.scheduler.schedule()
+        result, rows = self.runner.execute(batch, previous) if batch else (None, [])
+        if previous is not None:
+            outputs += self._read(previous)
+        if batch:
+            self.stats.steps += 1
+        sampled, sampling_rows = [], set(rows)
+        for i, s in enumerate(batch):
+            request = s.request
+            if request.num_computed < request.num_prompt_tokens:
+                self.stats.prompt_tokens += min(s.num_new, request.num_prompt_tokens - request.num_computed)
+            request.num_computed += s.num_new
+            if i in sampling_rows:
+                sampled.append(request)
+                if request.status is not Status.FINISHED:
+                    request.token_ids.append(PENDING_TOKEN)
+        if result is not None:
+            self._in_flight = InFlight(sampled, result)
+        return outputs
+
+    def _read(self, step: InFlight) -> list[RequestOutput]:
+        """Read a step's samples on the host, put them in place of the pending tokens and emit them."""
+        result = step.result
         tokens = result.tokens.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         now = time.perf_counter()
         outputs = []
-        for i, s in enumerate(sampled):
-            request = s.request
+        for i, request in enumerate(step.sampled):
+            if request.status is Status.FINISHED:
+                continue  # stopped (or aborted) after this step was launched: the token is dropped
             token = tokens[i]
-            request.token_ids.append(token)
+            request.token_ids[-1] = token
             self.stats.generated_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = now

@@ -11,6 +11,10 @@ import mlx.core as mx
 from mlx_infer.engine.stop import StopMatcher
 from mlx_infer.sampling import SamplingParams
 
+# Stands in for a sampled token still being computed: the engine schedules the next step before the
+# host has read the last one (see Engine.step).
+PENDING_TOKEN = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -58,6 +62,20 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def has_pending_token(self) -> bool:
+        return self.token_ids[-1] == PENDING_TOKEN
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host has read (all but a pending last one)."""
+        return len(self.token_ids) - self.has_pending_token
+
+    @property
+    def uses_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
     @property
     def num_uncomputed(self) -> int:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.engine.request import Request
 from mlx_infer.engine.scheduler import ScheduledRequest
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.loading.policy import cpu_backend
@@ -29,6 +31,17 @@ def kv_bytes_per_token(model: nn.Module, dtype: mx.Dtype) -> int:
     return 2 * len(model.layers) * n_kv_heads * head_dim * dtype.size
 
 
+@dataclass
+class InFlight:
+    """A step whose samples the host has not read yet."""
+
+    sampled: list[Request]  # row i of ``result`` belongs to sampled[i]
+    result: SampleResult
+
+    def rows_by_request(self) -> dict[str, int]:
+        return {r.request_id: i for i, r in enumerate(self.sampled)}
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, kv: KVCacheManager, dtype: mx.Dtype):
         if cpu_backend():
@@ -43,15 +56,28 @@ class ModelRunner:
         # Allocate now, on this thread: the pool is touched by every step, whichever thread runs it.
         mx.eval([c for layer in self.cache for c in layer.state()])
 
-    def execute(self, batch: list[ScheduledRequest]) -> tuple[SampleResult | None, list[int]]:
-        """Run one step; returns the lazy sample result and the batch rows it covers (sampling ones)."""
-        slices, tokens = [], []
+    def execute(
+        self, batch: list[ScheduledRequest], pending: InFlight | None = None
+    ) -> tuple[SampleResult | None, list[int]]:
+        """Run one step; returns the lazy sample result and the batch rows it covers (sampling ones).
+
+        A request whose last token is still pending takes it from ``pending``'s lazy samples, so this
+        step's graph is built while the previous one computes.
+        """
+        slices, tokens, pending_at, pending_rows = [], [], [], []
+        rows_of = pending.rows_by_request() if pending is not None else {}
         for s in batch:
             r = s.request
             slices.append(SequenceSlice(self.kv.block_tables[r.request_id], r.num_computed, s.num_new))
             tokens.extend(r.token_ids[r.num_computed : r.num_computed + s.num_new])
+            if r.has_pending_token:
+                pending_at.append(len(tokens) - 1)
+                pending_rows.append(rows_of[r.request_id])
         meta = build_metadata(slices, self.kv.block_size)
-        logits = self.model(mx.array(np.asarray(tokens, dtype=np.int32)), self.cache, meta)
+        inputs = mx.array(np.asarray(tokens, dtype=np.int32))
+        if pending_at:
+            inputs[mx.array(pending_at)] = pending.result.tokens[mx.array(pending_rows)]
+        logits = self.model(inputs, self.cache, meta)
         rows = [i for i, s in enumerate(batch) if s.samples]
         if not rows:
             # A step of partial prefills only: the K/V writes are all it produces.
@@ -62,7 +88,8 @@ class ModelRunner:
         sampler_rows = []
         for i in rows:
             r = batch[i].request
-            sampler_rows.append(SamplerRow(r.params, r.prompt_ids, r.output_ids, r.next_rng_key()))
+            output_ids = r.output_ids[: r.num_known_tokens - r.num_prompt_tokens]
+            sampler_rows.append(SamplerRow(r.params, r.prompt_ids, output_ids, r.next_rng_key()))
         result = sample(logits, sampler_rows)
         mx.async_eval(
             [

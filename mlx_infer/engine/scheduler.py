@@ -70,7 +70,8 @@ class Scheduler:
                 index += 1
         for s in scheduled:
             r = s.request
-            self.kv.register(r.request_id, r.token_ids, r.num_computed + s.num_new)
+            # A pending token's value is not known yet: its block is registered on a later step.
+            self.kv.register(r.request_id, r.token_ids, min(r.num_computed + s.num_new, r.num_known_tokens))
         budget = self.config.max_num_batched_tokens - sum(s.num_new for s in scheduled)
 
         # Then waiting requests, oldest first, while blocks, budget and sequence slots last.
