@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_infer.models.rope_cpu import apply_rope_cpu
 
@@ -171,3 +172,48 @@ def apply_rope(
 def select_rows(h: mx.array, meta: BatchMetadata) -> mx.array:
     """The rows of ``h`` ([T, D]) whose logits the step needs."""
     return h if meta.logits_index is None else h[meta.logits_index]
+
+
+class CausalLM(nn.Module):
+    """What every architecture's ``Model`` shares: embedding -> blocks -> final norm -> head.
+
+    Subclasses build ``self.model`` (with ``embed_tokens``, ``layers``, ``norm``) and, for untied
+    heads, ``self.lm_head``; they override ``embed``/``logits``/``sanitize`` where they differ.
+    """
+
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.model.embed_tokens(tokens)
+
+    def head(self, h: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def logits(self, h: mx.array, meta: BatchMetadata) -> mx.array:
+        return self.head(self.model.norm(select_rows(h, meta)))
+
+    def __call__(self, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata) -> mx.array:
+        h = self.embed(tokens)
+        for layer, kv in zip(self.layers, cache):
+            h = layer(h, kv, meta)
+        return self.logits(h, meta)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.model.layers
+
+    def kv_shape(self) -> tuple[int, int]:
+        """(n_kv_heads, head_dim) of every attention layer's cache."""
+        return self.args.num_key_value_heads, self.args.head_dim
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return weights

@@ -19,12 +19,12 @@ from mlx_infer.errors import UnsupportedArchitecture
 from mlx_infer.models.base import (
     BaseModelArgs,
     BatchMetadata,
+    CausalLM,
     LayerKV,
     apply_rope,
     attention,
     rope_frequencies,
     rope_scale,
-    select_rows,
 )
 from mlx_infer.models.rope_config import resolve_rope
 
@@ -190,41 +190,20 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
+        super().__init__(args)
         self.model = Gemma3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.model.embed_tokens(tokens)
         # transformers rounds the scale to the weights' dtype before multiplying.
         return h * mx.array(math.sqrt(self.args.hidden_size), dtype=mx.float32).astype(h.dtype)
 
-    def logits(self, h: mx.array, meta: BatchMetadata) -> mx.array:
-        h = self.model.norm(select_rows(h, meta))
-        if self.args.tie_word_embeddings:
-            out = self.model.embed_tokens.as_linear(h)
-        else:
-            out = self.lm_head(h)
+    def head(self, h: mx.array) -> mx.array:
+        out = super().head(h)
         cap = self.args.final_logit_softcapping
         return out if cap is None else mx.tanh(out / cap) * cap
-
-    def __call__(self, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata) -> mx.array:
-        h = self.embed(tokens)
-        for layer, kv in zip(self.layers, cache):
-            h = layer(h, kv, meta)
-        return self.logits(h, meta)
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
-
-    def kv_shape(self) -> tuple[int, int]:
-        """(n_kv_heads, head_dim) of every attention layer's cache."""
-        return self.args.num_key_value_heads, self.args.head_dim
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         out = {}

@@ -18,12 +18,12 @@ import mlx.nn as nn
 from mlx_infer.models.base import (
     BaseModelArgs,
     BatchMetadata,
+    CausalLM,
     LayerKV,
     apply_rope,
     attention,
     rope_frequencies,
     rope_scale,
-    select_rows,
 )
 from mlx_infer.models.rope_config import SUPPORTED_SCALING, resolve_rope, scaling_type
 
@@ -158,39 +158,7 @@ class Phi3Model(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
+        super().__init__(args)
         self.model = Phi3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def embed(self, tokens: mx.array) -> mx.array:
-        return self.model.embed_tokens(tokens)
-
-    def logits(self, h: mx.array, meta: BatchMetadata) -> mx.array:
-        h = self.model.norm(select_rows(h, meta))
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    def __call__(self, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata) -> mx.array:
-        h = self.embed(tokens)
-        for layer, kv in zip(self.layers, cache):
-            h = layer(h, kv, meta)
-        return self.logits(h, meta)
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
-
-    def kv_shape(self) -> tuple[int, int]:
-        """(n_kv_heads, head_dim) of every attention layer's cache."""
-        return self.args.num_key_value_heads, self.args.head_dim
-
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-        return weights
