@@ -165,6 +165,7 @@ class Launcher:
         self.plans = plans
         self.procs: list[subprocess.Popen] = []
         self.lock = threading.Lock()
+        self._open_line: int | None = None  # the rank whose partial line ends the output so far
 
     def run(self) -> int:
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -234,6 +235,7 @@ class Launcher:
             held += chunk.replace(b"\r\n", b"\n")  # ssh -tt's terminal line endings
             # Whole lines while output flows; the rest too once the rank pauses or ends.
             cut = held.rfind(b"\n") + 1 if chunk else len(held)
+            continues_line = not at_line_start
             text = bytearray()
             for piece in _LINES.split(held[:cut]):
                 if piece:
@@ -242,8 +244,13 @@ class Launcher:
             held = held[cut:]
             if text:
                 with self.lock:
+                    if self._open_line not in (None, rank):
+                        out.buffer.write(b"\n")  # another rank's partial line: close it first
+                    if continues_line and self._open_line != rank:
+                        text = prefix + text  # our partial line was closed: name the rank again
                     out.buffer.write(bytes(text))
                     out.buffer.flush()
+                    self._open_line = None if text.endswith(b"\n") else rank
             if ready and not chunk:
                 return
 

@@ -30,7 +30,14 @@ def kv_gib_for_blocks(num_blocks: int, block_size: int = 16) -> float:
 class LiveServer:
     """``mlx-infer serve -m MODEL ARGS`` on a free loopback port; ``stop()`` terminates it."""
 
-    def __init__(self, model: Path, *args: str, name: str = "smollm2", startup_timeout: float = 180.0):
+    def __init__(
+        self,
+        model: Path,
+        *args: str,
+        name: str = "smollm2",
+        startup_timeout: float = 180.0,
+        launch_hosts: str | None = None,
+    ):
         self.name = name
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -39,6 +46,8 @@ class LiveServer:
             sys.executable,
             "-m",
             "mlx_infer.cli",
+            # Under `launch`, one rank per host; rank 0 serves on the port.
+            *(["launch", "--hosts", launch_hosts, "--"] if launch_hosts else []),
             "serve",
             "-m",
             str(model),

@@ -593,3 +593,53 @@ def test_pipeline_across_namespaces(netns, smollm2_path: Path, smol_reference):
         netns["hosts"], "pipeline", smollm2_path, FRANCE, 12, False, "--ssh", netns["ssh"]
     )
     assert tokens == smol_reference
+
+
+@pytest.mark.slow
+def test_distributed_serve_answers_concurrent_requests_like_one_process(smollm2_path: Path):
+    """`launch --hosts 127.0.0.1,127.0.0.1 -- serve`: rank 0 serves and schedules, rank 1 runs its layers;
+    concurrent greedy chats equal the same conversations decoded by one process's engine."""
+    import asyncio
+
+    import openai
+    from server_helpers import LiveServer
+
+    from mlx_infer.engine.engine import Engine, EngineConfig
+    from mlx_infer.loading import load
+    from mlx_infer.sampling import SamplingParams
+
+    questions = ["What is the capital of France?", "Name a color.", "What is 2+2?", "Say hello."]
+    server = LiveServer(smollm2_path, "--kv-memory", "0.3", launch_hosts="127.0.0.1,127.0.0.1")
+    try:
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+
+        async def ask(question: str) -> list[int]:
+            reply = await client.chat.completions.create(
+                model=server.name,
+                messages=[{"role": "user", "content": question}],
+                temperature=0,
+                max_tokens=12,
+                logprobs=True,
+            )
+            return reply.choices[0].message.content
+
+        async def ask_all() -> list[str]:
+            return await asyncio.gather(*[ask(q) for q in questions])
+
+        served = asyncio.run(ask_all())
+    finally:
+        server.stop()
+
+    loaded = load(str(smollm2_path))
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.max_context, EngineConfig(kv_memory=0.1))
+    ids = [
+        engine.add_request(
+            loaded.tokenizer.encode_chat([{"role": "user", "content": q}]), SamplingParams(max_tokens=12)
+        )
+        for q in questions
+    ]
+    text = {i: "" for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            text[out.request_id] += out.text
+    assert served == [text[i] for i in ids]
