@@ -44,6 +44,9 @@ class Metrics:
             "Generation throughput since the last scrape",
             registry=r,
         ).set_function(self._throughput)
+        Gauge("mlx_infer_preemptions_total", "Requests preempted for recompute", registry=r).set_function(
+            lambda: engine.scheduler.num_preemptions
+        )
         self.ttft = Histogram(
             "mlx_infer_time_to_first_token_seconds",
             "Time to first token",
