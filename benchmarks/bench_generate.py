@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     results = run_mlx_infer.run(lm, args.p, args.n, args.r, args.b)
     skipped: list[str] = []
     for peer in args.compare:
-        result, why = _run_peer(peer, lm, args)
+        try:
+            result, why = _run_peer(peer, lm, args)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            # A broken peer must not cost the figures already measured.
+            result, why = None, f"failed: {e}"
         if result is not None:
             results.append(result)
         else:

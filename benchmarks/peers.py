@@ -111,7 +111,8 @@ def run_llama_bench(
            "-t", str(threads), "-o", "json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
-        raise RuntimeError(f"llama-bench failed: {proc.stderr.strip().splitlines()[-1:]}")
+        last = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        raise RuntimeError(f"llama-bench failed: {last[0]}")
     tests = json.loads(proc.stdout)
     weight_bytes, kv_per_token, qtype = _gguf_sizes(gguf)
     result = Result(
