@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass, field
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer.engine.request import PENDING_TOKEN, Request, RequestOutput, Status, TokenLogprob
@@ -41,8 +39,6 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     finished_requests: int = 0
-    ttft: list[float] = field(default_factory=list)  # seconds, per finished-prefill request
-    tpot: list[float] = field(default_factory=list)  # seconds per output token after the first
 
 
 def pool_num_blocks(config: EngineConfig, max_context: int, kv_bytes_per_token: int) -> int:
@@ -174,7 +170,6 @@ class Engine:
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        now = time.perf_counter()
         outputs = []
         for i, request in enumerate(step.sampled):
             if request.status is Status.FINISHED:
@@ -182,8 +177,6 @@ class Engine:
             token = tokens[i]
             request.token_ids[-1] = token
             self.stats.generated_tokens += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
             token_logprobs = None
             if request.params.logprobs is not None and logprobs is not None:
                 k = request.params.logprobs
@@ -226,11 +219,3 @@ class Engine:
         self.requests.pop(request.request_id, None)
         self._detokenizers.pop(request.request_id, None)
         self.stats.finished_requests += 1
-        if request.first_token_time is not None:
-            self.stats.ttft.append(request.first_token_time - request.arrival_time)
-            if request.num_output_tokens > 1:
-                elapsed = time.perf_counter() - request.first_token_time
-                self.stats.tpot.append(elapsed / (request.num_output_tokens - 1))
-
-    def peak_memory(self) -> int:
-        return mx.get_peak_memory()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -41,10 +40,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     rng_key: mx.array | None = None
-    arrival_time: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
     admitted: bool = False
-    num_preemptions: int = 0
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

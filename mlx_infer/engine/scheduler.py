@@ -98,7 +98,6 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.num_computed = 0
-        request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = Status.WAITING
         self.waiting.appendleft(request)
