@@ -1,6 +1,6 @@
 """GGUF K-quant blocks that MLX's affine format cannot express, dequantized with MLX ops.
 
-Layouts follow llama.cpp (``dequantize_row_q4_K`` / ``dequantize_row_q6_K``); each row of a
+Layouts follow llama.cpp (``dequantize_row_q4_K`` / ``_q5_K`` / ``_q6_K``); each row of a
 weight is its raw bytes ``[rows, blocks * block_bytes]`` (uint8), as the ``gguf`` reader returns
 them. This is the reference (and the fallback off Metal) for the K-quant matvec kernel.
 """
@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_infer.errors import InvalidCheckpoint
 
 QK_K = 256
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def _f16(lo: mx.array, hi: mx.array) -> mx.array:
@@ -28,19 +28,47 @@ def _blocks(raw: mx.array, kind: str) -> mx.array:
     return raw.reshape(raw.shape[0], raw.shape[1] // size, size)
 
 
-def dequantize_q4_k(raw: mx.array) -> mx.array:
-    """``[rows, blocks * 144]`` bytes -> float32 ``[rows, blocks * 256]``."""
-    b = _blocks(raw, "Q4_K").astype(mx.uint32)
+def _scales_mins(b: mx.array) -> tuple[mx.array, mx.array]:
+    """Q4_K/Q5_K: float32 ``[rows, blocks, 8]`` scales and mins of the 8 sub-blocks of 32 values.
+
+    Each sub-block has a 6-bit scale and a 6-bit min, packed in the 12 bytes after ``d`` and ``dmin``.
+    """
     d, dmin = _f16(b[..., 0], b[..., 1]), _f16(b[..., 2], b[..., 3])
     sc = b[..., 4:16]
-    # 8 sub-blocks of 32 values, each with a 6-bit scale and a 6-bit min packed in 12 bytes.
     low_scale, low_min = sc[..., 0:4] & 63, sc[..., 4:8] & 63
     high_scale = (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)
     high_min = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
     scale = mx.concatenate([low_scale, high_scale], axis=-1).astype(mx.float32) * d[..., None]
     mins = mx.concatenate([low_min, high_min], axis=-1).astype(mx.float32) * dmin[..., None]
-    qs = b[..., 16:144].reshape(*b.shape[:2], 4, 32)  # 4 chunks of 32 bytes: low nibbles, then high
-    q = mx.stack([qs & 15, qs >> 4], axis=3).reshape(*b.shape[:2], 8, 32).astype(mx.float32)
+    return scale, mins
+
+
+def _nibbles(qs: mx.array) -> mx.array:
+    """``[rows, blocks, 128]`` bytes -> ``[rows, blocks, 8, 32]`` 4-bit values: 4 chunks of 32 bytes,
+    each giving a sub-block of low nibbles, then one of high nibbles."""
+    chunks = qs.reshape(*qs.shape[:2], 4, 32)
+    return mx.stack([chunks & 15, chunks >> 4], axis=3).reshape(*qs.shape[:2], 8, 32)
+
+
+def dequantize_q4_k(raw: mx.array) -> mx.array:
+    """``[rows, blocks * 144]`` bytes -> float32 ``[rows, blocks * 256]``."""
+    b = _blocks(raw, "Q4_K").astype(mx.uint32)
+    scale, mins = _scales_mins(b)
+    q = _nibbles(b[..., 16:144]).astype(mx.float32)
+    values = q * scale[..., None] - mins[..., None]
+    return values.reshape(raw.shape[0], -1)
+
+
+def dequantize_q5_k(raw: mx.array) -> mx.array:
+    """``[rows, blocks * 176]`` bytes -> float32 ``[rows, blocks * 256]``.
+
+    Q4_K's scales, mins and nibbles, plus a fifth bit: bit j of ``qh[l]`` (bytes 16..47) is the high
+    bit of value l of sub-block j.
+    """
+    b = _blocks(raw, "Q5_K").astype(mx.uint32)
+    scale, mins = _scales_mins(b)
+    high = (b[..., None, 16:48] >> mx.arange(8, dtype=mx.uint32)[:, None]) & 1  # [rows, blocks, 8, 32]
+    q = (_nibbles(b[..., 48:176]) | (high << 4)).astype(mx.float32)
     values = q * scale[..., None] - mins[..., None]
     return values.reshape(raw.shape[0], -1)
 
@@ -65,7 +93,7 @@ def dequantize_q6_k(raw: mx.array) -> mx.array:
     return values.reshape(raw.shape[0], -1)
 
 
-DEQUANTIZE = {"Q4_K": dequantize_q4_k, "Q6_K": dequantize_q6_k}
+DEQUANTIZE = {"Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k}
 
 
 def gguf_matmul(x: mx.array, raw: mx.array, kind: str, bias: mx.array | None = None) -> mx.array:

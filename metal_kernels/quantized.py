@@ -73,28 +73,36 @@ _KQUANT = """
   }
 """
 
-# llama.cpp dequantize_row_q4_K: 8 sub-blocks of 32 with 6-bit scales/mins packed in 12 bytes.
-_Q4_K_DOT = """
+# llama.cpp dequantize_row_q4_K / _q5_K: d and dmin, then 8 sub-blocks of 32 values with 6-bit
+# scales/mins packed in 12 bytes; Q5_K adds a fifth bit per value (bit j of qh[l] for sub-block j).
+_SCALE_MIN_K4 = """
     const float d = float(as_type<half>(ushort(blk[0] | (blk[1] << 8))));
     const float dmin = float(as_type<half>(ushort(blk[2] | (blk[3] << 8))));
     const device uint8_t* sc = blk + 4;
     for (int j = 0; j < 8; j++) {
       const int scale = j < 4 ? (sc[j] & 63) : ((sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4));
       const int mn = j < 4 ? (sc[j + 4] & 63) : ((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4));
-      const device uint8_t* qs = blk + 16 + (j / 2) * 32;
       const int shift = (j % 2) * 4;
       for (int m = 0; m < M; m++) {
         const int x0 = m * K + bi * 256 + j * 32;
         float xq = 0.0f, xs = 0.0f;
         for (int l = 0; l < 32; l++) {
           const float xv = float(x[x0 + l]);
-          xq += xv * float((qs[l] >> shift) & 15);
+          xq += xv * float(QUANT);
           xs += xv;
         }
         acc[m] += d * scale * xq - dmin * mn * xs;
       }
     }
 """
+_Q4_K_DOT = """
+    const device uint8_t* qs0 = blk + 16;
+""" + _SCALE_MIN_K4.replace("QUANT", "(qs0[(j / 2) * 32 + l] >> shift) & 15")
+
+_Q5_K_DOT = """
+    const device uint8_t* qh = blk + 16;
+    const device uint8_t* qs0 = blk + 48;
+""" + _SCALE_MIN_K4.replace("QUANT", "((qs0[(j / 2) * 32 + l] >> shift) & 15) | (((qh[l] >> j) & 1) << 4)")
 
 # llama.cpp dequantize_row_q6_K: two halves of 128; 6-bit values from ql (low 4) and qh (high 2).
 _Q6_K_DOT = """
@@ -138,7 +146,7 @@ def affine_spec(has_bias: bool, has_residual: bool) -> KernelSpec:
 @cache
 def kquant_spec(kind: str, has_bias: bool) -> KernelSpec:
     extra, code = _epilogue(has_bias, False)
-    body = _KQUANT.replace("BLOCK_DOT", {"Q4_K": _Q4_K_DOT, "Q6_K": _Q6_K_DOT}[kind])
+    body = _KQUANT.replace("BLOCK_DOT", {"Q4_K": _Q4_K_DOT, "Q5_K": _Q5_K_DOT, "Q6_K": _Q6_K_DOT}[kind])
     return KernelSpec(f"{kind.lower()}_qmv{'b' if has_bias else ''}", ("x", "w", *extra), ("out",),
                       body.replace("EPILOGUE", code).replace("BLOCK_BYTES", str(BLOCK_BYTES[kind])))
 
@@ -173,7 +181,7 @@ def affine_matvec(
 def kquant_matvec(
     x: mx.array, raw: mx.array, kind: str, bias: mx.array | None = None, *, launch: Launcher = metal_launch
 ) -> mx.array:
-    """``x @ dequantize(raw).T (+ bias)`` for GGUF ``Q4_K``/``Q6_K`` rows of raw bytes."""
+    """``x @ dequantize(raw).T (+ bias)`` for GGUF ``Q4_K``/``Q5_K``/``Q6_K`` rows of raw bytes."""
     x = _rows(x)
     if kind not in BLOCK_BYTES:
         raise InvalidRequest(f"K-quant matvec supports {sorted(BLOCK_BYTES)}, got {kind}")

@@ -70,9 +70,9 @@ def _kquant_case(kind: str) -> Case:
     rng = np.random.default_rng(2)
     size = gguf_reference.BLOCK_BYTES[kind]
     raw = rng.integers(0, 256, (256, 4, size), dtype=np.uint8)
-    # Sane float16 super-block scales (random bytes there would be inf or NaN): d, dmin for Q4_K.
+    # Sane float16 super-block scales (random bytes there would be inf or NaN): d, dmin for Q4_K/Q5_K.
     halves = rng.uniform(1e-3, 2e-2, (256, 4, 2)).astype(np.float16).view(np.uint8)
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):
         raw[..., 0:4] = halves
     else:
         raw[..., 208:210] = halves[..., :2]
@@ -96,6 +96,7 @@ def cases() -> dict[str, Callable[[], Case]]:
         for group in (32, 64, 128):
             out[f"affine_{bits}bit_g{group}"] = lambda b=bits, g=group: _affine_case(b, g, mx.float16)
     out["q4_k"] = lambda: _kquant_case("Q4_K")
+    out["q5_k"] = lambda: _kquant_case("Q5_K")
     out["q6_k"] = lambda: _kquant_case("Q6_K")
     return out
 

@@ -154,14 +154,14 @@ def random_kquant(kind: str, rows: int, k: int, seed: int) -> np.ndarray:
         scales = rng.uniform(1e-3, 4e-2, (rows, k // 256)).astype(np.float16)
         return scales.view(np.uint8).reshape(rows, -1, 2)
 
-    if kind == "Q4_K":
-        raw[..., 0:2], raw[..., 2:4] = f16(), f16()
+    if kind in ("Q4_K", "Q5_K"):
+        raw[..., 0:2], raw[..., 2:4] = f16(), f16()  # d, dmin
     else:
         raw[..., 208:210] = f16()
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_kquant_reference_matches_gguf_quants(kind):
     from gguf import GGMLQuantizationType, quants
 
@@ -171,7 +171,8 @@ def test_kquant_reference_matches_gguf_quants(kind):
 
 
 @needs_emulator
-@pytest.mark.parametrize("kind,dtype", [("Q4_K", mx.float32), ("Q6_K", mx.float16), ("Q4_K", mx.bfloat16)])
+@pytest.mark.parametrize("kind,dtype", [("Q4_K", mx.float32), ("Q6_K", mx.float16), ("Q4_K", mx.bfloat16),
+                                        ("Q5_K", mx.float32), ("Q5_K", mx.float16), ("Q5_K", mx.bfloat16)])
 def test_kquant_matvec_matches_reference(kind, dtype):
     raw = mx.array(random_kquant(kind, 20, 512, seed=6))
     rng = np.random.default_rng(7)
