@@ -2,20 +2,23 @@
 
 Off Metal the reference is chosen silently; on Metal the kernel, unless
 ``MLX_INFER_KERNELS=reference``. The choice is made once at import and bound to module names,
-so a call costs nothing extra on the CPU.
+so a call costs nothing extra on the CPU. Callers look the names up at call time
+(``dispatch.quantized_matmul(...)``), so :func:`bind` can re-point them: tests bind the kernels
+with the Metal emulator as their launcher and run whole models through the kernel path on Linux.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+from functools import partial
 
 import mlx.core as mx
 
 from mlx_infer.metal_kernels import gguf_reference, reference
+from mlx_infer.metal_kernels.launch import Launcher, metal_launch
 from mlx_infer.models.base import BatchMetadata
-
-USE_KERNELS = mx.metal.is_available() and os.environ.get("MLX_INFER_KERNELS", "") != "reference"
 
 
 def _kernel_paged_attention(
@@ -26,10 +29,13 @@ def _kernel_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    *,
+    launch: Launcher = metal_launch,
 ) -> mx.array:
     from mlx_infer.metal_kernels.paged_attention import paged_attention
 
-    return paged_attention(queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap)
+    return paged_attention(queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap,
+                           launch=launch)
 
 
 def _kernel_quantized_matmul(
@@ -41,13 +47,16 @@ def _kernel_quantized_matmul(
     bits: int,
     bias: mx.array | None = None,
     residual: mx.array | None = None,
+    *,
+    launch: Launcher = metal_launch,
 ) -> mx.array:
     from mlx_infer.metal_kernels.quantized import MAX_ROWS, affine_matvec
 
     rows = math.prod(x.shape[:-1])
     if rows <= MAX_ROWS and bits in (4, 8) and group_size in (32, 64, 128):
         res = None if residual is None else residual.reshape(rows, -1)
-        out = affine_matvec(x.reshape(rows, x.shape[-1]), w, scales, biases, group_size, bits, bias, res)
+        out = affine_matvec(x.reshape(rows, x.shape[-1]), w, scales, biases, group_size, bits, bias, res,
+                            launch=launch)
         return out.reshape(*x.shape[:-1], w.shape[0])
     # Prefill-sized inputs: MLX's own tiled quantized matmul is the right kernel on a GPU.
     out = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
@@ -56,20 +65,35 @@ def _kernel_quantized_matmul(
     return out if residual is None else out + residual
 
 
-def _kernel_gguf_matmul(x: mx.array, raw: mx.array, kind: str, bias: mx.array | None = None) -> mx.array:
+def _kernel_gguf_matmul(
+    x: mx.array, raw: mx.array, kind: str, bias: mx.array | None = None, *, launch: Launcher = metal_launch
+) -> mx.array:
     from mlx_infer.metal_kernels.quantized import MAX_ROWS, kquant_matvec
 
     rows = math.prod(x.shape[:-1])
     if rows > MAX_ROWS:
         return gguf_reference.gguf_matmul(x, raw, kind, bias)
-    return kquant_matvec(x.reshape(rows, x.shape[-1]), raw, kind, bias).reshape(*x.shape[:-1], raw.shape[0])
+    out = kquant_matvec(x.reshape(rows, x.shape[-1]), raw, kind, bias, launch=launch)
+    return out.reshape(*x.shape[:-1], raw.shape[0])
 
 
-if USE_KERNELS:
-    paged_attention = _kernel_paged_attention
-    quantized_matmul = _kernel_quantized_matmul
-    gguf_matmul = _kernel_gguf_matmul
-else:
-    paged_attention = reference.paged_attention
-    quantized_matmul = reference.quantized_matmul
-    gguf_matmul = gguf_reference.gguf_matmul
+def bind(kernels: bool, launch: Launcher = metal_launch) -> None:
+    """Point the entry points (and ``USE_KERNELS``) at the kernels, launched by ``launch``, or at the
+    references. Done once at import; tests re-bind with the emulator's launch and bind back."""
+    global USE_KERNELS, paged_attention, quantized_matmul, gguf_matmul
+    USE_KERNELS = kernels
+    if not kernels:
+        paged_attention = reference.paged_attention
+        quantized_matmul = reference.quantized_matmul
+        gguf_matmul = gguf_reference.gguf_matmul
+    else:
+        paged_attention = partial(_kernel_paged_attention, launch=launch)
+        quantized_matmul = partial(_kernel_quantized_matmul, launch=launch)
+        gguf_matmul = partial(_kernel_gguf_matmul, launch=launch)
+
+
+USE_KERNELS: bool
+paged_attention: Callable[..., mx.array]
+quantized_matmul: Callable[..., mx.array]
+gguf_matmul: Callable[..., mx.array]
+bind(mx.metal.is_available() and os.environ.get("MLX_INFER_KERNELS", "") != "reference")

@@ -6,13 +6,18 @@ import dataclasses
 import os
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest import make_tiny_llama
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.loading import policy
 from mlx_infer.metal_kernels import dispatch, gguf_reference, quantized, reference
 from mlx_infer.metal_kernels import paged_attention as pa
 from mlx_infer.metal_kernels.emulator import Emulator, EmulatorError, toolchain_available
+from mlx_infer.metal_kernels.layers import KernelQuantizedEmbedding, KernelQuantizedLinear
+from mlx_infer.models.base import LayerKV
 
 needs_emulator = pytest.mark.skipif(not toolchain_available(),
                                     reason="the emulator needs `pip install ziglang`")
@@ -182,6 +187,77 @@ def test_kquant_matvec_matches_reference(kind, dtype):
     expect = gguf_reference.gguf_matmul(x.astype(mx.float32), raw, kind, bias.astype(mx.float32))
     scale = float(mx.abs(expect).max())
     assert float(mx.abs(out.astype(mx.float32) - expect).max()) < ATOL[dtype] * max(scale, 1.0)
+
+
+# ---- models through the kernel dispatch -----------------------------------------------------------------
+
+@pytest.fixture
+def emulated_kernels():
+    """The dispatch bound to the kernels as on a Mac, with the emulator as their launcher; yields the
+    names of the kernels launched."""
+    launched: list[str] = []
+
+    def launch(spec, **kw):
+        launched.append(spec.name)
+        return EMU(spec, **kw)
+
+    saved = dispatch.USE_KERNELS
+    dispatch.bind(True, launch)
+    yield launched
+    dispatch.bind(saved)
+
+
+def two_steps(model: nn.Module) -> list[np.ndarray]:
+    """Logits of a ragged batch: prefill chunks of 5 and 3 tokens (8 rows, still matvecs), then one decode
+    step of both sequences."""
+    n_kv, head_dim = model.kv_shape()
+    cache = [LayerKV(4, BLOCK, n_kv, head_dim, mx.float32) for _ in model.layers]
+    prefill = [SequenceSlice([2], 0, 5, want_all_logits=True), SequenceSlice([0], 0, 3, want_all_logits=True)]
+    steps = [(prefill, [3, 14, 15, 9, 26, 5, 35, 8]),
+             ([SequenceSlice([2], 5, 1), SequenceSlice([0], 3, 1)], [42, 7])]
+    return [np.array(model(mx.array(tokens), cache, build_metadata(slices, BLOCK)))
+            for slices, tokens in steps]
+
+
+@needs_emulator
+def test_quantized_model_runs_through_the_kernels_on_metal(emulated_kernels, monkeypatch):
+    """On Metal the policy swaps quantized layers for kernel-dispatch twins; the emulated kernels (affine
+    matvec in every layer and the tied head, paged attention) give the reference path's logits."""
+    monkeypatch.setattr(policy, "cpu_backend", lambda: False)
+    # Head dim 64; 4-bit groups 64 and 128, an 8-bit group-32 tied embedding (the head).
+    model = make_tiny_llama(6, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                            intermediate_size=256, tie_word_embeddings=True)
+
+    def recipe(path: str, module: nn.Module) -> bool | dict:
+        if path.endswith("embed_tokens"):
+            return {"group_size": 32, "bits": 8}
+        if path.endswith("down_proj"):
+            return {"group_size": 128, "bits": 4}
+        return hasattr(module, "to_quantized")
+
+    nn.quantize(model, group_size=64, bits=4, class_predicate=recipe)
+    assert "quantized 4-bit/8-bit" in policy.apply_weight_policy(model, None)
+    linears = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert len(linears) == 14 and all(type(m) is KernelQuantizedLinear for m in linears)
+    assert type(model.model.embed_tokens) is KernelQuantizedEmbedding
+
+    kernels = two_steps(model)
+    assert {"affine_qmv", "paged_attention"} <= set(emulated_kernels)
+    dispatch.bind(False)
+    for got, expect in zip(kernels, two_steps(model)):
+        assert got.shape == expect.shape
+        np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max())
+
+
+def test_dispatch_twins_keep_mlx_layers_off_metal():
+    """Off Metal (the real policy) quantized layers stay MLX's own."""
+    if mx.metal.is_available():
+        pytest.skip("Metal is available: the policy swaps in the kernel layers")
+    model = make_tiny_llama(6)
+    nn.quantize(model, group_size=64, bits=4)
+    policy.apply_weight_policy(model, True)
+    assert type(model.lm_head) is nn.QuantizedLinear
+    assert type(model.model.embed_tokens) is nn.QuantizedEmbedding
 
 
 # ---- references against NumPy -------------------------------------------------------------------------

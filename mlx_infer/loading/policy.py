@@ -3,9 +3,11 @@
 On the CPU backend, ``quantized_matmul`` and half-precision matmuls do not go through BLAS and are
 slow (docs: /work/shared/FACTS.md), while float32 matmuls go through the optimized BLAS: so quantized
 layers are dequantized and half-precision weights widened to float32, unless ``keep_quantized`` is True.
-On Metal quantized layers stay quantized (fast kernels, a quarter of the memory traffic); float weights
-dequantized from GGUF K-quants (which MLX cannot hold as such) are quantized again to MLX's affine
-4- or 8-bit format.
+On Metal quantized layers stay quantized (fast kernels, a quarter of the memory traffic). With the
+kernels in use (``metal_kernels.dispatch``), affine quantized layers are swapped for twins whose products
+go through the kernel dispatch, and GGUF Q4_K/Q5_K/Q6_K matrices arrive as their raw blocks (see
+:func:`kquants_stay_raw`); float weights dequantized from the other GGUF types MLX cannot hold as such
+are quantized again to MLX's affine 4- or 8-bit format.
 """
 
 from __future__ import annotations
@@ -16,6 +18,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from mlx_infer.metal_kernels import dispatch
+from mlx_infer.metal_kernels.layers import (
+    GGUFEmbedding,
+    GGUFLinear,
+    KernelQuantizedEmbedding,
+    KernelQuantizedLinear,
+)
+
 log = logging.getLogger(__name__)
 
 # Group size used when re-quantizing K-quant weights: K-quants scale sub-blocks of 16 or 32 values.
@@ -25,6 +35,12 @@ QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 def cpu_backend() -> bool:
     return mx.default_device() == mx.cpu or not mx.metal.is_available()
+
+
+def kquants_stay_raw(keep_quantized: bool | None) -> bool:
+    """Whether GGUF Q4_K/Q5_K/Q6_K matrices are loaded as their raw blocks, for the K-quant kernels:
+    on Metal with the kernels in use, unless everything is to be dequantized."""
+    return not cpu_backend() and keep_quantized is not False and dispatch.USE_KERNELS
 
 
 def apply_weight_policy(
@@ -50,12 +66,32 @@ def apply_weight_policy(
             _dequantize(model, None)
             return _describe(model, f"dequantized from {_bits_text(bits)}")
         return _describe(model, "")
+    how = []
     if requantize:
         _requantize(model, requantize)
         target = _bits_text(set(requantize.values()))
         log.warning("GGUF K-quant weights re-quantized to MLX affine %s (lossy)", target)
-        return _describe(model, f"K-quants re-quantized to {target}")
-    return _describe(model, f"quantized {_bits_text(bits)}" if bits else "")
+        how.append(f"K-quants re-quantized to {target}")
+    elif bits:
+        how.append(f"quantized {_bits_text(bits)}")
+    if raw := _gguf_kinds(model):
+        how.append(f"GGUF {'/'.join(sorted(raw))} kept as blocks")
+    if dispatch.USE_KERNELS:
+        _use_kernels(model)
+    return _describe(model, ", ".join(how))
+
+
+def _use_kernels(model: nn.Module) -> None:
+    """Swap each affine QuantizedLinear/QuantizedEmbedding for its twin computing through the kernel
+    dispatch (same parameters); other modes (microscaling formats) stay MLX's."""
+    twins = {nn.QuantizedLinear: KernelQuantizedLinear, nn.QuantizedEmbedding: KernelQuantizedEmbedding}
+    swaps = [(path, twins[type(m)](m)) for path, m in model.named_modules()
+             if type(m) in twins and m.mode == "affine"]
+    model.update_modules(tree_unflatten(swaps))
+
+
+def _gguf_kinds(model: nn.Module) -> set[str]:
+    return {m.kind for _, m in model.named_modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))}
 
 
 def _quantized_bits(model: nn.Module) -> set[int]:
@@ -122,7 +158,8 @@ def _requantize(model: nn.Module, requantize: dict[str, int]) -> None:
 def _describe(model: nn.Module, how: str) -> str:
     params = tree_flatten(model.parameters())
     nbytes = sum(p.nbytes for _, p in params)
-    kinds = sorted({str(p.dtype).split(".")[-1] for _, p in params if p.dtype != mx.uint32})
-    quantized = bool(_quantized_bits(model))
+    packed = (mx.uint32, mx.uint8)  # MLX affine words, GGUF blocks
+    kinds = sorted({str(p.dtype).split(".")[-1] for _, p in params if p.dtype not in packed})
+    quantized = bool(_quantized_bits(model) or _gguf_kinds(model))
     what = ("quantized + " if quantized else "") + "/".join(kinds)
     return f"weights: {what}{f' ({how})' if how else ''}, {nbytes / 1e6:.0f} MB"
