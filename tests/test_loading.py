@@ -26,6 +26,9 @@ from mlx_infer.loading import load, policy
 from mlx_infer.loading.gguf import gguf_to_hf_names
 from mlx_infer.loading.gguf_config import MODEL_TYPES, llama3_scaling
 from mlx_infer.loading.gguf_file import read_header, tensor_bytes
+from mlx_infer.metal_kernels import dispatch
+from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
+from mlx_infer.metal_kernels.layers import GGUFEmbedding, GGUFLinear
 from mlx_infer.models.base import LayerKV, rope_frequencies
 
 Q = GGMLQuantizationType
@@ -239,12 +242,15 @@ def test_gguf_mx_load_types_match_hf_folder(tmp_path: Path):
     np.testing.assert_allclose(all_logits(kept.model), reference, rtol=2e-2, atol=2e-2)
 
 
-def random_q4_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Valid Q4_K bytes (gguf.quants cannot quantize to K-quants): random codes, small fp16 d / dmin."""
-    block_size, type_size = gguf.GGML_QUANT_SIZES[Q.Q4_K]
+def random_k_quant(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid K-quant bytes (gguf.quants cannot quantize to K-quants): random codes, small fp16 scales."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
-    blocks[..., 0:2] = np.frombuffer(np.float16(2e-3).tobytes(), np.uint8)  # d
-    blocks[..., 2:4] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)  # dmin
+    if qtype == Q.Q6_K:
+        blocks[..., 208:210] = np.frombuffer(np.float16(2e-4).tobytes(), np.uint8)  # d; int8 scales random
+    else:  # Q4_K, Q5_K
+        blocks[..., 0:2] = np.frombuffer(np.float16(2e-3).tobytes(), np.uint8)  # d
+        blocks[..., 2:4] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)  # dmin
     return blocks.reshape(rows, -1)
 
 
@@ -257,7 +263,7 @@ def test_gguf_k_quant_and_bf16_dequantized_exactly(tmp_path: Path):
         if w.ndim == 1:
             data, qtype = w, Q.F32
         elif "proj" in name and i % 2 == 0:
-            data, qtype = random_q4_k(*w.shape, rng), Q.Q4_K
+            data, qtype = random_k_quant(Q.Q4_K, *w.shape, rng), Q.Q4_K
         else:
             qtype = Q.BF16 if "proj" in name else Q.Q8_0
             data = gguf.quants.quantize(w, qtype)
@@ -281,6 +287,49 @@ def test_metal_policy_requantizes_k_quant_weights(monkeypatch: pytest.MonkeyPatc
     assert isinstance(down, nn.QuantizedLinear) and down.bits == 4
     assert isinstance(head, nn.QuantizedLinear) and head.bits == 8
     assert not isinstance(model.layers[0].mlp.up_proj, nn.QuantizedLinear)
+
+
+@pytest.mark.skipif(not toolchain_available(), reason="the emulator needs `pip install ziglang`")
+def test_gguf_k_quants_stay_blocks_on_metal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """On Metal with the kernels, Q4_K/Q5_K/Q6_K matrices load as their raw blocks (Q/K rows unpermuted)
+    into GGUF layers, and the emulated K-quant kernels give the logits of the dequantized CPU load."""
+    config = {**TINY_LLAMA_CONFIG, "hidden_size": 256, "intermediate_size": 512, "tie_word_embeddings": True}
+    rng = np.random.default_rng(1)
+    kinds = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+    tensors = {}
+    for i, (name, p) in enumerate(tree_flatten(make_tiny_llama(7, **config).parameters())):
+        w, kind = np.array(p), kinds[i % 3]
+        tensors[name] = (random_k_quant(kind, *w.shape, rng), kind) if w.ndim == 2 else (w, Q.F32)
+    write_tiny_gguf(tmp_path / "kq.gguf", config, tensors)
+    dequantized = load(str(tmp_path / "kq.gguf"))  # the CPU path: float32
+
+    launched: list[str] = []
+
+    def launch(spec, **kw):
+        launched.append(spec.name)
+        return Emulator().launch(spec, **kw)
+
+    monkeypatch.setattr(policy, "cpu_backend", lambda: False)
+    saved = dispatch.USE_KERNELS
+    dispatch.bind(True, launch)
+    try:
+        blocks = load(str(tmp_path / "kq.gguf"))
+        assert "GGUF Q4_K/Q5_K/Q6_K kept as blocks" in blocks.weight_policy
+        modules = dict(blocks.model.named_modules())
+        params = dict(tree_flatten(blocks.model.parameters()))
+        for name, (data, qtype) in tensors.items():
+            if qtype != Q.F32:
+                layer = modules[name.removesuffix(".weight")]
+                assert isinstance(layer, (GGUFLinear, GGUFEmbedding)) and layer.kind == qtype.name, name
+                np.testing.assert_array_equal(np.array(params[name]), data, err_msg=name)
+        assert isinstance(blocks.model.model.embed_tokens, GGUFEmbedding)  # and the tied head
+        tokens = TOKENS[:6]  # up to 8 rows: every projection is a matvec kernel launch
+        expect = all_logits(dequantized.model, tokens)
+        got = all_logits(blocks.model, tokens)
+    finally:
+        dispatch.bind(saved)
+    assert {"q4_k_qmv", "q5_k_qmv", "q6_k_qmv", "paged_attention"} <= set(launched)
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max())
 
 
 # ---------------------------------------------------------------- GGUF: the real SmolLM2 file

@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx_infer.errors import InvalidCheckpoint, ModelNotFound
 from mlx_infer.loading import hf, hub
 from mlx_infer.loading.build import build_model
-from mlx_infer.loading.policy import apply_weight_policy
+from mlx_infer.loading.policy import apply_weight_policy, kquants_stay_raw
 
 
 @dataclass
@@ -44,10 +44,14 @@ class Checkpoint:
     tokenizer: Any  # mlx_infer.tokenizer.Tokenizer
     path: Path  # the .gguf file or the model folder
     requantize: dict[str, int] = field(default_factory=dict)  # see policy.py
+    kquants: dict[str, str] = field(default_factory=dict)  # module path -> GGUF kind of a raw-block weight
 
 
-def open_checkpoint(spec: str) -> Checkpoint:
-    """Config, HF-named weights and tokenizer of ``spec``; no model built, no weight policy applied."""
+def open_checkpoint(spec: str, kquant_blocks: bool = False) -> Checkpoint:
+    """Config, HF-named weights and tokenizer of ``spec``; no model built, no weight policy applied.
+
+    ``kquant_blocks``: GGUF Q4_K/Q5_K/Q6_K matrices stay raw blocks (see ``policy.kquants_stay_raw``).
+    """
     from mlx_infer.tokenizer import Tokenizer
 
     path = resolve(spec)
@@ -55,9 +59,9 @@ def open_checkpoint(spec: str) -> Checkpoint:
     if gguf_file is not None:
         from mlx_infer.loading.gguf import read_gguf
 
-        gguf = read_gguf(gguf_file)
+        gguf = read_gguf(gguf_file, kquant_blocks)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
-        return Checkpoint(gguf.config, gguf.weights, tokenizer, gguf_file, gguf.requantize)
+        return Checkpoint(gguf.config, gguf.weights, tokenizer, gguf_file, gguf.requantize, gguf.kquants)
     return Checkpoint(hf.read_config(path), hf.read_weights(path), Tokenizer.from_folder(path), path)
 
 
@@ -69,9 +73,11 @@ def load(
     ``prepare`` runs on the built model before any weight is evaluated: weights it drops or slices
     (a distributed rank's shard) are then never read from lazy files.
     """
-    ckpt = open_checkpoint(spec)
+    # A distributed shard (``prepare``) slices weights by input columns in MLX's layouts; GGUF blocks
+    # would need cuts on block boundaries, so shards take the re-quantized form.
+    ckpt = open_checkpoint(spec, kquant_blocks=kquants_stay_raw(keep_quantized) and prepare is None)
     path, config = ckpt.path, ckpt.config
-    model = build_model(config, ckpt.weights, path.name)
+    model = build_model(config, ckpt.weights, path.name, ckpt.kquants)
     ckpt.weights = {}
     description = apply_weight_policy(model, keep_quantized, ckpt.requantize)
     if prepare is not None:

@@ -10,12 +10,17 @@ from mlx.utils import tree_flatten
 
 from mlx_infer.errors import InvalidCheckpoint
 from mlx_infer.loading.hf import one_line
-from mlx_infer.loading.quantized import quantize_to_match
+from mlx_infer.loading.quantized import quantize_to_match, use_gguf_blocks
 from mlx_infer.models import model_module
 
 
-def build_model(config: dict[str, Any], weights: dict[str, mx.array], source: str) -> nn.Module:
-    """Instantiate the architecture, quantize the layers the checkpoint has quantized, load strictly."""
+def build_model(
+    config: dict[str, Any], weights: dict[str, mx.array], source: str, kquants: dict[str, str] | None = None
+) -> nn.Module:
+    """Instantiate the architecture, quantize the layers the checkpoint has quantized, load strictly.
+
+    ``kquants``: module paths whose weights are raw GGUF K-quant blocks (``read_gguf(kquant_blocks=True)``).
+    """
     if "model_type" not in config:
         raise InvalidCheckpoint(f"{source}: config has no model_type")
     module = model_module(config["model_type"])
@@ -26,6 +31,8 @@ def build_model(config: dict[str, Any], weights: dict[str, mx.array], source: st
         raise InvalidCheckpoint(f"{source}: config does not fit {kind} ({one_line(e)})") from None
     weights = model.sanitize(weights)
     quantize_to_match(model, weights, config.get("quantization"))
+    if kquants:
+        use_gguf_blocks(model, kquants)
     _check_dtypes(model, weights, source)
     try:
         model.load_weights(list(weights.items()), strict=True)

@@ -4,6 +4,8 @@ Q4_0 / Q4_1 / Q8_0 (and F32/F16) files go through ``mx.load``, which returns the
 MLX affine arrays (``weight`` uint32, ``scales``, ``biases``) losslessly. Any other type (K-quants,
 BF16, ...) makes ``mx.load`` fail or round, so such files are read tensor by tensor and dequantized
 exactly to float32 with the ``gguf`` package; the policy may re-quantize them (see ``policy.py``).
+When the K-quant kernels will run them (``kquant_blocks``), Q4_K/Q5_K/Q6_K matrices are instead kept
+as their raw blocks (uint8 ``[rows, bytes per row]``) for layers that compute on them directly.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ MX_LOAD_EXACT = {Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0}
 FLOAT_TYPES = {Q.F32, Q.F16, Q.BF16, Q.F64}
 # Re-quantization bits for a dequantized type: 8 for the 5..8-bit types, 4 for the rest.
 EIGHT_BIT_SOURCES = {Q.Q8_0, Q.Q8_1, Q.Q8_K, Q.Q6_K, Q.Q5_K, Q.Q5_0, Q.Q5_1}
+# Types the K-quant matvec kernels compute on as stored (metal_kernels.gguf_reference.BLOCK_BYTES).
+BLOCK_KINDS = {Q.Q4_K: "Q4_K", Q.Q5_K: "Q5_K", Q.Q6_K: "Q6_K"}
 
 L = "model.layers.{bid}."
 # GGUF tensor kind -> Hugging Face module path (the gguf side of each name is TENSOR_NAMES[kind]).
@@ -69,30 +73,39 @@ class GGUFCheckpoint:
     weights: dict[str, mx.array]  # Hugging Face names
     metadata: dict[str, Any]  # plain Python values, for the tokenizer
     requantize: dict[str, int] = field(default_factory=dict)  # module path -> bits (see policy.py)
+    kquants: dict[str, str] = field(default_factory=dict)  # module path -> kind of its raw-block weight
 
 
-def read_gguf(path: Path) -> GGUFCheckpoint:
+def read_gguf(path: Path, kquant_blocks: bool = False) -> GGUFCheckpoint:
+    """Config, Hugging Face-named weights and metadata of a GGUF file.
+
+    ``kquant_blocks``: keep Q4_K/Q5_K/Q6_K matrices as raw blocks (listed in ``kquants``) instead of
+    dequantizing them.
+    """
     header = read_header(path)
     source = path.name
     config = hf_config(header.metadata, header.tensors, source)
     arch = header.metadata["general.architecture"]
     if all(t.qtype in MX_LOAD_EXACT for t in header.tensors.values()):
-        raw, dequantized_from = _mx_load(path), {}
+        raw, dequantized_from, blocks = _mx_load(path), {}, {}
     else:
-        raw, dequantized_from = _dequantize_all(path, header)
+        raw, dequantized_from, blocks = _read_tensors(path, header, kquant_blocks)
     _fold_rope_tensors(raw, config, arch, source)
     names = gguf_to_hf_names(arch, config["num_hidden_layers"])
-    weights, requantize = {}, {}
+    weights, requantize, kquants = {}, {}, {}
     for name, value in raw.items():
         base, _, suffix = name.rpartition(".")
         if base not in names:
             raise UnsupportedArchitecture(f"{source}: tensor {name!r} of a {arch} GGUF is not supported")
         hf = names[base]
+        # Block rows are whole output features, so the Q/K row permutation moves them like float rows.
         weights[f"{hf}.{suffix}"] = _fix_layout(hf, suffix, value, config, arch)
         qtype = dequantized_from.get(name)
-        if qtype is not None and qtype not in FLOAT_TYPES and value.ndim >= 2:
+        if name in blocks:
+            kquants[hf] = blocks[name]
+        elif qtype is not None and qtype not in FLOAT_TYPES and value.ndim >= 2:
             requantize[hf] = 8 if qtype in EIGHT_BIT_SOURCES else 4
-    return GGUFCheckpoint(config, weights, header.metadata, requantize)
+    return GGUFCheckpoint(config, weights, header.metadata, requantize, kquants)
 
 
 def gguf_to_hf_names(arch: str, n_layers: int) -> dict[str, str]:
@@ -136,9 +149,19 @@ def _mx_load(path: Path) -> dict[str, mx.array]:
         raise InvalidCheckpoint(f"{path.name}: {one_line(e)}") from None
 
 
-def _dequantize_all(path: Path, header: GGUFHeader) -> tuple[dict[str, mx.array], dict[str, Q]]:
-    weights, kinds = {}, {}
+def _read_tensors(
+    path: Path, header: GGUFHeader, kquant_blocks: bool
+) -> tuple[dict[str, mx.array], dict[str, Q], dict[str, str]]:
+    """Every tensor, dequantized to float32 (with its source type), or kept as raw blocks (with its kind).
+
+    Only matrices stay blocks: the kernels take 2-D rows, so stacked MoE experts are dequantized.
+    """
+    weights, kinds, blocks = {}, {}, {}
     for name, info in header.tensors.items():
+        if kquant_blocks and info.qtype in BLOCK_KINDS and len(info.shape) == 2:
+            weights[name] = mx.array(np.array(tensor_bytes(path, info)))
+            blocks[name] = BLOCK_KINDS[info.qtype]
+            continue
         try:
             values = dequantize(tensor_bytes(path, info), info.qtype)
         except (NotImplementedError, ValueError) as e:
@@ -147,7 +170,7 @@ def _dequantize_all(path: Path, header: GGUFHeader) -> tuple[dict[str, mx.array]
             ) from None
         weights[name] = mx.array(np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape))
         kinds[name] = info.qtype
-    return weights, kinds
+    return weights, kinds, blocks
 
 
 def _fold_rope_tensors(raw: dict[str, mx.array], config: dict[str, Any], arch: str, source: str) -> None:

@@ -1,8 +1,9 @@
 """Turning a freshly built model's layers into quantized ones before quantized weights are loaded.
 
-Two sources: an mlx-community folder's ``quantization`` config key (defaults plus per-layer overrides
-keyed by module path, as mlx-lm writes them), and GGUF files read by ``mx.load``, which carry no such
-key: there group size and bits come from the shapes of ``.weight`` / ``.scales``.
+Three sources: an mlx-community folder's ``quantization`` config key (defaults plus per-layer overrides
+keyed by module path, as mlx-lm writes them), GGUF files read by ``mx.load``, which carry no such
+key: there group size and bits come from the shapes of ``.weight`` / ``.scales``; and GGUF K-quant
+matrices kept as raw blocks (``kquants``), whose layers become the GGUF block layers.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 from mlx_infer.errors import InvalidCheckpoint
+from mlx_infer.metal_kernels.layers import GGUFEmbedding, GGUFLinear
 
 
 def quantize_to_match(
@@ -53,3 +56,21 @@ def _params_from_shapes(path: str, module: nn.Module, weights: dict[str, mx.arra
             f"{path}: quantized weight {packed.dtype} {tuple(packed.shape)} does not fit {in_features} inputs"
         )
     return {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+
+def use_gguf_blocks(model: nn.Module, kquants: dict[str, str]) -> None:
+    """Replace, in place, the layers at the paths of ``kquants`` (module path -> ``Q4_K``/``Q5_K``/``Q6_K``)
+    by layers holding their weight as raw GGUF blocks of that kind."""
+    swaps: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules():
+        kind = kquants.get(path)
+        if kind is None:
+            continue
+        if isinstance(module, nn.Linear):
+            out_dims, in_dims = module.weight.shape
+            swaps.append((path, GGUFLinear(in_dims, out_dims, kind, "bias" in module)))
+        elif isinstance(module, nn.Embedding):
+            swaps.append((path, GGUFEmbedding(*module.weight.shape, kind)))
+        else:
+            raise InvalidCheckpoint(f"{path}: {kind} blocks for a {type(module).__name__} are not supported")
+    model.update_modules(tree_unflatten(swaps))
