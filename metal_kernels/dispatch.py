@@ -1,8 +1,9 @@
 """The one place that chooses between a Metal kernel and its pure-MLX reference.
 
-Off Metal the reference is chosen silently; on Metal the kernel, unless
-``MLX_INFER_KERNELS=reference``. The choice is made once at import and bound to module names,
-so a call costs nothing extra on the CPU. Callers look the names up at call time
+Off Metal the reference is chosen silently (for attention, the native CPU kernel of
+``mlx_infer.cpu_kernels`` where it is built); on Metal the kernel, unless
+``MLX_INFER_KERNELS=reference``, which also turns the CPU kernels off. The choice is made once at
+import and bound to module names, so a call costs nothing extra. Callers look the names up at call time
 (``dispatch.quantized_matmul(...)``), so :func:`bind` can re-point them: tests bind the kernels
 with the Metal emulator as their launcher and run whole models through the kernel path on Linux.
 """
@@ -16,6 +17,7 @@ from functools import partial
 
 import mlx.core as mx
 
+from mlx_infer import cpu_kernels
 from mlx_infer.metal_kernels import gguf_reference, reference
 from mlx_infer.metal_kernels.launch import Launcher, metal_launch
 from mlx_infer.models.base import BatchMetadata
@@ -77,13 +79,32 @@ def _kernel_gguf_matmul(
     return out.reshape(*x.shape[:-1], raw.shape[0])
 
 
+def _cpu_paged_attention(
+    queries: mx.array,
+    key_pool: mx.array,
+    value_pool: mx.array,
+    meta: BatchMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> mx.array:
+    """Off Metal: the native CPU kernel where it is built and the dtypes suit it, else the reference."""
+    if cpu_kernels.supports_attention(queries, key_pool):
+        return cpu_kernels.paged_attention(
+            queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap
+        )
+    return reference.paged_attention(
+        queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap
+    )
+
+
 def bind(kernels: bool, launch: Launcher = metal_launch) -> None:
     """Point the entry points (and ``USE_KERNELS``) at the kernels, launched by ``launch``, or at the
     references. Done once at import; tests re-bind with the emulator's launch and bind back."""
     global USE_KERNELS, paged_attention, quantized_matmul, gguf_matmul
     USE_KERNELS = kernels
     if not kernels:
-        paged_attention = reference.paged_attention
+        paged_attention = _cpu_paged_attention
         quantized_matmul = reference.quantized_matmul
         gguf_matmul = gguf_reference.gguf_matmul
     else:

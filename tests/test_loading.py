@@ -20,6 +20,8 @@ from conftest import TINY_LLAMA_CONFIG, TINY_WORDS, make_tiny_llama, write_hf_fo
 from gguf.constants import MODEL_ARCH_NAMES, GGMLQuantizationType
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_infer import cpu_kernels
+from mlx_infer.cpu_kernels.layers import CPUQuantizedLinear
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.errors import InvalidCheckpoint, ModelNotFound, UnsupportedArchitecture
 from mlx_infer.loading import load, policy
@@ -103,19 +105,37 @@ def _quantized_tiny(tmp_path: Path) -> tuple[Path, nn.Module]:
     return folder, model
 
 
-def test_quantized_folder_kept_quantized(tmp_path: Path):
+@pytest.mark.parametrize("keep_quantized", [None, True])
+def test_quantized_folder_kept_quantized_for_the_cpu_kernels(tmp_path: Path, keep_quantized: bool | None):
+    """On the CPU backend with the native kernels, quantized layers stay quantized (by default too) and
+    compute through the kernels: the same logits as MLX's own quantized layers, up to summation order."""
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
     folder, model = _quantized_tiny(tmp_path)
-    loaded = load(str(folder), keep_quantized=True)
+    loaded = load(str(folder), keep_quantized=keep_quantized)
+    assert "kept 4-bit/8-bit for the native CPU kernels" in loaded.weight_policy
     head = loaded.model.lm_head
-    assert isinstance(head, nn.QuantizedLinear) and (head.bits, head.group_size) == (8, 32)
+    assert type(head) is CPUQuantizedLinear and (head.bits, head.group_size) == (8, 32)
     q = loaded.model.layers[0].self_attn.q_proj
-    assert isinstance(q, nn.QuantizedLinear) and (q.bits, q.group_size) == (4, 64)
-    np.testing.assert_array_equal(all_logits(loaded.model), all_logits(model))
+    assert type(q) is CPUQuantizedLinear and (q.bits, q.group_size) == (4, 64)
+    np.testing.assert_allclose(all_logits(loaded.model), all_logits(model), rtol=1e-4, atol=1e-4)
 
 
-def test_quantized_folder_dequantized_on_cpu(tmp_path: Path):
+def test_quantized_folder_kept_as_mlx_layers_without_the_cpu_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     folder, model = _quantized_tiny(tmp_path)
-    loaded = load(str(folder))
+    kept = load(str(folder), keep_quantized=True)
+    assert type(kept.model.layers[0].self_attn.q_proj) is nn.QuantizedLinear
+    np.testing.assert_array_equal(all_logits(kept.model), all_logits(model))
+    dequantized = load(str(folder))  # the default without kernels: float32 for the BLAS
+    assert "dequantized from 4-bit/8-bit" in dequantized.weight_policy
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in dequantized.model.named_modules())
+
+
+def test_quantized_folder_dequantized_on_request(tmp_path: Path):
+    folder, model = _quantized_tiny(tmp_path)
+    loaded = load(str(folder), keep_quantized=False)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in loaded.model.named_modules())
     assert "dequantized from 4-bit/8-bit" in loaded.weight_policy
     np.testing.assert_allclose(all_logits(loaded.model), all_logits(model), rtol=1e-4, atol=1e-4)
@@ -232,7 +252,7 @@ def test_gguf_mx_load_types_match_hf_folder(tmp_path: Path):
     hf = load(str(write_hf_folder(tmp_path / "hf", exact, TINY_LLAMA_CONFIG)))
     kept = load(str(tmp_path / "tiny.gguf"), keep_quantized=True)
     assert isinstance(kept.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
-    dequantized = load(str(tmp_path / "tiny.gguf"))
+    dequantized = load(str(tmp_path / "tiny.gguf"), keep_quantized=False)
     assert dequantized.config["tie_word_embeddings"] is False
     for name, value in tree_flatten(dequantized.model.parameters()):
         np.testing.assert_allclose(np.array(value), np.array(exact[name]), rtol=1e-6, atol=1e-7, err_msg=name)

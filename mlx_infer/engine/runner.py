@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_infer import cpu_kernels
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.request import Request
 from mlx_infer.engine.scheduler import ScheduledRequest
@@ -47,6 +48,8 @@ class ModelRunner:
         if cpu_backend():
             # Same parameters, fewer and faster ops per step on MLX's CPU backend (see models/fused.py).
             log.info("CPU decode step: %s", fuse_projections(model))
+            # Build (or load) the native attention kernel now rather than inside the first step.
+            cpu_kernels.available()
         self.model = model
         self.kv = kv
         n_kv_heads, head_dim = model.kv_shape()

@@ -1,8 +1,11 @@
 """Which form the weights take for the backend that runs them.
 
-On the CPU backend, ``quantized_matmul`` and half-precision matmuls do not go through BLAS and are
-slow (docs: /work/shared/FACTS.md), while float32 matmuls go through the optimized BLAS: so quantized
-layers are dequantized and half-precision weights widened to float32, unless ``keep_quantized`` is True.
+On the CPU backend, MLX's ``quantized_matmul`` and half-precision matmuls do not go through BLAS and
+are slow (docs: /work/shared/FACTS.md). Where the native CPU kernels are available (``cpu_kernels``),
+affine 4/8-bit layers stay quantized and compute through them (decode reads a quarter of the bytes of
+float32, or less). Otherwise quantized layers are dequantized and half-precision weights widened to
+float32 for the optimized BLAS, unless ``keep_quantized`` is True. ``keep_quantized=False``
+dequantizes everywhere.
 On Metal quantized layers stay quantized (fast kernels, a quarter of the memory traffic). With the
 kernels in use (``metal_kernels.dispatch``), affine quantized layers are swapped for twins whose products
 go through the kernel dispatch, and GGUF Q4_K/Q5_K/Q6_K matrices arrive as their raw blocks (see
@@ -18,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from mlx_infer import cpu_kernels
+from mlx_infer.cpu_kernels.layers import use_cpu_kernels
 from mlx_infer.metal_kernels import dispatch
 from mlx_infer.metal_kernels.layers import (
     GGUFEmbedding,
@@ -54,6 +59,10 @@ def apply_weight_policy(
     """
     bits = _quantized_bits(model)
     if cpu_backend():
+        if bits and keep_quantized is not False and cpu_kernels.available():
+            swapped = use_cpu_kernels(model)
+            if swapped:
+                return _describe(model, f"kept {_bits_text(bits)} for the native CPU kernels")
         if keep_quantized:
             return _describe(model, f"kept {_bits_text(bits)} on the CPU backend" if bits else "")
         widened = _widen_to_float32(model)

@@ -8,7 +8,8 @@ model computes, never what its parameters are:
   memory behind the same ``[out, in]`` array: ``x @ weight.T`` then reaches BLAS untransposed, which
   for one row is MKL's fast matrix-vector kernel (about twice as fast as the transposed one here);
 - q/k/v and gate/up projections that read the same input share one fused weight: one matmul instead
-  of three (two), their own weights becoming views into it;
+  of three (two), their own weights becoming views into it (float layers, and quantized layers that
+  the native CPU kernels compute: packed rows, scales and biases concatenated);
 - RMSNorm and the SwiGLU/GELU gating run as compiled (fused) elementwise kernels (RoPE has its own
   CPU path in ``rope_cpu.py``).
 
@@ -25,6 +26,8 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_infer import cpu_kernels
+from mlx_infer.cpu_kernels.layers import CPUQuantizedLinear
 from mlx_infer.models import gemma3, llama
 
 
@@ -79,17 +82,20 @@ def _is_float(a: mx.array) -> bool:
 
 
 def _fusable(module: nn.Module, names: tuple[str, ...]) -> bool:
-    """Whether ``module`` has float ``nn.Linear`` children ``names`` over one input, all with or all
-    without bias, in one dtype."""
+    """Whether ``module`` has children ``names`` over one input that can share one product: all float
+    ``nn.Linear`` in one dtype, or all native-kernel quantized layers with one bit width and group
+    size; all with or all without bias."""
     linears = [module.get(n) for n in names]
-    if not all(type(lin) is nn.Linear for lin in linears):
+    if not all(type(lin) in (nn.Linear, CPUQuantizedLinear) for lin in linears):
+        return False
+    if len({type(lin) for lin in linears}) != 1 or len({"bias" in lin for lin in linears}) != 1:
         return False
     weights = [lin.weight for lin in linears]
-    return (
-        all(_is_float(w) and w.dtype == weights[0].dtype for w in weights)
-        and len({w.shape[1] for w in weights}) == 1
-        and len({"bias" in lin for lin in linears}) == 1
-    )
+    if len({w.shape[1] for w in weights}) != 1:
+        return False
+    if type(linears[0]) is CPUQuantizedLinear:
+        return len({(lin.bits, lin.group_size) for lin in linears}) == 1
+    return all(_is_float(w) and w.dtype == weights[0].dtype for w in weights)
 
 
 def _transposed_storage(w: mx.array) -> mx.array:
@@ -99,35 +105,27 @@ def _transposed_storage(w: mx.array) -> mx.array:
     return t.T
 
 
-class _FusedWeight:
-    """``[in, sum(out)]`` weight (and bias) of linear layers that read the same input.
+class _Fused:
+    """The product of layers that read the same input, computed once (``_product``) and split.
 
     The first member called with an input computes the product for all; the others take their slice
     of it. The pending product is dropped once every member has taken its slice (or as soon as any
     member sees a different input), so nothing outlives the layer call.
     """
 
-    def __init__(self, weights: list[mx.array], biases: list[mx.array] | None):
-        self.weight_t = mx.concatenate([w.T for w in weights], axis=1)
-        self.bias = None if biases is None else mx.concatenate(biases)
-        mx.eval(self.weight_t, self.bias)
-        sizes = [w.shape[0] for w in weights]
+    def __init__(self, sizes: list[int]):
         self.offsets = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+        self.bounds = list(zip([0] + self.offsets, self.offsets + [sum(sizes)]))
         self.count = len(sizes)
         self._pending = threading.local()  # engines stepping one model on two threads stay apart
 
-    def views(self, index: int) -> tuple[mx.array, mx.array | None]:
-        """Member ``index``'s own ``[out, in]`` weight and bias, as views into the fused ones."""
-        start = ([0] + self.offsets)[index]
-        stop = (self.offsets + [self.weight_t.shape[1]])[index]
-        bias = None if self.bias is None else self.bias[start:stop]
-        return self.weight_t[:, start:stop].T, bias
+    def _product(self, x: mx.array) -> mx.array:
+        raise NotImplementedError
 
     def output(self, x: mx.array, index: int) -> mx.array:
         p = self._pending
         if getattr(p, "x", None) is not x or index in p.taken:
-            y = x @ self.weight_t if self.bias is None else mx.addmm(self.bias, x, self.weight_t)
-            p.x, p.parts, p.taken = x, mx.split(y, self.offsets, axis=-1), set()
+            p.x, p.parts, p.taken = x, mx.split(self._product(x), self.offsets, axis=-1), set()
         p.taken.add(index)
         out = p.parts[index]
         if len(p.taken) == self.count:
@@ -135,28 +133,98 @@ class _FusedWeight:
         return out
 
 
+class _FusedWeight(_Fused):
+    """``[in, sum(out)]`` float weight (and bias) of linear layers that read the same input."""
+
+    def __init__(self, weights: list[mx.array], biases: list[mx.array] | None):
+        super().__init__([w.shape[0] for w in weights])
+        self.weight_t = mx.concatenate([w.T for w in weights], axis=1)
+        self.bias = None if biases is None else mx.concatenate(biases)
+        mx.eval(self.weight_t, self.bias)
+
+    def views(self, index: int) -> dict[str, mx.array]:
+        """Member ``index``'s own ``[out, in]`` weight (and bias), as views into the fused ones."""
+        start, stop = self.bounds[index]
+        views = {"weight": self.weight_t[:, start:stop].T}
+        if self.bias is not None:
+            views["bias"] = self.bias[start:stop]
+        return views
+
+    def _product(self, x: mx.array) -> mx.array:
+        return x @ self.weight_t if self.bias is None else mx.addmm(self.bias, x, self.weight_t)
+
+
+class _FusedQuantized(_Fused):
+    """Row-concatenated packed weights, scales, biases (and bias) of native-kernel quantized layers."""
+
+    def __init__(self, layers: list[CPUQuantizedLinear]):
+        super().__init__([lin.weight.shape[0] for lin in layers])
+        self.group_size, self.bits = layers[0].group_size, layers[0].bits
+        self.params = {
+            name: mx.concatenate([lin[name] for lin in layers])
+            for name in ("weight", "scales", "biases", "bias")
+            if name in layers[0]
+        }
+        mx.eval(self.params)
+
+    def views(self, index: int) -> dict[str, mx.array]:
+        start, stop = self.bounds[index]
+        return {name: a[start:stop] for name, a in self.params.items()}
+
+    def _product(self, x: mx.array) -> mx.array:
+        p = self.params
+        y = cpu_kernels.quantized_matmul(x, p["weight"], p["scales"], p["biases"], self.group_size, self.bits)
+        return y if "bias" not in p else y + p["bias"]
+
+
 class FusedLinear(nn.Module):
     """One member of a :class:`_FusedWeight`: an ``nn.Linear`` whose weight is a view into the fused one."""
 
     def __init__(self, fused: _FusedWeight, index: int):
         super().__init__()
-        self.weight, bias = fused.views(index)
-        if bias is not None:
-            self.bias = bias
+        self._views = fused.views(index)
+        for name, view in self._views.items():
+            self[name] = view
         self._fused = fused
         self._index = index
-        self._views = (self.weight, bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        bias = self.get("bias")
-        if self["weight"] is self._views[0] and bias is self._views[1]:
+        if _unchanged(self, self._views):
             return self._fused.output(x, self._index)
         # Parameters replaced since fusing: the fused weight is stale, compute from the module's own.
+        bias = self.get("bias")
         return x @ self["weight"].T if bias is None else mx.addmm(bias, x, self["weight"].T)
+
+
+class FusedQuantizedLinear(CPUQuantizedLinear):
+    """One member of a :class:`_FusedQuantized`: its packed rows, scales and biases are views into the
+    fused ones."""
+
+    def __init__(self, fused: _FusedQuantized, layer: CPUQuantizedLinear, index: int):
+        super().__init__(layer)
+        self._views = fused.views(index)
+        for name, view in self._views.items():
+            self[name] = view
+        self._fused = fused
+        self._index = index
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _unchanged(self, self._views):
+            return self._fused.output(x, self._index)
+        return super().__call__(x)
+
+
+def _unchanged(module: nn.Module, views: dict[str, mx.array]) -> bool:
+    return all(module.get(name) is view for name, view in views.items())
 
 
 def _fuse_group(module: nn.Module, names: tuple[str, ...]) -> None:
     linears = [module[n] for n in names]
+    if type(linears[0]) is CPUQuantizedLinear:
+        fused_q = _FusedQuantized(linears)
+        for i, name in enumerate(names):
+            setattr(module, name, FusedQuantizedLinear(fused_q, linears[i], i))
+        return
     biases = [lin.bias for lin in linears] if "bias" in linears[0] else None
     fused = _FusedWeight([lin.weight for lin in linears], biases)
     for i, name in enumerate(names):

@@ -1,0 +1,278 @@
+// Fused dequantize + matrix-vector product for decode on the CPU.
+//
+// Decode reads every weight once per token, so the kernel reads the packed 4- or 8-bit words
+// directly (a quarter or half of the bytes of float16, an eighth or a quarter of float32) and
+// never writes a dequantized matrix. Per group of `group_size` weights:
+//   sum_k x_k (s q_k + b) = s * sum_k x_k q_k + b * sum_k x_k,
+// so the inner loop is one FMA per weight and activation row, and the bias term uses per-group
+// sums of x computed once per call. Output features are split across the thread pool; up to
+// four activation rows share each unpacked weight vector.
+
+#include "quantized_matvec.h"
+
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "simd.h"
+#include "thread_pool.h"
+
+namespace mx = mlx::core;
+
+namespace mlx_infer {
+
+namespace {
+
+// Eight consecutive weights of one 32-bit word (4-bit) or of two words (8-bit) as floats.
+template <int BITS>
+inline __m256 unpack8(const uint32_t* words, int k) {
+  if constexpr (BITS == 4) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(words[k / 8])), shifts);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
+  } else {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(words + k / 4));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  }
+}
+
+struct Problem {
+  const float* x;
+  const uint32_t* w;
+  const float* scales;
+  const float* biases;
+  const float* xsum;  // [M, groups]
+  float* out;
+  int M, N, K, group, groups;
+};
+
+// Output features [n0, n0 + NB) for activation rows [m0, m0 + MB). NB * MB independent FMA chains
+// hide the FMA latency; NB rows share each x load, MB rows share each unpacked weight vector.
+template <int BITS, int MB, int NB>
+inline void tile(const Problem& p, int n0, int m0) {
+  constexpr int PER_WORD = 32 / BITS;
+  const int words_per_row = p.K / PER_WORD;
+  const uint32_t* wr[NB];
+  __m256 total[NB][MB];
+  float bias_part[NB][MB];
+  for (int r = 0; r < NB; ++r) {
+    wr[r] = p.w + static_cast<size_t>(n0 + r) * words_per_row;
+    for (int m = 0; m < MB; ++m) {
+      total[r][m] = _mm256_setzero_ps();
+      bias_part[r][m] = 0.0f;
+    }
+  }
+  for (int g = 0; g < p.groups; ++g) {
+    __m256 acc[NB][MB];
+    for (int r = 0; r < NB; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    const int k0 = g * p.group;
+    for (int k = k0; k < k0 + p.group; k += 8) {
+      __m256 xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(p.x + static_cast<size_t>(m0 + m) * p.K + k);
+      for (int r = 0; r < NB; ++r) {
+        const __m256 wv = unpack8<BITS>(wr[r], k);
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+      }
+    }
+    for (int r = 0; r < NB; ++r) {
+      const size_t at = static_cast<size_t>(n0 + r) * p.groups + g;
+      const __m256 s = _mm256_set1_ps(p.scales[at]);
+      for (int m = 0; m < MB; ++m) {
+        total[r][m] = _mm256_fmadd_ps(acc[r][m], s, total[r][m]);
+        bias_part[r][m] += p.biases[at] * p.xsum[(m0 + m) * p.groups + g];
+      }
+    }
+  }
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MB; ++m)
+      p.out[static_cast<size_t>(m0 + m) * p.N + n0 + r] = hsum(total[r][m]) + bias_part[r][m];
+}
+
+template <int BITS, int MB>
+void rows(const Problem& p, int n0, int n1, int m0) {
+  constexpr int NB = MB == 1 ? 4 : 2;
+  int n = n0;
+  for (; n + NB <= n1; n += NB) tile<BITS, MB, NB>(p, n, m0);
+  for (; n < n1; ++n) tile<BITS, MB, 1>(p, n, m0);
+}
+
+template <int BITS>
+void run(const Problem& p) {
+  ThreadPool& threads = pool();
+  const int parts = threads.size();
+  threads.run([&](int part) {
+    // Chunks of 8 features keep each thread's output writes on their own cache lines.
+    const int per = ((p.N + parts - 1) / parts + 7) / 8 * 8;
+    const int n0 = std::min(p.N, part * per);
+    const int n1 = std::min(p.N, n0 + per);
+    if (n0 >= n1) return;
+    int m0 = 0;
+    for (; m0 + 4 <= p.M; m0 += 4) rows<BITS, 4>(p, n0, n1, m0);
+    for (; m0 < p.M; ++m0) rows<BITS, 1>(p, n0, n1, m0);
+  });
+}
+
+class AffineQMV : public mx::UnaryPrimitive {
+ public:
+  AffineQMV(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    const mx::array& w = inputs[1];
+    const mx::array& scales = inputs[2];
+    const mx::array& biases = inputs[3];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_input_array(scales);
+    encoder.set_input_array(biases);
+    encoder.set_output_array(out);
+    const int K = x.shape(-1);
+    const int M = static_cast<int>(x.size() / K);
+    const int N = w.shape(0);
+    encoder.dispatch([xp = x.data<float>(), wp = w.data<uint32_t>(), sp = scales.data<float>(),
+                      bp = biases.data<float>(), op = out.data<float>(), M, N, K,
+                      group = group_size_, bits = bits_]() {
+      const int groups = K / group;
+      std::vector<float> xsum(static_cast<size_t>(M) * groups);
+      for (int m = 0; m < M; ++m) {
+        for (int g = 0; g < groups; ++g) {
+          float s = 0.0f;
+          for (int k = g * group; k < (g + 1) * group; ++k) s += xp[static_cast<size_t>(m) * K + k];
+          xsum[static_cast<size_t>(m) * groups + g] = s;
+        }
+      }
+      const Problem p{xp, wp, sp, bp, xsum.data(), op, M, N, K, group, groups};
+      if (bits == 4) {
+        run<4>(p);
+      } else {
+        run<8>(p);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("AffineQMV is a CPU kernel");
+  }
+
+  const char* name() const override { return "AffineQMV"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const AffineQMV&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+// The whole matrix as float32, for prefill-sized products that go to the BLAS: MLX's own CPU
+// dequantize is several times slower than the matmul that follows it.
+class AffineDequantize : public mx::UnaryPrimitive {
+ public:
+  AffineDequantize(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& w = inputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int N = out.shape(0);
+    const int K = out.shape(1);
+    encoder.dispatch([wp = w.data<uint32_t>(), sp = inputs[1].data<float>(), bp = inputs[2].data<float>(),
+                      op = out.data<float>(), N, K, group = group_size_, bits = bits_]() {
+      ThreadPool& threads = pool();
+      const int parts = threads.size();
+      threads.run([&](int part) {
+        const int per = (N + parts - 1) / parts;
+        const int groups = K / group;
+        const int words_per_row = K / (32 / bits);
+        for (int n = part * per; n < std::min(N, (part + 1) * per); ++n) {
+          const uint32_t* wr = wp + static_cast<size_t>(n) * words_per_row;
+          float* row = op + static_cast<size_t>(n) * K;
+          for (int g = 0; g < groups; ++g) {
+            const __m256 s = _mm256_set1_ps(sp[static_cast<size_t>(n) * groups + g]);
+            const __m256 b = _mm256_set1_ps(bp[static_cast<size_t>(n) * groups + g]);
+            for (int k = g * group; k < (g + 1) * group; k += 8) {
+              const __m256 q = bits == 4 ? unpack8<4>(wr, k) : unpack8<8>(wr, k);
+              _mm256_storeu_ps(row + k, _mm256_fmadd_ps(q, s, b));
+            }
+          }
+        }
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("AffineDequantize is a CPU kernel");
+  }
+
+  const char* name() const override { return "AffineDequantize"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const AffineDequantize&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+void check(const mx::array& w, const mx::array& scales, const mx::array& biases, int K, int group_size, int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("affine kernels: bits must be 4 or 8");
+  if (group_size % 8 != 0) throw std::invalid_argument("affine kernels: group_size must be a multiple of 8");
+  if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32) {
+    throw std::invalid_argument("affine kernels: scales and biases must be float32");
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("affine kernels: w must be 2-D uint32");
+  if (K % group_size != 0 || w.shape(1) * (32 / bits) != K || scales.shape(0) != w.shape(0) ||
+      scales.shape(1) != K / group_size || biases.shape() != scales.shape()) {
+    throw std::invalid_argument("affine kernels: shapes of w, scales and biases do not match");
+  }
+}
+
+}  // namespace
+
+mx::array affine_qmv(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits) {
+  if (x.dtype() != mx::float32) throw std::invalid_argument("affine_qmv: x must be float32");
+  check(w, scales, biases, x.shape(-1), group_size, bits);
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = w.shape(0);
+  const mx::Stream s = mx::default_stream(mx::Device::cpu);
+  // The kernel indexes plain row-major memory; contiguous() is free for inputs that already are.
+  return mx::array(
+      out_shape, mx::float32, std::make_shared<AffineQMV>(s, group_size, bits),
+      {mx::contiguous(x, false, s), mx::contiguous(w, false, s), mx::contiguous(scales, false, s),
+       mx::contiguous(biases, false, s)});
+}
+
+}  // namespace mlx_infer
+
+namespace mlx_infer {
+
+mx::array affine_dequantize(
+    const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  const int K = w.ndim() == 2 ? w.shape(1) * (32 / bits) : 0;
+  check(w, scales, biases, K, group_size, bits);
+  const mx::Stream s = mx::default_stream(mx::Device::cpu);
+  return mx::array(
+      {w.shape(0), K}, mx::float32, std::make_shared<AffineDequantize>(s, group_size, bits),
+      {mx::contiguous(w, false, s), mx::contiguous(scales, false, s), mx::contiguous(biases, false, s)});
+}
+
+}  // namespace mlx_infer

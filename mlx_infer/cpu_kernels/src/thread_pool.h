@@ -1,0 +1,45 @@
+// A fork-join pool for splitting one kernel call across the CPU's cores.
+//
+// MLX's CPU backend runs each primitive on its single stream thread, so a kernel that wants the
+// other cores has to bring its own workers. Workers spin briefly after a job (a decode step
+// issues hundreds of kernels back to back, and waking a sleeping thread costs tens of
+// microseconds) and then sleep, so an idle process does not burn the machine.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace mlx_infer {
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int num_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return static_cast<int>(workers_.size()) + 1; }
+
+  // Runs task(i) for i in [0, size()), index 0 on the calling thread; returns when all are done.
+  void run(const std::function<void(int)>& task);
+
+ private:
+  void worker_loop(int index);
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  const std::function<void(int)>* task_ = nullptr;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  bool stop_ = false;
+};
+
+// The process-wide pool, sized by MLX_INFER_CPU_THREADS or the number of cores.
+ThreadPool& pool();
+
+}  // namespace mlx_infer

@@ -1,0 +1,160 @@
+"""The native CPU kernels (mlx_infer/cpu_kernels) against float64 NumPy, and how they are chosen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_infer import cpu_kernels
+from mlx_infer.cpu_kernels import build
+from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.loading import load
+from mlx_infer.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def native():
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+    return cpu_kernels._native
+
+
+def _np_dequantize(w: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int) -> np.ndarray:
+    """MLX's affine format read with NumPy: element i of a word sits at bits [bits*i, bits*(i+1))."""
+    words = np.array(w).astype(np.uint64)
+    per_word = 32 // bits
+    shifts = np.arange(per_word, dtype=np.uint64) * bits
+    q = ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1).astype(np.float64)
+    s = np.repeat(np.array(scales, dtype=np.float64), group, axis=1)
+    b = np.repeat(np.array(biases, dtype=np.float64), group, axis=1)
+    return q * s + b
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3, 6, 40])
+def test_quantized_matmul_equals_numpy(native, bits: int, group: int, rows: int):
+    """1..16 rows take the matvec kernel (4-row tiles and their remainder), 40 the dequantize + BLAS path;
+    37 output features exercise the tail after the 4- and 2-feature tiles."""
+    rng = np.random.default_rng(bits * 1000 + group + rows)
+    k = 256
+    w, scales, biases = mx.quantize(mx.array(rng.standard_normal((37, k)).astype(np.float32)), group, bits)
+    x = mx.array(rng.standard_normal((k, rows)).astype(np.float32)).T  # a transposed (strided) view
+    out = cpu_kernels.quantized_matmul(x, w, scales, biases, group, bits)
+    want = np.array(x, dtype=np.float64) @ _np_dequantize(w, scales, biases, group, bits).T
+    assert out.dtype == mx.float32 and out.shape == (rows, 37)
+    np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-4)
+
+
+def test_dequantize_equals_numpy(native):
+    rng = np.random.default_rng(1)
+    for bits in (4, 8):
+        w, s, b = mx.quantize(mx.array(rng.standard_normal((19, 128)).astype(np.float32)), 32, bits)
+        got = np.array(native.affine_dequantize(w, s, b, 32, bits))
+        np.testing.assert_allclose(got, _np_dequantize(w, s, b, 32, bits), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_arguments_raise_one_clear_error(native):
+    w, s, b = mx.quantize(mx.zeros((8, 64)), 32, 4)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        native.affine_qmv(mx.ones((1, 64)), w, s, b, 32, 3)
+    with pytest.raises(ValueError, match="shapes"):
+        native.affine_qmv(mx.ones((1, 96)), w, s, b, 32, 4)
+    with pytest.raises(ValueError, match="float32"):
+        native.affine_qmv(mx.ones((1, 64)), w, s.astype(mx.float16), b, 32, 4)
+
+
+def _np_attention(q, keys, values, seq_of, positions, tables, context_lens, block, scale, window, softcap):
+    """Float64 attention read straight from the paged pools, one query at a time."""
+    q, keys, values = (np.array(a, dtype=np.float64) for a in (q, keys, values))
+    n_tokens, n_heads, _ = q.shape
+    rep = n_heads // keys.shape[1]
+    out = np.zeros_like(q)
+    for t in range(n_tokens):
+        seq, pos = seq_of[t], positions[t]
+        visible = [j for j in range(context_lens[seq]) if j <= pos and (window is None or j > pos - window)]
+        slots = [tables[seq][j // block] * block + j % block for j in visible]
+        for h in range(n_heads):
+            k, v = keys[slots, h // rep], values[slots, h // rep]
+            scores = k @ q[t, h] * scale
+            if softcap is not None:
+                scores = np.tanh(scores / softcap) * softcap
+            p = np.exp(scores - scores.max())
+            out[t, h] = (p / p.sum()) @ v
+    return out
+
+
+@pytest.mark.parametrize(
+    "n_heads,n_kv,head_dim,window,softcap",
+    [(4, 4, 64, None, None), (6, 2, 80, None, None), (8, 2, 128, None, None), (3, 1, 64, 7, None),
+     (4, 2, 64, None, 30.0)],
+)
+def test_paged_attention_equals_numpy(native, n_heads, n_kv, head_dim, window, softcap):
+    """A ragged step over permuted block tables: decodes at contexts 1, 15, 16, 17 and 300, and a
+    prefill chunk of 5 tokens after 20 cached ones."""
+    rng = np.random.default_rng(n_heads * 100 + head_dim)
+    block = 16
+    # (tokens already cached, new tokens) per sequence
+    shapes = [(0, 1), (14, 1), (15, 1), (16, 1), (299, 1), (20, 5)]
+    needed = [-(-(c + n) // block) for c, n in shapes]
+    physical = rng.permutation(sum(needed) + 3)  # spare blocks stay unused
+    tables, at = [], 0
+    for n in needed:
+        tables.append(physical[at : at + n].tolist())
+        at += n
+    slices = [SequenceSlice(table, c, n) for table, (c, n) in zip(tables, shapes)]
+    meta = build_metadata(slices, block)
+    slots = (len(physical)) * block
+    keys = mx.array(rng.standard_normal((slots, n_kv, head_dim)).astype(np.float32))
+    values = mx.array(rng.standard_normal((slots, n_kv, head_dim)).astype(np.float32))
+    n_tokens = sum(n for _, n in shapes)
+    q = mx.array(rng.standard_normal((n_tokens, n_heads, head_dim)).astype(np.float32))
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_attention(q, keys, values, meta, scale, window, softcap)
+    seq_of = np.repeat(np.arange(len(shapes)), [n for _, n in shapes])
+    want = _np_attention(q, keys, values, seq_of, np.array(meta.positions), tables,
+                         [c + n for c, n in shapes], block, scale, window, softcap)
+    np.testing.assert_allclose(np.array(out), want, rtol=1e-4, atol=2e-5)
+
+
+def test_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("MLX_INFER_CPU_KERNELS", "off")
+    with pytest.raises(build.Unavailable, match="MLX_INFER_CPU_KERNELS=off"):
+        build.load()
+    monkeypatch.delenv("MLX_INFER_CPU_KERNELS")
+    monkeypatch.setenv("MLX_INFER_KERNELS", "reference")
+    with pytest.raises(build.Unavailable, match="reference"):
+        build.load()
+
+
+def test_missing_cmake_is_one_reason_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path))  # an empty cache: a build is needed
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    with pytest.raises(build.Unavailable, match="cmake not found"):
+        build.load()
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_through_the_kernels_equal_float32(smollm2_path):
+    """The real model: 4-bit weights through the kernels give the greedy tokens of the same weights
+    dequantized to float32 and multiplied by the BLAS (three prompts decoded in one batch)."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    kernels = load(str(smollm2_path))
+    assert "native CPU kernels" in kernels.weight_policy
+    plain = load(str(smollm2_path), keep_quantized=False)
+    assert "dequantized" in plain.weight_policy
+    assert _greedy(kernels, prompts, 24) == _greedy(plain, prompts, 24)
+
+
+def _greedy(lm, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    engine = Engine(lm.model, lm.tokenizer, 2048, EngineConfig(num_blocks=32))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(lm.tokenizer.encode(p), params) for p in prompts]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.token_ids)
+    return [out[i] for i in ids]
