@@ -55,7 +55,7 @@ def _run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     config = replace(cli_options.engine_config(args), num_blocks=args.num_blocks)
-    keep = args.keep_quantized or None
+    keep = args.keep_quantized
     group = init_group()
     if group is None:
         from mlx_infer.loading import load

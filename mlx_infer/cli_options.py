@@ -18,10 +18,21 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model", "-m", required=True, help="a model folder, a Hugging Face repo id or a .gguf file"
     )
-    g.add_argument(
+    weights = g.add_mutually_exclusive_group()
+    weights.add_argument(
         "--keep-quantized",
-        action="store_true",
-        help="keep quantized weights quantized on the CPU backend (less memory, slower); default: dequantize",
+        action="store_const",
+        const=True,
+        default=None,
+        help="keep quantized weights quantized even where no fast kernel computes them (default: per "
+        "backend: quantized on Metal and with the native CPU kernels, float32 on a CPU without them)",
+    )
+    weights.add_argument(
+        "--dequantize",
+        action="store_const",
+        const=False,
+        dest="keep_quantized",
+        help="dequantize quantized weights at load (float32 on the CPU backend)",
     )
 
 
@@ -125,7 +136,7 @@ def open_engine(args: argparse.Namespace) -> Iterator[tuple[LoadedModel, Engine]
     from mlx_infer.loading import load
 
     config = engine_config(args)  # bad flags fail before the model loads
-    keep_quantized = args.keep_quantized or None
+    keep_quantized = args.keep_quantized
     group = init_group()
     if group is None:
         loaded = load(args.model, keep_quantized=keep_quantized)

@@ -39,8 +39,9 @@ def eval_file(tmp_path: Path) -> Path:
 
 
 def float_weights(folder: Path) -> dict[str, np.ndarray]:
-    """The weights mlx-infer's loader gives for ``folder`` (dequantized to float32 on the CPU)."""
-    return {k: np.array(v) for k, v in tree_flatten(load(str(folder)).model.parameters())}
+    """The weights mlx-infer's loader gives for ``folder``, dequantized to float32."""
+    model = load(str(folder), keep_quantized=False).model
+    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
 
 
 # Relative error (Frobenius) that rounding a Gaussian-like weight to each grid stays below, with margin.

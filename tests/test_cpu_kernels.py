@@ -67,6 +67,18 @@ def test_bad_arguments_raise_one_clear_error(native):
         native.affine_qmv(mx.ones((1, 64)), w, s.astype(mx.float16), b, 32, 4)
 
 
+@pytest.mark.parametrize("offset", [False, True])
+def test_rms_norm_equals_numpy(native, offset: bool):
+    rng = np.random.default_rng(3)
+    x = mx.array(rng.standard_normal((7, 96)).astype(np.float32))[::2]  # strided rows
+    w = mx.array(rng.standard_normal(96).astype(np.float32))
+    out = cpu_kernels.rms_norm(x, w, 1e-5, offset)
+    xs = np.array(x, dtype=np.float64)
+    want = xs / np.sqrt((xs**2).mean(-1, keepdims=True) + 1e-5) * (1 + np.array(w) if offset else np.array(w))
+    np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-6)
+    assert cpu_kernels.rms_norm(x.astype(mx.bfloat16), w, 1e-5) is None  # other dtypes: MLX ops
+
+
 def _np_attention(q, keys, values, seq_of, positions, tables, context_lens, block, scale, window, softcap):
     """Float64 attention read straight from the paged pools, one query at a time."""
     q, keys, values = (np.array(a, dtype=np.float64) for a in (q, keys, values))

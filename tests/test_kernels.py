@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from conftest import make_tiny_llama
 
+from mlx_infer import cpu_kernels
+from mlx_infer.cpu_kernels.layers import CPUQuantizedEmbedding, CPUQuantizedLinear
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.loading import policy
 from mlx_infer.metal_kernels import dispatch, gguf_reference, quantized, reference
@@ -249,15 +251,22 @@ def test_quantized_model_runs_through_the_kernels_on_metal(emulated_kernels, mon
         np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max())
 
 
-def test_dispatch_twins_keep_mlx_layers_off_metal():
-    """Off Metal (the real policy) quantized layers stay MLX's own."""
+@pytest.mark.parametrize("cpu_kernels_available", [True, False])
+def test_dispatch_twins_stay_off_metal(cpu_kernels_available: bool, monkeypatch: pytest.MonkeyPatch):
+    """Off Metal (the real policy) quantized layers never become the Metal kernel twins: they are the
+    native CPU kernels' twins where those are built, else MLX's own."""
     if mx.metal.is_available():
         pytest.skip("Metal is available: the policy swaps in the kernel layers")
+    monkeypatch.setattr(cpu_kernels, "available", lambda: cpu_kernels_available)
     model = make_tiny_llama(6)
     nn.quantize(model, group_size=64, bits=4)
     policy.apply_weight_policy(model, True)
-    assert type(model.lm_head) is nn.QuantizedLinear
-    assert type(model.model.embed_tokens) is nn.QuantizedEmbedding
+    linear, embedding = (
+        (CPUQuantizedLinear, CPUQuantizedEmbedding) if cpu_kernels_available
+        else (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    )
+    assert type(model.lm_head) is linear
+    assert type(model.model.embed_tokens) is embedding
 
 
 # ---- references against NumPy -------------------------------------------------------------------------
@@ -290,7 +299,8 @@ def test_quantized_reference_matches_numpy():
 def test_dispatch_is_the_reference_off_metal():
     if mx.metal.is_available():
         pytest.skip("Metal is available: dispatch picks the kernels")
-    assert dispatch.paged_attention is reference.paged_attention
+    # Attention goes through the native CPU kernel where it is built (tests/test_cpu_kernels.py).
+    assert dispatch.paged_attention is dispatch._cpu_paged_attention
     assert dispatch.quantized_matmul is reference.quantized_matmul
     assert dispatch.gguf_matmul is gguf_reference.gguf_matmul
 

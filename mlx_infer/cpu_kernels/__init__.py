@@ -15,13 +15,16 @@ from __future__ import annotations
 import logging
 import math
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
 from mlx_infer.cpu_kernels.build import Unavailable, load
-from mlx_infer.models.base import BatchMetadata
 from mlx_infer.models.step_memo import StepMemo
+
+if TYPE_CHECKING:  # models.base uses this package (RoPE): no import cycle at run time
+    from mlx_infer.models.base import BatchMetadata
 
 log = logging.getLogger("mlx_infer")
 
@@ -91,6 +94,22 @@ def paged_attention(
         logit_softcap or 0.0,
     )
     return out.astype(queries.dtype)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float, offset: bool = False) -> mx.array | None:
+    """RMSNorm of float32 ``x`` as one op (``offset``: Gemma's ``1 + weight``); None where the kernel
+    does not apply (other dtypes, kernels unavailable): the caller computes it with MLX ops."""
+    if x.dtype != mx.float32 or weight.dtype != mx.float32 or not available():
+        return None
+    return _native.rms_norm(x, weight, eps, offset)
+
+
+def rope(x: mx.array, cos: mx.array, sin: mx.array, dims: int) -> mx.array | None:
+    """Half-split RoPE of float32 ``x`` [T, H, D] with the step's ``[T, 1, dims/2]`` tables as one op;
+    None where the kernel does not apply."""
+    if x.dtype != mx.float32 or x.ndim != 3 or not available():
+        return None
+    return _native.rope(x, cos, sin, dims)
 
 
 def supports_attention(queries: mx.array, key_pool: mx.array) -> bool:

@@ -10,8 +10,9 @@ model computes, never what its parameters are:
 - q/k/v and gate/up projections that read the same input share one fused weight: one matmul instead
   of three (two), their own weights becoming views into it (float layers, and quantized layers that
   the native CPU kernels compute: packed rows, scales and biases concatenated);
-- RMSNorm and the SwiGLU/GELU gating run as compiled (fused) elementwise kernels (RoPE has its own
-  CPU path in ``rope_cpu.py``).
+- RMSNorm runs as one op of the native CPU kernels (``cpu_kernels``), or a compiled (fused) kernel
+  without them; the SwiGLU/GELU gating as a compiled kernel (RoPE has its own CPU path in
+  ``rope_cpu.py``).
 
 Parameter names, shapes and values stay the Hugging Face ones (``model.parameters()`` and saving are
 unchanged, memory is not duplicated). A module whose weight is replaced afterwards (``load_weights``,
@@ -265,7 +266,8 @@ class CompiledRMSNorm(nn.RMSNorm):
         self.weight = norm.weight
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _compiled_rms(self.eps)(x, self["weight"])
+        native = cpu_kernels.rms_norm(x, self["weight"], self.eps)
+        return _compiled_rms(self.eps)(x, self["weight"]) if native is None else native
 
 
 class CompiledGemmaRMSNorm(gemma3.RMSNorm):
@@ -274,7 +276,8 @@ class CompiledGemmaRMSNorm(gemma3.RMSNorm):
         self.weight = norm.weight
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _compiled_rms(self.eps, offset=True)(x, self["weight"])
+        native = cpu_kernels.rms_norm(x, self["weight"], self.eps, offset=True)
+        return _compiled_rms(self.eps, offset=True)(x, self["weight"]) if native is None else native
 
 
 _RMS_CACHE: dict[tuple[float, bool], object] = {}

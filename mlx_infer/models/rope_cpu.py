@@ -3,8 +3,9 @@
 On the CPU backend ``mx.fast.rope`` has no kernel: MLX expands it into its reference graph (about 30
 ops, cos/sin recomputed from the positions) at every call, twice per layer. Here the tables of a step's
 positions are built once (:class:`StepMemo` keyed by the positions array every layer passes) with the
-same operations as MLX's reference, so results are bit-for-bit equal, and the rotation is one compiled
-elementwise kernel plus the slices and the concatenation around it (slices cannot be shapeless-compiled).
+same operations as MLX's reference, so results are bit-for-bit equal, and the rotation is one op of the
+native CPU kernels (``cpu_kernels.rope``, same arithmetic in the same order) or, without them, one
+compiled elementwise kernel plus the slices and the concatenation around it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from functools import partial
 
 import mlx.core as mx
 
+from mlx_infer import cpu_kernels
 from mlx_infer.models.step_memo import StepMemo
 
 _tables = StepMemo()
@@ -44,6 +46,9 @@ def apply_rope_cpu(
     key = (dims, base, scale, id(freqs), x.dtype)
     # freqs is a model attribute, alive as long as the model: its id is a stable key within a step.
     cos, sin = _tables.get(positions, key, lambda: _cos_sin(positions, dims, base, scale, freqs, x.dtype))
+    native = cpu_kernels.rope(x, cos, sin, dims)
+    if native is not None:
+        return native
     half = dims // 2
     parts = list(_rotate(x[..., :half], x[..., half:dims], cos, sin))
     if dims < x.shape[-1]:

@@ -1,6 +1,7 @@
 // The Python module of the native CPU kernels: mlx_infer.cpu_kernels loads it (see build.py).
 #include <nanobind/nanobind.h>
 
+#include "norm_rope.h"
 #include "paged_attention.h"
 #include "quantized_matvec.h"
 
@@ -12,6 +13,8 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("affine_qmv", &mlx_infer::affine_qmv, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a);
   m.def("affine_dequantize", &mlx_infer::affine_dequantize, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a);
+  m.def("rms_norm", &mlx_infer::rms_norm, "x"_a, "weight"_a, "eps"_a, "offset"_a);
+  m.def("rope", &mlx_infer::rope, "x"_a, "cos"_a, "sin"_a, "dims"_a);
   m.def("paged_attention", &mlx_infer::paged_attention, "q"_a, "key_pool"_a, "value_pool"_a, "block_tables"_a,
         "context_lens"_a, "positions"_a, "token_seq"_a, "block_size"_a, "scale"_a, "window"_a, "softcap"_a);
 }

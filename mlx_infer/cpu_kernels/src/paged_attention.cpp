@@ -16,6 +16,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "simd.h"
+#include "strided.h"
 #include "thread_pool.h"
 
 namespace mx = mlx::core;
@@ -104,12 +105,21 @@ class PagedAttention : public mx::UnaryPrimitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     const mx::array& q = inputs[0];
-    const mx::array& keys = inputs[1];
-    Problem p{q.data<float>(), keys.data<float>(), inputs[2].data<float>(), inputs[3].data<int32_t>(),
-              inputs[4].data<int32_t>(), inputs[5].data<int32_t>(), inputs[6].data<int32_t>(),
-              out.data<float>(), q.shape(0), q.shape(1), q.shape(2), keys.shape(1), inputs[3].shape(1),
-              block_size_, window_, scale_, softcap_};
-    encoder.dispatch([p]() {
+    Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(), q.shape(0),
+              q.shape(1), q.shape(2), inputs[1].shape(1), inputs[3].shape(1), block_size_, window_, scale_,
+              softcap_};
+    encoder.dispatch([p, q = Input<float>(q), keys = Input<float>(inputs[1]), values = Input<float>(inputs[2]),
+                      tables = Input<int32_t>(inputs[3]), lens = Input<int32_t>(inputs[4]),
+                      positions = Input<int32_t>(inputs[5]), seqs = Input<int32_t>(inputs[6])]() mutable {
+      std::vector<float> q_s, k_s, v_s;
+      std::vector<int32_t> t_s, l_s, p_s, s_s;
+      p.q = q.rows(q_s);
+      p.keys = keys.rows(k_s);
+      p.values = values.rows(v_s);
+      p.block_tables = tables.rows(t_s);
+      p.context_lens = lens.rows(l_s);
+      p.positions = positions.rows(p_s);
+      p.token_seq = seqs.rows(s_s);
       ThreadPool& threads = pool();
       const int tasks = p.T * p.n_kv;
       const int parts = threads.size();
@@ -164,11 +174,10 @@ mx::array paged_attention(
     throw std::invalid_argument("paged_attention: head_dim must match and be a multiple of 8; H a multiple of n_kv");
   }
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
-  auto c = [&](const mx::array& a, mx::Dtype dtype) { return mx::contiguous(mx::astype(a, dtype, s), false, s); };
+  auto i32 = [&](const mx::array& a) { return mx::astype(a, mx::int32, s); };
   return mx::array(
       q.shape(), mx::float32, std::make_shared<PagedAttention>(s, block_size, scale, window, softcap),
-      {c(q, mx::float32), c(key_pool, mx::float32), c(value_pool, mx::float32), c(block_tables, mx::int32),
-       c(context_lens, mx::int32), c(positions, mx::int32), c(token_seq, mx::int32)});
+      {q, key_pool, value_pool, i32(block_tables), i32(context_lens), i32(positions), i32(token_seq)});
 }
 
 }  // namespace mlx_infer

@@ -17,6 +17,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "simd.h"
+#include "strided.h"
 #include "thread_pool.h"
 
 namespace mx = mlx::core;
@@ -121,33 +122,30 @@ class AffineQMV : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const mx::array& x = inputs[0];
-    const mx::array& w = inputs[1];
-    const mx::array& scales = inputs[2];
-    const mx::array& biases = inputs[3];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
-    encoder.set_input_array(scales);
-    encoder.set_input_array(biases);
+    for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    const int K = x.shape(-1);
-    const int M = static_cast<int>(x.size() / K);
-    const int N = w.shape(0);
-    encoder.dispatch([xp = x.data<float>(), wp = w.data<uint32_t>(), sp = scales.data<float>(),
-                      bp = biases.data<float>(), op = out.data<float>(), M, N, K,
-                      group = group_size_, bits = bits_]() {
+    const int K = inputs[0].shape(-1);
+    const int M = static_cast<int>(inputs[0].size() / K);
+    const int N = inputs[1].shape(0);
+    encoder.dispatch([x = Input<float>(inputs[0]), w = Input<uint32_t>(inputs[1]), s = Input<float>(inputs[2]),
+                      b = Input<float>(inputs[3]), op = out.data<float>(), M, N, K, group = group_size_,
+                      bits = bits_]() {
+      std::vector<float> x_scratch, s_scratch, b_scratch;
+      std::vector<uint32_t> w_scratch;
+      const float* xp = x.rows(x_scratch);
       const int groups = K / group;
       std::vector<float> xsum(static_cast<size_t>(M) * groups);
       for (int m = 0; m < M; ++m) {
         for (int g = 0; g < groups; ++g) {
-          float s = 0.0f;
-          for (int k = g * group; k < (g + 1) * group; ++k) s += xp[static_cast<size_t>(m) * K + k];
-          xsum[static_cast<size_t>(m) * groups + g] = s;
+          float sum = 0.0f;
+          for (int k = g * group; k < (g + 1) * group; ++k) sum += xp[static_cast<size_t>(m) * K + k];
+          xsum[static_cast<size_t>(m) * groups + g] = sum;
         }
       }
-      const Problem p{xp, wp, sp, bp, xsum.data(), op, M, N, K, group, groups};
+      const Problem p{xp, w.rows(w_scratch), s.rows(s_scratch), b.rows(b_scratch), xsum.data(), op,
+                      M, N, K, group, groups};
       if (bits == 4) {
         run<4>(p);
       } else {
@@ -180,15 +178,19 @@ class AffineDequantize : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const mx::array& w = inputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     const int N = out.shape(0);
     const int K = out.shape(1);
-    encoder.dispatch([wp = w.data<uint32_t>(), sp = inputs[1].data<float>(), bp = inputs[2].data<float>(),
+    encoder.dispatch([w = Input<uint32_t>(inputs[0]), s = Input<float>(inputs[1]), b = Input<float>(inputs[2]),
                       op = out.data<float>(), N, K, group = group_size_, bits = bits_]() {
+      std::vector<uint32_t> w_scratch;
+      std::vector<float> s_scratch, b_scratch;
+      const uint32_t* wp = w.rows(w_scratch);
+      const float* sp = s.rows(s_scratch);
+      const float* bp = b.rows(b_scratch);
       ThreadPool& threads = pool();
       const int parts = threads.size();
       threads.run([&](int part) {
@@ -254,11 +256,7 @@ mx::array affine_qmv(
   mx::Shape out_shape = x.shape();
   out_shape.back() = w.shape(0);
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
-  // The kernel indexes plain row-major memory; contiguous() is free for inputs that already are.
-  return mx::array(
-      out_shape, mx::float32, std::make_shared<AffineQMV>(s, group_size, bits),
-      {mx::contiguous(x, false, s), mx::contiguous(w, false, s), mx::contiguous(scales, false, s),
-       mx::contiguous(biases, false, s)});
+  return mx::array(out_shape, mx::float32, std::make_shared<AffineQMV>(s, group_size, bits), {x, w, scales, biases});
 }
 
 }  // namespace mlx_infer
@@ -270,9 +268,8 @@ mx::array affine_dequantize(
   const int K = w.ndim() == 2 ? w.shape(1) * (32 / bits) : 0;
   check(w, scales, biases, K, group_size, bits);
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
-  return mx::array(
-      {w.shape(0), K}, mx::float32, std::make_shared<AffineDequantize>(s, group_size, bits),
-      {mx::contiguous(w, false, s), mx::contiguous(scales, false, s), mx::contiguous(biases, false, s)});
+  return mx::array({w.shape(0), K}, mx::float32, std::make_shared<AffineDequantize>(s, group_size, bits),
+                   {w, scales, biases});
 }
 
 }  // namespace mlx_infer
