@@ -89,8 +89,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compare", type=_peer_list, default=[], help="peers: mlx-lm,llama.cpp")
     parser.add_argument("--llama-bench", help="path of llama-bench (default: on PATH)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads")
-    parser.add_argument("--keep-quantized", action="store_true", default=None,
-                        help="keep quantized weights quantized on the CPU backend")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--keep-quantized", action="store_const", const=True, default=None,
+                         help="keep quantized weights quantized even without a fast kernel for them")
+    weights.add_argument("--dequantize", action="store_const", const=False, dest="keep_quantized",
+                         help="dequantize weights at load (float32 through the BLAS on the CPU backend)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--profile", action="store_true", help="count MLX ops per decode step")
     args = parser.parse_args(argv)
@@ -175,7 +178,7 @@ def _write_json(path: Path, args, results, profiles, bandwidth: float, skipped: 
             "read_bandwidth_bytes_per_s": bandwidth,
         },
         "args": {"model": args.model, "p": args.p, "n": args.n, "r": args.r, "b": args.b,
-                 "compare": args.compare, "keep_quantized": bool(args.keep_quantized)},
+                 "compare": args.compare, "keep_quantized": args.keep_quantized},
         "results": [dict(r.to_json(), decode_bound=_bound(r, bandwidth)) for r in results],
         "profile": [
             {"batch": p.batch, "ops_per_step": p.ops_per_step, "ops_per_token": p.ops_per_token,

@@ -38,6 +38,11 @@ def export_mlx_checkpoint(lm, source: str) -> Path:
     dest = CACHE / f"{src.stem}-{stat.st_size}-{int(stat.st_mtime)}-bf16"
     if (dest / "model.safetensors").exists():
         return dest
+    if any(a.dtype == mx.uint32 for _, a in tree_flatten(lm.model.parameters())):
+        # Kept quantized (the native CPU kernels): mlx-lm gets the same values dequantized.
+        from mlx_infer.loading import load
+
+        lm = load(source, keep_quantized=False)
     dest.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in lm.config.items() if k not in ("quantization", "quantization_config")}
     (dest / "config.json").write_text(json.dumps(config, indent=2))
