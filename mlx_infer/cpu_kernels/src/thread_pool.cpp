@@ -1,15 +1,8 @@
 #include "thread_pool.h"
 
 #include <cstdlib>
-#include <string>
 
 namespace mlx_infer {
-
-namespace {
-// About 50 us of polling before a worker sleeps: longer than the gap between two kernels of one
-// decode step, shorter than anything a user would notice as a busy core.
-constexpr int kSpinIterations = 0;
-}  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
   for (int i = 1; i < num_threads; ++i) {
@@ -32,6 +25,7 @@ void ThreadPool::run(const std::function<void(int)>& task) {
     task(0);
     return;
   }
+  std::lock_guard<std::mutex> one_job(run_mutex_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     task_ = &task;
@@ -48,17 +42,10 @@ void ThreadPool::run(const std::function<void(int)>& task) {
 void ThreadPool::worker_loop(int index) {
   uint64_t seen = 0;
   while (true) {
-    int spins = 0;
-    while (generation_.load(std::memory_order_acquire) == seen && spins < kSpinIterations) {
-      ++spins;
-    }
-    if (generation_.load(std::memory_order_acquire) == seen) {
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return generation_.load() != seen; });
-    }
     const std::function<void(int)>* task;
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [&] { return generation_.load() != seen; });
       if (stop_) return;
       seen = generation_.load();
       task = task_;
@@ -69,7 +56,9 @@ void ThreadPool::worker_loop(int index) {
 }
 
 ThreadPool& pool() {
-  static ThreadPool instance([] {
+  // Never destroyed: joining workers from a static destructor at exit could race with an MLX stream
+  // thread still running a kernel.
+  static ThreadPool* instance = new ThreadPool([] {
     if (const char* env = std::getenv("MLX_INFER_CPU_THREADS")) {
       int n = std::atoi(env);
       if (n > 0) return n;
@@ -77,7 +66,7 @@ ThreadPool& pool() {
     unsigned hw = std::thread::hardware_concurrency();
     return hw == 0 ? 1 : static_cast<int>(hw);
   }());
-  return instance;
+  return *instance;
 }
 
 }  // namespace mlx_infer
