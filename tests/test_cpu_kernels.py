@@ -35,26 +35,21 @@ def _np_dequantize(w: mx.array, scales: mx.array, biases: mx.array, group: int, 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 3, 6, 40])
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 40])
 def test_quantized_matmul_equals_numpy(native, bits: int, group: int, rows: int):
-    """1..16 rows take the matvec kernel (4-row tiles and their remainder), 40 the dequantize + BLAS path;
-    37 output features exercise the tail after the 4- and 2-feature tiles."""
+    """Up to 7 rows take the fused matvec (4-row tiles and their remainder), 8 and more the tiles
+    dequantized into the BLAS; 37 and 200 output features exercise the tails of the 4/2-feature
+    tiles and of the 64-feature BLAS tiles."""
     rng = np.random.default_rng(bits * 1000 + group + rows)
     k = 256
-    w, scales, biases = mx.quantize(mx.array(rng.standard_normal((37, k)).astype(np.float32)), group, bits)
-    x = mx.array(rng.standard_normal((k, rows)).astype(np.float32)).T  # a transposed (strided) view
-    out = cpu_kernels.quantized_matmul(x, w, scales, biases, group, bits)
-    want = np.array(x, dtype=np.float64) @ _np_dequantize(w, scales, biases, group, bits).T
-    assert out.dtype == mx.float32 and out.shape == (rows, 37)
-    np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-4)
-
-
-def test_dequantize_equals_numpy(native):
-    rng = np.random.default_rng(1)
-    for bits in (4, 8):
-        w, s, b = mx.quantize(mx.array(rng.standard_normal((19, 128)).astype(np.float32)), 32, bits)
-        got = np.array(native.affine_dequantize(w, s, b, 32, bits))
-        np.testing.assert_allclose(got, _np_dequantize(w, s, b, 32, bits), rtol=1e-6, atol=1e-6)
+    for features in (37, 200):
+        weight = mx.array(rng.standard_normal((features, k)).astype(np.float32))
+        w, scales, biases = mx.quantize(weight, group, bits)
+        x = mx.array(rng.standard_normal((k, rows)).astype(np.float32)).T  # a transposed (strided) view
+        out = cpu_kernels.quantized_matmul(x, w, scales, biases, group, bits)
+        want = np.array(x, dtype=np.float64) @ _np_dequantize(w, scales, biases, group, bits).T
+        assert out.dtype == mx.float32 and out.shape == (rows, features)
+        np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-4)
 
 
 def test_bad_arguments_raise_one_clear_error(native):

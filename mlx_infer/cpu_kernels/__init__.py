@@ -13,7 +13,6 @@ fall back to MLX ops when not, and ``MLX_INFER_CPU_KERNELS=off`` forces that.
 from __future__ import annotations
 
 import logging
-import math
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -27,11 +26,6 @@ if TYPE_CHECKING:  # models.base uses this package (RoPE): no import cycle at ru
     from mlx_infer.models.base import BatchMetadata
 
 log = logging.getLogger("mlx_infer")
-
-# Activation rows up to which the fused matvec kernel wins; beyond (prefill chunks, large batches) a
-# float32 matmul through the optimized BLAS on a natively dequantized copy is faster. Measured on a
-# 3072x576 4-bit weight, 2 cores: 8 rows 0.9 vs 2.4 ms, 32 rows 3.7 vs 2.7 ms.
-MAX_MATVEC_ROWS = 16
 
 _native: ModuleType | None = None
 _reason = "not loaded yet"
@@ -60,13 +54,11 @@ def quantized_matmul(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
 ) -> mx.array:
     """``x @ dequantize(w).T`` in float32, for MLX affine ``w`` with float32 ``scales``/``biases``."""
-    rows = math.prod(x.shape[:-1])
-    if rows <= MAX_MATVEC_ROWS and bits in (4, 8) and group_size % 8 == 0:
-        return _native.affine_qmv(x.astype(mx.float32), w, scales, biases, group_size, bits)
     if bits in (4, 8) and group_size % 8 == 0:
-        weight = _native.affine_dequantize(w, scales, biases, group_size, bits)
-    else:
-        weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+        # The kernel picks by row count: fused matvecs for decode, tiles dequantized into the BLAS for
+        # batches and prefill chunks.
+        return _native.affine_qmv(x.astype(mx.float32), w, scales, biases, group_size, bits)
+    weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
     return x.astype(mx.float32) @ weight.T
 
 

@@ -14,12 +14,4 @@ mlx::core::array affine_qmv(
     int group_size,
     int bits);
 
-// dequantize(w, scales, biases) -> [N, K] float32, for the same weights.
-mlx::core::array affine_dequantize(
-    const mlx::core::array& w,
-    const mlx::core::array& scales,
-    const mlx::core::array& biases,
-    int group_size,
-    int bits);
-
 }  // namespace mlx_infer
