@@ -6,7 +6,9 @@ Paged attention (decode, Llama-8B-like heads: 32 query heads, 8 KV heads, head d
 the kernel vs the reference (gather by block table + SDPA) vs ``mx.fast.scaled_dot_product_attention``
 on K/V that are already contiguous (the floor a paged kernel can hope to approach). Quantized matvec
 (4096 x 4096, 4-bit, group 64, float16): the kernel vs the float32 reference vs ``mx.quantized_matmul``.
-Where Metal is absent the kernels cannot run: it says so and times only the CPU paths.
+Where Metal is absent the Metal kernels cannot run: it says so and times the CPU paths instead, with
+mlx-infer's native CPU kernels (``mlx_infer.cpu_kernels``, float32 inputs, which is what the CPU
+backend computes in) where they are built.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from mlx_infer import cpu_kernels
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.metal_kernels import paged_attention, quantized, reference
 
@@ -54,6 +57,11 @@ def attention_row(batch: int, context: int, calls: int, metal: bool) -> str:
     if metal:
         kern = best_ms(lambda: paged_attention.paged_attention(q, keys, values, meta, scale), calls)
         row += f"  kernel {kern:8.3f} ms  ref/kernel {ref / kern:5.2f}x  kernel/sdpa {kern / sdpa:5.2f}x"
+    elif cpu_kernels.available():
+        q32, k32, v32 = (a.astype(mx.float32) for a in (q, keys, values))
+        mx.eval(q32, k32, v32)
+        kern = best_ms(lambda: cpu_kernels.paged_attention(q32, k32, v32, meta, scale), calls)
+        row += f"  cpu kernel (f32) {kern:8.3f} ms  ref/cpu kernel {ref / kern:5.2f}x"
     return row
 
 
@@ -69,6 +77,11 @@ def matvec_row(rows: int, calls: int, metal: bool) -> str:
     if metal:
         kern = best_ms(lambda: quantized.affine_matvec(x, wq, scales, biases, 64, 4), calls)
         row += f"  kernel {kern:8.3f} ms  builtin/kernel {builtin / kern:5.2f}x"
+    elif cpu_kernels.available():
+        x32, s32, b32 = (a.astype(mx.float32) for a in (x, scales, biases))
+        mx.eval(x32, s32, b32)
+        kern = best_ms(lambda: cpu_kernels.quantized_matmul(x32, wq, s32, b32, 64, 4), calls)
+        row += f"  cpu kernel (f32) {kern:8.3f} ms  builtin/cpu kernel {builtin / kern:5.2f}x"
     return row
 
 
@@ -81,12 +94,13 @@ def main() -> None:
     args = parser.parse_args()
     metal = mx.metal.is_available()
     if not metal:
-        print("Metal is not available on this machine: the kernels cannot run here, so only the reference "
-              "and MLX built-in paths are timed (on the CPU). Run this on Apple silicon for kernel numbers.")
+        print("Metal is not available on this machine: the Metal kernels cannot run here, so the reference, "
+              "MLX built-in and native CPU kernel paths are timed (on the CPU). Run this on Apple silicon "
+              "for Metal kernel numbers.")
     for batch in (int(b) for b in args.batch.split(",")):
         for context in (int(c) for c in args.context.split(",")):
             print(attention_row(batch, context, args.calls, metal), flush=True)
-    for rows in (1, 4):
+    for rows in (1, 4, 16):
         print(matvec_row(rows, args.calls, metal), flush=True)
 
 
