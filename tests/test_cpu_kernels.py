@@ -74,6 +74,33 @@ def test_rms_norm_equals_numpy(native, offset: bool):
     assert cpu_kernels.rms_norm(x.astype(mx.bfloat16), w, 1e-5) is None  # other dtypes: MLX ops
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_kv_write_puts_rows_at_their_slots_and_keeps_a_shared_pool(native, dtype):
+    pool = mx.zeros((64, 2, 8), dtype=dtype)
+    rows = mx.arange(3 * 2 * 16, dtype=dtype).reshape(3, 2, 16)[:, :, ::2]  # a strided view
+    slots = mx.array([7, 0, 63])
+    written = cpu_kernels.kv_write(pool, rows, slots)
+    assert mx.array_equal(written[slots], rows).item()
+    others = mx.array([i for i in range(64) if i not in (0, 7, 63)])
+    assert not mx.any(written[others]).item()
+    # `pool` is still referenced here, so the write could not take its buffer: it is unchanged.
+    assert not mx.any(pool).item()
+
+
+def test_kv_write_updates_a_donated_pool_in_place(native):
+    """Rebinding the only reference lets each write reuse the pool's buffer: no copy of the pool per
+    step, however large (the engine's LayerKV relies on this)."""
+    pool = mx.zeros((4096, 4, 64))
+    mx.eval(pool)
+    address = np.array(pool, copy=False).__array_interface__["data"][0]
+    row = mx.ones((1, 4, 64))
+    for step in range(3):
+        pool = cpu_kernels.kv_write(pool, row * step, mx.array([step]))
+        mx.eval(pool)
+    assert np.array(pool, copy=False).__array_interface__["data"][0] == address
+    assert [pool[i, 0, 0].item() for i in range(4)] == [0.0, 1.0, 2.0, 0.0]
+
+
 def _np_attention(q, keys, values, seq_of, positions, tables, context_lens, block, scale, window, softcap):
     """Float64 attention read straight from the paged pools, one query at a time."""
     q, keys, values = (np.array(a, dtype=np.float64) for a in (q, keys, values))

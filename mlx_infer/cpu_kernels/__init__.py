@@ -104,6 +104,14 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array, dims: int) -> mx.array | Non
     return _native.rope(x, cos, sin, dims)
 
 
+def kv_write(pool: mx.array, rows: mx.array, slots: mx.array) -> mx.array | None:
+    """``pool`` with ``rows`` written at ``slots`` as one op (in place when the pool is donated); None
+    where the kernel does not apply."""
+    if pool.dtype.size not in (2, 4) or mx.default_device() != mx.cpu or not available():
+        return None
+    return _native.kv_write(pool, rows.astype(pool.dtype), slots)
+
+
 def supports_attention(queries: mx.array, key_pool: mx.array) -> bool:
     return (
         queries.dtype == mx.float32

@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_infer import cpu_kernels
 from mlx_infer.models.rope_cpu import apply_rope_cpu
 
 
@@ -83,6 +84,10 @@ class LayerKV:
         """
         k, v = self.keys, self.values
         self.keys = self.values = None  # type: ignore[assignment]
+        native_k = cpu_kernels.kv_write(k, keys, slot_mapping)
+        if native_k is not None:  # one op per pool instead of four (CPU backend)
+            self.keys, self.values = native_k, cpu_kernels.kv_write(v, values, slot_mapping)
+            return
         k[slot_mapping] = keys.astype(k.dtype)
         v[slot_mapping] = values.astype(v.dtype)
         self.keys, self.values = k, v

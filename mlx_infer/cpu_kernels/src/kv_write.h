@@ -1,0 +1,13 @@
+#pragma once
+
+#include "mlx/mlx.h"
+
+namespace mlx_infer {
+
+// The pool [slots, n_kv, D] with rows [T, n_kv, D] written at slots[t]: one op, updating the pool in
+// place when nothing else holds it (as MLX's scatter does), where MLX's own indexed assignment is a
+// squeeze, a broadcast, a reshape and a scatter. (One pool per op: the outputs of a multi-output
+// primitive share their inputs, so neither could take over its pool's buffer.)
+mlx::core::array kv_write(const mlx::core::array& pool, const mlx::core::array& rows, const mlx::core::array& slots);
+
+}  // namespace mlx_infer
