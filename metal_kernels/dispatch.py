@@ -1,7 +1,7 @@
 """The one place that chooses between a Metal kernel and its pure-MLX reference.
 
-Off Metal the reference is chosen silently (for attention, the native CPU kernel of
-``mlx_infer.cpu_kernels`` where it is built); on Metal the kernel, unless
+Off Metal the reference is chosen silently (for attention and affine 4/8-bit products, the native
+CPU kernels of ``mlx_infer.cpu_kernels`` where they are built); on Metal the kernel, unless
 ``MLX_INFER_KERNELS=reference``, which also turns the CPU kernels off. The choice is made once at
 import and bound to module names, so a call costs nothing extra. Callers look the names up at call time
 (``dispatch.quantized_matmul(...)``), so :func:`bind` can re-point them: tests bind the kernels
@@ -98,6 +98,27 @@ def _cpu_paged_attention(
     )
 
 
+def _cpu_quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    bias: mx.array | None = None,
+    residual: mx.array | None = None,
+) -> mx.array:
+    """Off Metal: the native CPU kernel where it is built and supports the layer, else the reference."""
+    if not cpu_kernels.supports_quantized(scales, group_size, bits):
+        return reference.quantized_matmul(x, w, scales, biases, group_size, bits, bias, residual)
+    out = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits)
+    if bias is not None:
+        out = out + bias
+    if residual is not None:
+        out = out + residual
+    return out.astype(x.dtype)
+
+
 def bind(kernels: bool, launch: Launcher = metal_launch) -> None:
     """Point the entry points (and ``USE_KERNELS``) at the kernels, launched by ``launch``, or at the
     references. Done once at import; tests re-bind with the emulator's launch and bind back."""
@@ -105,7 +126,7 @@ def bind(kernels: bool, launch: Launcher = metal_launch) -> None:
     USE_KERNELS = kernels
     if not kernels:
         paged_attention = _cpu_paged_attention
-        quantized_matmul = reference.quantized_matmul
+        quantized_matmul = _cpu_quantized_matmul
         gguf_matmul = gguf_reference.gguf_matmul
     else:
         paged_attention = partial(_kernel_paged_attention, launch=launch)

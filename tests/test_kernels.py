@@ -12,7 +12,6 @@ import pytest
 from conftest import make_tiny_llama
 
 from mlx_infer import cpu_kernels
-from mlx_infer.cpu_kernels.layers import CPUQuantizedEmbedding, CPUQuantizedLinear
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.loading import policy
 from mlx_infer.metal_kernels import dispatch, gguf_reference, quantized, reference
@@ -253,8 +252,8 @@ def test_quantized_model_runs_through_the_kernels_on_metal(emulated_kernels, mon
 
 @pytest.mark.parametrize("cpu_kernels_available", [True, False])
 def test_dispatch_twins_stay_off_metal(cpu_kernels_available: bool, monkeypatch: pytest.MonkeyPatch):
-    """Off Metal (the real policy) quantized layers never become the Metal kernel twins: they are the
-    native CPU kernels' twins where those are built, else MLX's own."""
+    """Off Metal (the real policy) quantized layers become the dispatch twins where the native CPU
+    kernels are built (dispatch then routes them to those kernels), else they stay MLX's own."""
     if mx.metal.is_available():
         pytest.skip("Metal is available: the policy swaps in the kernel layers")
     monkeypatch.setattr(cpu_kernels, "available", lambda: cpu_kernels_available)
@@ -262,7 +261,7 @@ def test_dispatch_twins_stay_off_metal(cpu_kernels_available: bool, monkeypatch:
     nn.quantize(model, group_size=64, bits=4)
     policy.apply_weight_policy(model, True)
     linear, embedding = (
-        (CPUQuantizedLinear, CPUQuantizedEmbedding) if cpu_kernels_available
+        (KernelQuantizedLinear, KernelQuantizedEmbedding) if cpu_kernels_available
         else (nn.QuantizedLinear, nn.QuantizedEmbedding)
     )
     assert type(model.lm_head) is linear
@@ -299,9 +298,10 @@ def test_quantized_reference_matches_numpy():
 def test_dispatch_is_the_reference_off_metal():
     if mx.metal.is_available():
         pytest.skip("Metal is available: dispatch picks the kernels")
-    # Attention goes through the native CPU kernel where it is built (tests/test_cpu_kernels.py).
+    # Attention and affine products go through the native CPU kernels where they are built
+    # (tests/test_cpu_kernels.py), else through these references.
     assert dispatch.paged_attention is dispatch._cpu_paged_attention
-    assert dispatch.quantized_matmul is reference.quantized_matmul
+    assert dispatch.quantized_matmul is dispatch._cpu_quantized_matmul
     assert dispatch.gguf_matmul is gguf_reference.gguf_matmul
 
 

@@ -21,7 +21,6 @@ from gguf.constants import MODEL_ARCH_NAMES, GGMLQuantizationType
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_infer import cpu_kernels
-from mlx_infer.cpu_kernels.layers import CPUQuantizedLinear
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.errors import InvalidCheckpoint, ModelNotFound, UnsupportedArchitecture
 from mlx_infer.loading import load, policy
@@ -30,7 +29,7 @@ from mlx_infer.loading.gguf_config import MODEL_TYPES, llama3_scaling
 from mlx_infer.loading.gguf_file import read_header, tensor_bytes
 from mlx_infer.metal_kernels import dispatch
 from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
-from mlx_infer.metal_kernels.layers import GGUFEmbedding, GGUFLinear
+from mlx_infer.metal_kernels.layers import GGUFEmbedding, GGUFLinear, KernelQuantizedLinear
 from mlx_infer.models.base import LayerKV, rope_frequencies
 
 Q = GGMLQuantizationType
@@ -114,9 +113,9 @@ def test_quantized_folder_kept_quantized_for_the_cpu_kernels(tmp_path: Path, kee
     loaded = load(str(folder), keep_quantized=keep_quantized)
     assert "kept 4-bit/8-bit for the native CPU kernels" in loaded.weight_policy
     head = loaded.model.lm_head
-    assert type(head) is CPUQuantizedLinear and (head.bits, head.group_size) == (8, 32)
+    assert type(head) is KernelQuantizedLinear and (head.bits, head.group_size) == (8, 32)
     q = loaded.model.layers[0].self_attn.q_proj
-    assert type(q) is CPUQuantizedLinear and (q.bits, q.group_size) == (4, 64)
+    assert type(q) is KernelQuantizedLinear and (q.bits, q.group_size) == (4, 64)
     np.testing.assert_allclose(all_logits(loaded.model), all_logits(model), rtol=1e-4, atol=1e-4)
 
 

@@ -50,16 +50,21 @@ def unavailable_reason() -> str:
     return _reason
 
 
+def supports_quantized(scales: mx.array, group_size: int, bits: int) -> bool:
+    """Whether :func:`quantized_matmul` computes an affine layer of these settings (float32 scales,
+    which the weight policy gives the layers it keeps quantized for these kernels)."""
+    return bits in (4, 8) and group_size % 8 == 0 and scales.dtype == mx.float32 and available()
+
+
 def quantized_matmul(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
 ) -> mx.array:
-    """``x @ dequantize(w).T`` in float32, for MLX affine ``w`` with float32 ``scales``/``biases``."""
-    if bits in (4, 8) and group_size % 8 == 0:
-        # The kernel picks by row count: fused matvecs for decode, tiles dequantized into the BLAS for
-        # batches and prefill chunks.
-        return _native.affine_qmv(x.astype(mx.float32), w, scales, biases, group_size, bits)
-    weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
-    return x.astype(mx.float32) @ weight.T
+    """``x @ dequantize(w).T`` in float32 for MLX affine 4/8-bit ``w`` with float32 ``scales``/``biases``.
+
+    The kernel picks by row count: fused matvecs for decode, tiles dequantized into the BLAS for
+    batches and prefill chunks.
+    """
+    return _native.affine_qmv(x.astype(mx.float32), w, scales, biases, group_size, bits)
 
 
 def paged_attention(

@@ -22,7 +22,6 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlx_infer import cpu_kernels
-from mlx_infer.cpu_kernels.layers import use_cpu_kernels
 from mlx_infer.metal_kernels import dispatch
 from mlx_infer.metal_kernels.layers import (
     GGUFEmbedding,
@@ -59,10 +58,12 @@ def apply_weight_policy(
     """
     bits = _quantized_bits(model)
     if cpu_backend():
-        if bits and keep_quantized is not False and cpu_kernels.available():
-            swapped = use_cpu_kernels(model)
-            if swapped:
-                return _describe(model, f"kept {_bits_text(bits)} for the native CPU kernels")
+        if bits and keep_quantized is not False and _cpu_kernels_cover(model):
+            # The kernels read float32 scales and compute in float32: widen every half-precision
+            # parameter once, then swap in the dispatch twins (dispatch routes them to the kernels).
+            _widen_to_float32(model)
+            _use_kernels(model)
+            return _describe(model, f"kept {_bits_text(bits)} for the native CPU kernels")
         if keep_quantized:
             return _describe(model, f"kept {_bits_text(bits)} on the CPU backend" if bits else "")
         widened = _widen_to_float32(model)
@@ -97,6 +98,16 @@ def _use_kernels(model: nn.Module) -> None:
     swaps = [(path, twins[type(m)](m)) for path, m in model.named_modules()
              if type(m) in twins and m.mode == "affine"]
     model.update_modules(tree_unflatten(swaps))
+
+
+def _cpu_kernels_cover(model: nn.Module) -> bool:
+    """Whether the native CPU kernels compute every quantized layer of ``model`` (affine 4/8-bit):
+    a layer they do not cover would be dequantized at every step, so such models are dequantized
+    once at load instead."""
+    layers = [m for _, m in model.named_modules() if isinstance(m, QUANTIZED)]
+    return cpu_kernels.available() and all(
+        m.mode == "affine" and m.bits in (4, 8) and m.group_size % 8 == 0 for m in layers
+    )
 
 
 def _gguf_kinds(model: nn.Module) -> set[str]:

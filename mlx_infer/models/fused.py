@@ -28,7 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer import cpu_kernels
-from mlx_infer.cpu_kernels.layers import CPUQuantizedLinear
+from mlx_infer.metal_kernels import dispatch
+from mlx_infer.metal_kernels.layers import KernelQuantizedLinear
 from mlx_infer.models import gemma3, llama
 
 
@@ -84,17 +85,17 @@ def _is_float(a: mx.array) -> bool:
 
 def _fusable(module: nn.Module, names: tuple[str, ...]) -> bool:
     """Whether ``module`` has children ``names`` over one input that can share one product: all float
-    ``nn.Linear`` in one dtype, or all native-kernel quantized layers with one bit width and group
+    ``nn.Linear`` in one dtype, or all kernel-dispatch quantized layers with one bit width and group
     size; all with or all without bias."""
     linears = [module.get(n) for n in names]
-    if not all(type(lin) in (nn.Linear, CPUQuantizedLinear) for lin in linears):
+    if not all(type(lin) in (nn.Linear, KernelQuantizedLinear) for lin in linears):
         return False
     if len({type(lin) for lin in linears}) != 1 or len({"bias" in lin for lin in linears}) != 1:
         return False
     weights = [lin.weight for lin in linears]
     if len({w.shape[1] for w in weights}) != 1:
         return False
-    if type(linears[0]) is CPUQuantizedLinear:
+    if type(linears[0]) is KernelQuantizedLinear:
         return len({(lin.bits, lin.group_size) for lin in linears}) == 1
     return all(_is_float(w) and w.dtype == weights[0].dtype for w in weights)
 
@@ -156,9 +157,9 @@ class _FusedWeight(_Fused):
 
 
 class _FusedQuantized(_Fused):
-    """Row-concatenated packed weights, scales, biases (and bias) of native-kernel quantized layers."""
+    """Row-concatenated packed weights, scales, biases (and bias) of kernel-dispatch quantized layers."""
 
-    def __init__(self, layers: list[CPUQuantizedLinear]):
+    def __init__(self, layers: list[KernelQuantizedLinear]):
         super().__init__([lin.weight.shape[0] for lin in layers])
         self.group_size, self.bits = layers[0].group_size, layers[0].bits
         self.params = {
@@ -174,8 +175,9 @@ class _FusedQuantized(_Fused):
 
     def _product(self, x: mx.array) -> mx.array:
         p = self.params
-        y = cpu_kernels.quantized_matmul(x, p["weight"], p["scales"], p["biases"], self.group_size, self.bits)
-        return y if "bias" not in p else y + p["bias"]
+        return dispatch.quantized_matmul(
+            x, p["weight"], p["scales"], p["biases"], self.group_size, self.bits, p.get("bias")
+        )
 
 
 class FusedLinear(nn.Module):
@@ -197,11 +199,11 @@ class FusedLinear(nn.Module):
         return x @ self["weight"].T if bias is None else mx.addmm(bias, x, self["weight"].T)
 
 
-class FusedQuantizedLinear(CPUQuantizedLinear):
+class FusedQuantizedLinear(KernelQuantizedLinear):
     """One member of a :class:`_FusedQuantized`: its packed rows, scales and biases are views into the
     fused ones."""
 
-    def __init__(self, fused: _FusedQuantized, layer: CPUQuantizedLinear, index: int):
+    def __init__(self, fused: _FusedQuantized, layer: KernelQuantizedLinear, index: int):
         super().__init__(layer)
         self._views = fused.views(index)
         for name, view in self._views.items():
@@ -221,7 +223,7 @@ def _unchanged(module: nn.Module, views: dict[str, mx.array]) -> bool:
 
 def _fuse_group(module: nn.Module, names: tuple[str, ...]) -> None:
     linears = [module[n] for n in names]
-    if type(linears[0]) is CPUQuantizedLinear:
+    if type(linears[0]) is KernelQuantizedLinear:
         fused_q = _FusedQuantized(linears)
         for i, name in enumerate(names):
             setattr(module, name, FusedQuantizedLinear(fused_q, linears[i], i))
