@@ -62,6 +62,11 @@ def _kernel_quantized_matmul(
         return out.reshape(*x.shape[:-1], w.shape[0])
     # Prefill-sized inputs: MLX's own tiled quantized matmul is the right kernel on a GPU.
     out = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    return _epilogue(out, bias, residual)
+
+
+def _epilogue(out: mx.array, bias: mx.array | None, residual: mx.array | None) -> mx.array:
+    """``out (+ bias) (+ residual)`` for the paths whose product has no fused epilogue."""
     if bias is not None:
         out = out + bias
     return out if residual is None else out + residual
@@ -112,11 +117,7 @@ def _cpu_quantized_matmul(
     if not cpu_kernels.supports_quantized(scales, group_size, bits):
         return reference.quantized_matmul(x, w, scales, biases, group_size, bits, bias, residual)
     out = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits)
-    if bias is not None:
-        out = out + bias
-    if residual is not None:
-        out = out + residual
-    return out.astype(x.dtype)
+    return _epilogue(out, bias, residual).astype(x.dtype)
 
 
 def bind(kernels: bool, launch: Launcher = metal_launch) -> None:
