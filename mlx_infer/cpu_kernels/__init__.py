@@ -50,10 +50,15 @@ def unavailable_reason() -> str:
     return _reason
 
 
+def applies() -> bool:
+    """Kernels for this step: built here, and the graph runs on the CPU (not, say, MLX's CUDA backend)."""
+    return mx.default_device() == mx.cpu and available()
+
+
 def supports_quantized(scales: mx.array, group_size: int, bits: int) -> bool:
     """Whether :func:`quantized_matmul` computes an affine layer of these settings (float32 scales,
     which the weight policy gives the layers it keeps quantized for these kernels)."""
-    return bits in (4, 8) and group_size % 8 == 0 and scales.dtype == mx.float32 and available()
+    return bits in (4, 8) and group_size % 8 == 0 and scales.dtype == mx.float32 and applies()
 
 
 def quantized_matmul(
@@ -96,7 +101,7 @@ def paged_attention(
 def rms_norm(x: mx.array, weight: mx.array, eps: float, offset: bool = False) -> mx.array | None:
     """RMSNorm of float32 ``x`` as one op (``offset``: Gemma's ``1 + weight``); None where the kernel
     does not apply (other dtypes, kernels unavailable): the caller computes it with MLX ops."""
-    if x.dtype != mx.float32 or weight.dtype != mx.float32 or not available():
+    if x.dtype != mx.float32 or weight.dtype != mx.float32 or not applies():
         return None
     return _native.rms_norm(x, weight, eps, offset)
 
@@ -104,7 +109,7 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float, offset: bool = False) ->
 def rope(x: mx.array, cos: mx.array, sin: mx.array, dims: int) -> mx.array | None:
     """Half-split RoPE of float32 ``x`` [T, H, D] with the step's ``[T, 1, dims/2]`` tables as one op;
     None where the kernel does not apply."""
-    if x.dtype != mx.float32 or x.ndim != 3 or not available():
+    if x.dtype != mx.float32 or x.ndim != 3 or not applies():
         return None
     return _native.rope(x, cos, sin, dims)
 
@@ -112,7 +117,7 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array, dims: int) -> mx.array | Non
 def kv_write(pool: mx.array, rows: mx.array, slots: mx.array) -> mx.array | None:
     """``pool`` with ``rows`` written at ``slots`` as one op (in place when the pool is donated); None
     where the kernel does not apply."""
-    if pool.dtype.size not in (2, 4) or mx.default_device() != mx.cpu or not available():
+    if pool.dtype.size not in (2, 4) or not applies():
         return None
     return _native.kv_write(pool, rows.astype(pool.dtype), slots)
 
@@ -122,7 +127,7 @@ def supports_attention(queries: mx.array, key_pool: mx.array) -> bool:
         queries.dtype == mx.float32
         and key_pool.dtype == mx.float32
         and queries.shape[-1] % 8 == 0
-        and available()
+        and applies()
     )
 
 

@@ -105,7 +105,7 @@ def _cpu_kernels_cover(model: nn.Module) -> bool:
     a layer they do not cover would be dequantized at every step, so such models are dequantized
     once at load instead."""
     layers = [m for _, m in model.named_modules() if isinstance(m, QUANTIZED)]
-    return cpu_kernels.available() and all(
+    return cpu_kernels.applies() and all(
         m.mode == "affine" and m.bits in (4, 8) and m.group_size % 8 == 0 for m in layers
     )
 
