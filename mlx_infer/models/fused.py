@@ -180,45 +180,51 @@ class _FusedQuantized(_Fused):
         )
 
 
-class FusedLinear(nn.Module):
-    """One member of a :class:`_FusedWeight`: an ``nn.Linear`` whose weight is a view into the fused one."""
+class _Member:
+    """What a member of a fused group adds to its layer: its parameters are views into the fused ones,
+    and it takes its slice of the shared product while they still are."""
 
-    def __init__(self, fused: _FusedWeight, index: int):
-        super().__init__()
+    def _join(self, fused: _Fused, index: int) -> None:
         self._views = fused.views(index)
         for name, view in self._views.items():
             self[name] = view
         self._fused = fused
         self._index = index
 
-    def __call__(self, x: mx.array) -> mx.array:
-        if _unchanged(self, self._views):
+    def _shared_output(self, x: mx.array) -> mx.array | None:
+        """This member's slice of the shared product, or None once a parameter was replaced since
+        fusing (``load_weights``, ``update``): the fused weight is stale, the layer computes alone."""
+        if all(self.get(name) is view for name, view in self._views.items()):
             return self._fused.output(x, self._index)
-        # Parameters replaced since fusing: the fused weight is stale, compute from the module's own.
+        return None
+
+
+class FusedLinear(_Member, nn.Module):
+    """One member of a :class:`_FusedWeight`: an ``nn.Linear`` whose weight is a view into the fused one."""
+
+    def __init__(self, fused: _FusedWeight, index: int):
+        super().__init__()
+        self._join(fused, index)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shared = self._shared_output(x)
+        if shared is not None:
+            return shared
         bias = self.get("bias")
         return x @ self["weight"].T if bias is None else mx.addmm(bias, x, self["weight"].T)
 
 
-class FusedQuantizedLinear(KernelQuantizedLinear):
+class FusedQuantizedLinear(_Member, KernelQuantizedLinear):
     """One member of a :class:`_FusedQuantized`: its packed rows, scales and biases are views into the
     fused ones."""
 
     def __init__(self, fused: _FusedQuantized, layer: KernelQuantizedLinear, index: int):
         super().__init__(layer)
-        self._views = fused.views(index)
-        for name, view in self._views.items():
-            self[name] = view
-        self._fused = fused
-        self._index = index
+        self._join(fused, index)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if _unchanged(self, self._views):
-            return self._fused.output(x, self._index)
-        return super().__call__(x)
-
-
-def _unchanged(module: nn.Module, views: dict[str, mx.array]) -> bool:
-    return all(module.get(name) is view for name, view in views.items())
+        shared = self._shared_output(x)
+        return super().__call__(x) if shared is None else shared
 
 
 def _fuse_group(module: nn.Module, names: tuple[str, ...]) -> None:
