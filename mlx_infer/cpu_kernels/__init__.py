@@ -81,8 +81,9 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
 ) -> mx.array:
-    """Same contract as ``metal_kernels.reference.paged_attention`` (float32 queries and pools)."""
-    out = _native.paged_attention(
+    """Same contract as ``metal_kernels.reference.paged_attention``, for float32 queries and pools
+    (:func:`supports_attention`)."""
+    return _native.paged_attention(
         queries,
         key_pool,
         value_pool,
@@ -95,7 +96,6 @@ def paged_attention(
         sliding_window or 0,
         logit_softcap or 0.0,
     )
-    return out.astype(queries.dtype)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float, offset: bool = False) -> mx.array | None:
