@@ -1,5 +1,8 @@
 #include "thread_pool.h"
 
+#include <immintrin.h>
+
+#include <chrono>
 #include <cstdlib>
 
 namespace mlx_infer {
@@ -34,15 +37,22 @@ void ThreadPool::run(const std::function<void(int)>& task) {
   }
   wake_.notify_all();
   task(0);
-  while (pending_.load(std::memory_order_acquire) != 0) {
-    std::this_thread::yield();
-  }
+  // pause, not yield: with nothing else runnable, yield returns at once and the loop would take the
+  // execution units of a hyper-thread sibling that may be the very worker being waited for.
+  while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
 }
 
 void ThreadPool::worker_loop(int index) {
   uint64_t seen = 0;
   while (true) {
     const std::function<void(int)>* task;
+    // The kernels of one decode step come tens of microseconds apart: a worker that slept after each
+    // job paid a futex wake-up (often longer than its share of the job) every time. So it watches for
+    // the next job for a while, then sleeps until notified (no spinning between steps).
+    const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+    while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < spin_until) {
+      for (int i = 0; i < 16; ++i) _mm_pause();
+    }
     {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_.wait(lock, [&] { return generation_.load() != seen; });
