@@ -13,6 +13,10 @@ from mlx.utils import tree_flatten, tree_map
 import mlx_infer  # noqa: F401  (binds the optimized BLAS before anything imports mlx.core)
 from mlx_infer.models import model_module
 
+# Exact oracles (transformers logits, float32 products, token equality) need float32 activations;
+# the default int8 ones (cpu_kernels' docstring) have tests of their own, which switch them on.
+os.environ.setdefault("MLX_INFER_CPU_ACTIVATIONS", "float32")
+
 TINY_LLAMA_CONFIG = dict(
     model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, rope_theta=10000.0,

@@ -52,6 +52,76 @@ def test_quantized_matmul_equals_numpy(native, bits: int, group: int, rows: int)
         np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.fixture(params=["int8", "int8-avx2"])
+def int8_activations(native, request):
+    """Each int8 build (VNNI where this CPU has it, and AVX2) for one test; the suite otherwise runs
+    float32 activations (see conftest.py)."""
+    cpu_kernels.set_activations(request.param)
+    yield cpu_kernels.activations()
+    cpu_kernels.set_activations("float32")
+
+
+def _np_int8_product(x: np.ndarray, w: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int):
+    """The int8 scheme in NumPy: x rounded to int8 per block of 32 (scale max|x|/127), exact integer
+    dot products with the unscaled weights per block, then the weight and x scales; the biases meet
+    the exact float sums of x over each group."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // 32, 32).astype(np.float32)
+    amax = np.abs(blocks).max(-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    xq = np.rint(blocks * inv[..., None]).astype(np.int64)
+    raw = _np_dequantize(w, mx.ones_like(scales), mx.zeros_like(biases), group, bits).astype(np.int64)
+    dots = np.einsum("mbk,nbk->mnb", xq, raw.reshape(raw.shape[0], k // 32, 32)).astype(np.float64)
+    per_block = np.repeat(np.array(scales, dtype=np.float64), group // 32, axis=1)
+    out = np.einsum("mnb,nb,mb->mn", dots, per_block, (amax / np.float32(127)).astype(np.float64))
+    group_sums = x.astype(np.float64).reshape(rows, k // group, group).sum(-1)
+    return out + group_sums @ np.array(biases, np.float64).T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_activation_matvec_equals_its_numpy_scheme(int8_activations, bits: int, group: int, rows: int):
+    """The integer kernels (4-row tiles and their remainder; 37 features: a tail of the 8-feature
+    chunks) compute exactly the int8 scheme, and stay within its rounding of the float product."""
+    rng = np.random.default_rng(bits * 100 + group + rows)
+    k, features = 640, 37
+    weight = mx.array(rng.standard_normal((features, k)).astype(np.float32))
+    w, scales, biases = mx.quantize(weight, group, bits)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    out = np.array(cpu_kernels.quantized_matmul(mx.array(x), w, scales, biases, group, bits))
+    want = _np_int8_product(x, w, scales, biases, group, bits)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+    exact = x.astype(np.float64) @ _np_dequantize(w, scales, biases, group, bits).T
+    assert np.abs(out - exact).max() < 0.03 * np.abs(exact).max()
+    assert not np.allclose(out, exact, rtol=1e-5, atol=1e-4)  # it really took the int8 path
+
+
+def test_int8_activations_leave_products_they_do_not_fit_exact(int8_activations):
+    """K not a multiple of 64 (and batches the BLAS path takes) keep float32 activations."""
+    rng = np.random.default_rng(5)
+    for rows, k in ((1, 96), (16, 256)):
+        w, scales, biases = mx.quantize(mx.array(rng.standard_normal((40, k)).astype(np.float32)), 32, 4)
+        x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
+        want = np.array(x, dtype=np.float64) @ _np_dequantize(w, scales, biases, 32, 4).T
+        out = cpu_kernels.quantized_matmul(x, w, scales, biases, 32, 4)
+        np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-4)
+
+
+def test_activation_kinds_are_checked(native, monkeypatch: pytest.MonkeyPatch):
+    with pytest.raises(ValueError, match="int8|float32"):
+        cpu_kernels.set_activations("int4")
+    with pytest.raises(ValueError, match="activations must be"):
+        native.set_activations("int4")
+    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_ENV_VAR, "bogus")
+    cpu_kernels._apply_activations_env()  # a warning, then the default
+    assert cpu_kernels.activations().startswith("int8")
+    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_ENV_VAR, "float32")
+    cpu_kernels._apply_activations_env()
+    assert cpu_kernels.activations() == "float32"
+
+
 def test_bad_arguments_raise_one_clear_error(native):
     w, s, b = mx.quantize(mx.zeros((8, 64)), 32, 4)
     with pytest.raises(ValueError, match="bits must be 4 or 8"):

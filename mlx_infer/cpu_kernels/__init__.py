@@ -8,11 +8,17 @@ lie. They are MLX primitives, so they sit in the lazy graph like any op.
 
 :func:`available` says whether they can be used here (built on first use, see ``build.py``); callers
 fall back to MLX ops when not, and ``MLX_INFER_CPU_KERNELS=off`` forces that.
+
+Decode matvecs quantize their activations to int8 per 32 values (as llama.cpp does for its Q4/Q8
+weights) so the inner loop is integer multiply-adds (AVX-VNNI where the CPU has it): about 1.6x
+faster than float32 activations, with ~1% relative error per product. ``MLX_INFER_CPU_ACTIVATIONS=
+float32`` (or :func:`set_activations`) keeps them float32, exact to float32 rounding.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -31,6 +37,9 @@ _native: ModuleType | None = None
 _reason = "not loaded yet"
 _step = StepMemo()
 
+ACTIVATIONS_ENV_VAR = "MLX_INFER_CPU_ACTIVATIONS"
+ACTIVATIONS = ("int8", "int8-avx2", "float32")  # int8-avx2: the int8 kernel without VNNI
+
 
 def available() -> bool:
     """Whether the kernels are built and loadable in this process (builds them on the first call)."""
@@ -42,7 +51,33 @@ def available() -> bool:
         except Unavailable as e:
             _reason = str(e)
             log.warning("native CPU kernels unavailable (%s); using MLX ops", _reason)
+        else:
+            _apply_activations_env()
     return _native is not None
+
+
+def _apply_activations_env() -> None:
+    requested = os.environ.get(ACTIVATIONS_ENV_VAR, "").strip().lower() or "int8"
+    if requested not in ACTIVATIONS:
+        known = "|".join(ACTIVATIONS)
+        log.warning("%s=%s is not one of %s; using int8", ACTIVATIONS_ENV_VAR, requested, known)
+        requested = "int8"
+    set_activations(requested)
+
+
+def set_activations(kind: str) -> None:
+    """The activations the decode matvecs multiply with: one of :data:`ACTIVATIONS`; takes effect
+    for products evaluated from then on."""
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {'|'.join(ACTIVATIONS)}, not {kind!r}")
+    if available():
+        _native.set_activations(kind)
+
+
+def activations() -> str:
+    """The activations in use: ``"int8-vnni"``, ``"int8-avx2"`` or ``"float32"`` (also where the kernels
+    are unavailable)."""
+    return _native.activations() if available() else "float32"
 
 
 def unavailable_reason() -> str:

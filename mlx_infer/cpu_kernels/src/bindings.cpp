@@ -1,5 +1,6 @@
 // The Python module of the native CPU kernels: mlx_infer.cpu_kernels loads it (see build.py).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include "kv_write.h"
 #include "norm_rope.h"
@@ -12,6 +13,8 @@ using namespace nb::literals;
 NB_MODULE(_cpu_kernels, m) {
   m.doc() = "mlx-infer's native kernels for MLX's CPU backend";
   m.def("affine_qmv", &mlx_infer::affine_qmv, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a);
+  m.def("set_activations", &mlx_infer::set_activations, "kind"_a);
+  m.def("activations", &mlx_infer::activations);
   m.def("kv_write", &mlx_infer::kv_write, "pool"_a, "rows"_a, "slots"_a);
   m.def("rms_norm", &mlx_infer::rms_norm, "x"_a, "weight"_a, "eps"_a, "offset"_a);
   m.def("rope", &mlx_infer::rope, "x"_a, "cos"_a, "sin"_a, "dims"_a);

@@ -15,12 +15,15 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "qmv_int8.h"
 #include "simd.h"
 #include "strided.h"
 #include "thread_pool.h"
@@ -167,8 +170,84 @@ class SingleThreadedBlas {
   int previous_ = 0;
 };
 
+using Int8Features = void (*)(const Int8Problem&, int, int);
+
+// The int8 build for this CPU: VNNI where the CPU (and the compiler that built this) has it.
+Int8Features best_int8() {
+#ifdef MLX_INFER_HAVE_VNNI
+  if (__builtin_cpu_supports("avxvnni")) return int8_vnni::features;
+#endif
+  return int8_avx2::features;
+}
+
+// nullptr: float32 activations.
+std::atomic<Int8Features> g_int8{best_int8()};
+
+// x [M, K] -> the int8 blocks, scales and sums of Int8Problem. For 4-bit weights, whose bytes hold
+// weights 2j (low nibble) and 2j + 1 (high nibble), each 64 values (blocks A, B) are stored as
+// A's even, B's even, A's odd, B's odd values, the order the kernel's nibble vectors come in.
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> dx, dx_lanes;
+  std::vector<int32_t> qsum;
+
+  QuantizedX(const float* x, int M, int K, int bits)
+      : q(static_cast<size_t>(M) * K), dx(static_cast<size_t>(M) * (K / 32)),
+        dx_lanes(static_cast<size_t>(M) * (K / 64) * 8), qsum(dx.size()) {
+    const int blocks = K / 32;
+    for (int m = 0; m < M; ++m) {
+      for (int b = 0; b < blocks; ++b) {
+        const float* xb = x + static_cast<size_t>(m) * K + static_cast<size_t>(b) * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float d = amax / 127.0f;
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const size_t at = static_cast<size_t>(m) * blocks + b;
+        dx[at] = d;
+        int8_t* qb = q.data() + static_cast<size_t>(m) * K + static_cast<size_t>(b / 2) * 64;
+        int32_t sum = 0;
+        for (int i = 0; i < 32; ++i) {
+          const auto v = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+          sum += v;
+          if (bits == 8) {
+            qb[(b % 2) * 32 + i] = v;
+          } else {
+            qb[(i % 2) * 32 + (b % 2) * 16 + i / 2] = v;
+          }
+        }
+        qsum[at] = sum;
+        float* lanes = dx_lanes.data() + (static_cast<size_t>(m) * (K / 64) + b / 2) * 8 + (b % 2) * 4;
+        for (int i = 0; i < 4; ++i) lanes[i] = d;
+      }
+    }
+  }
+};
+
+bool use_int8(const Problem& p, int bits) {
+  return !use_gemm(p.M, p.K) && p.K % 64 == 0 && p.group % 32 == 0 && (bits == 4 || bits == 8);
+}
+
+template <int BITS>
+void run_int8(const Problem& p, Int8Features features) {
+  const QuantizedX xq(p.x, p.M, p.K, BITS);
+  const Int8Problem ip{xq.q.data(), xq.dx.data(), xq.dx_lanes.data(), xq.qsum.data(), p.xsum, p.w, p.scales,
+                       p.biases, p.out, p.M, p.N, p.K, p.group, BITS};
+  ThreadPool& threads = pool();
+  const int parts = threads.size();
+  threads.run([&](int part) {
+    const int per = ((p.N + parts - 1) / parts + 7) / 8 * 8;
+    const int n0 = std::min(p.N, part * per);
+    const int n1 = std::min(p.N, n0 + per);
+    if (n0 < n1) features(ip, n0, n1);
+  });
+}
+
 template <int BITS>
 void run(const Problem& p) {
+  if (const Int8Features features = g_int8.load(std::memory_order_relaxed); features && use_int8(p, BITS)) {
+    run_int8<BITS>(p, features);
+    return;
+  }
   ThreadPool& threads = pool();
   const int parts = threads.size();
   threads.run([&](int part) {
@@ -207,29 +286,11 @@ class AffineQMV : public mx::UnaryPrimitive {
     encoder.set_output_array(out);
     const int K = inputs[0].shape(-1);
     const int M = static_cast<int>(inputs[0].size() / K);
-    const int N = inputs[1].shape(0);
-    encoder.dispatch([x = Input<float>(inputs[0]), w = Input<uint32_t>(inputs[1]), s = Input<float>(inputs[2]),
-                      b = Input<float>(inputs[3]), op = out.data<float>(), M, N, K, group = group_size_,
-                      bits = bits_]() {
-      std::vector<float> x_scratch, s_scratch, b_scratch;
-      std::vector<uint32_t> w_scratch;
-      const float* xp = x.rows(x_scratch);
-      const int groups = K / group;
-      std::vector<float> xsum(static_cast<size_t>(M) * groups);
-      for (int m = 0; m < M; ++m) {
-        for (int g = 0; g < groups; ++g) {
-          float sum = 0.0f;
-          for (int k = g * group; k < (g + 1) * group; ++k) sum += xp[static_cast<size_t>(m) * K + k];
-          xsum[static_cast<size_t>(m) * groups + g] = sum;
-        }
-      }
-      const Problem p{xp, w.rows(w_scratch), s.rows(s_scratch), b.rows(b_scratch), xsum.data(), op,
-                      M, N, K, group, groups};
-      if (bits == 4) {
-        run<4>(p);
-      } else {
-        run<8>(p);
-      }
+    encoder.dispatch([x = Input<float>(inputs[0]), w = AffineWeights(inputs[1], inputs[2], inputs[3], group_size_, bits_),
+                      op = out.data<float>(), M, K]() {
+      std::vector<float> x_scratch;
+      AffineWeights::Scratch w_scratch;
+      affine_product(x.rows(x_scratch), M, K, w.view(w_scratch), op);
     });
   }
 
@@ -249,7 +310,53 @@ class AffineQMV : public mx::UnaryPrimitive {
   int bits_;
 };
 
-void check(const mx::array& w, const mx::array& scales, const mx::array& biases, int K, int group_size, int bits) {
+}  // namespace
+
+void set_activations(const std::string& kind) {
+  if (kind == "float32") {
+    g_int8.store(nullptr);
+  } else if (kind == "int8") {
+    g_int8.store(best_int8());
+  } else if (kind == "int8-avx2") {
+    g_int8.store(int8_avx2::features);
+  } else {
+    throw std::invalid_argument("activations must be float32, int8 or int8-avx2, not " + kind);
+  }
+}
+
+std::string activations() {
+  const Int8Features features = g_int8.load();
+  if (features == nullptr) return "float32";
+  return features == int8_avx2::features ? "int8-avx2" : "int8-vnni";
+}
+
+AffineWeights::AffineWeights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                             int bits)
+    : w(w), scales(scales), biases(biases), rows(w.shape(0)), group(group_size), bits(bits) {}
+
+AffineView AffineWeights::view(Scratch& scratch) const {
+  return {w.rows(scratch.w), scales.rows(scratch.s), biases.rows(scratch.b), rows, group, bits};
+}
+
+void affine_product(const float* x, int M, int K, const AffineView& w, float* out) {
+  const int groups = K / w.group;
+  std::vector<float> xsum(static_cast<size_t>(M) * groups);
+  for (int m = 0; m < M; ++m) {
+    for (int g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int k = g * w.group; k < (g + 1) * w.group; ++k) sum += x[static_cast<size_t>(m) * K + k];
+      xsum[static_cast<size_t>(m) * groups + g] = sum;
+    }
+  }
+  const Problem p{x, w.w, w.scales, w.biases, xsum.data(), out, M, w.rows, K, w.group, groups};
+  if (w.bits == 4) {
+    run<4>(p);
+  } else {
+    run<8>(p);
+  }
+}
+
+void check_affine(const mx::array& w, const mx::array& scales, const mx::array& biases, int K, int group_size, int bits) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("affine kernels: bits must be 4 or 8");
   if (group_size % 8 != 0) throw std::invalid_argument("affine kernels: group_size must be a multiple of 8");
   if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32) {
@@ -262,8 +369,6 @@ void check(const mx::array& w, const mx::array& scales, const mx::array& biases,
   }
 }
 
-}  // namespace
-
 mx::array affine_qmv(
     const mx::array& x,
     const mx::array& w,
@@ -272,7 +377,7 @@ mx::array affine_qmv(
     int group_size,
     int bits) {
   if (x.dtype() != mx::float32) throw std::invalid_argument("affine_qmv: x must be float32");
-  check(w, scales, biases, x.shape(-1), group_size, bits);
+  check_affine(w, scales, biases, x.shape(-1), group_size, bits);
   mx::Shape out_shape = x.shape();
   out_shape.back() = w.shape(0);
   const mx::Stream s = mx::default_stream(mx::Device::cpu);

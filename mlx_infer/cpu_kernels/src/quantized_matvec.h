@@ -1,6 +1,11 @@
 #pragma once
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
 #include "mlx/mlx.h"
+#include "strided.h"
 
 namespace mlx_infer {
 
@@ -13,5 +18,48 @@ mlx::core::array affine_qmv(
     const mlx::core::array& biases,
     int group_size,
     int bits);
+
+// Throws std::invalid_argument unless w/scales/biases are an affine layer the kernels compute for
+// inputs of K features.
+void check_affine(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases, int K,
+                  int group_size, int bits);
+
+// What products of fewer rows than the BLAS path takes (decode) multiply: "int8" quantizes x per
+// block of 32 and uses integer dot products (qmv_int8.cpp; the default, AVX-VNNI where the CPU has
+// it), "int8-avx2" the same without VNNI, "float32" unpacks the weights to float (exact). Throws
+// std::invalid_argument for anything else. activations() names the one in use: "float32",
+// "int8-avx2" or "int8-vnni".
+void set_activations(const std::string& kind);
+std::string activations();
+
+// An affine layer's arrays as plain row-major memory (what affine_product reads).
+struct AffineView {
+  const uint32_t* w;
+  const float* scales;
+  const float* biases;
+  int rows;  // output features N
+  int group;
+  int bits;
+};
+
+// An affine layer's inputs as recorded in eval_cpu; view() reads them in the dispatched task (in place,
+// or gathered into the scratch of a strided input).
+struct AffineWeights {
+  struct Scratch {
+    std::vector<uint32_t> w;
+    std::vector<float> s, b;
+  };
+  AffineWeights(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases,
+                int group_size, int bits);
+  AffineView view(Scratch& scratch) const;
+
+  Input<uint32_t> w;
+  Input<float> scales, biases;
+  int rows, group, bits;
+};
+
+// out [M, N] = x [M, K] @ dequantize(w).T, row-major, split over the thread pool: the kernel behind
+// affine_qmv, for the fused block ops to call directly.
+void affine_product(const float* x, int M, int K, const AffineView& w, float* out);
 
 }  // namespace mlx_infer

@@ -1,0 +1,177 @@
+// Matrix-vector products of MLX affine 4/8-bit weights with activations quantized to int8.
+//
+// The float kernel (quantized_matvec.cpp) unpacks every weight to a float and FMAs it: about five
+// instructions per eight weights, which on these CPUs is slower than memory delivers the weights
+// (4.5 G weights/s per core measured, where 10 GB/s of 4-bit words would be ~20 G). As llama.cpp
+// does (Q8 activations for its Q4/Q8 weights), x is quantized per block of 32 values to int8 with
+// one float scale, and each block's dot product is an exact integer sum of u8 x s8 products: one
+// VNNI `vpdpbusd` (or `vpmaddubsw` + `vpmaddwd` without VNNI) per 32 weight-activation pairs, then
+// one float multiply-add per two blocks. Per output feature n and weight group g:
+//   y_n = sum_b s_{n,g(b)} * dx_b * (q_n,b . qx_b) + sum_g b_{n,g} * sum_{k in g} x_k,
+// the bias term using the exact float sums of x. The error is that of x's 8-bit rounding (relative
+// ~0.4% per block), not of the weights, which are used exactly.
+//
+// This file is compiled twice (CMakeLists.txt): with MLX_INFER_VNNI and -mavxvnni into namespace
+// int8_vnni, and for plain AVX2 into int8_avx2; quantized_matvec.cpp picks one at run time.
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "qmv_int8.h"
+#include "simd.h"
+
+namespace mlx_infer {
+#ifdef MLX_INFER_VNNI
+namespace int8_vnni {
+#else
+namespace int8_avx2 {
+#endif
+
+namespace {
+
+// acc + the 8 lanes of sum over 4 adjacent byte pairs of u (unsigned) * s (signed).
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#ifdef MLX_INFER_VNNI
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  // u <= 255 here only for 8-bit weights, which go through dot_s8s8; 4-bit ones are <= 15, so the
+  // 16-bit pair sums (<= 2 * 15 * 127) never saturate.
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// 8-bit weights u (0..255) against x s: exact. VNNI multiplies u8 x s8 into 32-bit lanes directly;
+// without it the pair sums of u8 x s8 could saturate 16 bits, so u is shifted to s8 (u - 128, undone
+// by the caller with 128 * sum(s)) and multiplied as |a| * sign(b, a), whose pair sums fit.
+inline __m256i dot_w8(__m256i acc, __m256i u, __m256i s) {
+#ifdef MLX_INFER_VNNI
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  const __m256i a = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(s, a));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+constexpr bool kShiftedW8 =
+#ifdef MLX_INFER_VNNI
+    false;
+#else
+    true;
+#endif
+
+// The scale vector of the block pair starting at block b for feature row `sw` of group scales:
+// lanes 0-3 block b's weight scale, lanes 4-7 block b + 1's, times the pair's dx lanes.
+inline __m256 pair_scales(const float* sw, int b, int blocks_per_group, const float* dx_lanes) {
+  const float s0 = sw[b / blocks_per_group];
+  const float s1 = sw[(b + 1) / blocks_per_group];
+  const __m256 s = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+  return _mm256_mul_ps(s, _mm256_loadu_ps(dx_lanes));
+}
+
+template <int MB, int NB>
+void tile4(const Int8Problem& p, int n0, int m0) {
+  const int pairs = p.K / 64;
+  const int bpg = p.group / 32;
+  const int groups = p.K / p.group;
+  __m256 total[NB][MB];
+  const uint8_t* wr[NB];
+  const float* sr[NB];
+  for (int r = 0; r < NB; ++r) {
+    wr[r] = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0 + r) * (p.K / 2);
+    sr[r] = p.scales + static_cast<size_t>(n0 + r) * groups;
+    for (int m = 0; m < MB; ++m) total[r][m] = _mm256_setzero_ps();
+  }
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int q = 0; q < pairs; ++q) {
+    __m256i xe[MB], xo[MB];
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* xq = p.xq + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(q) * 64;
+      xe[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+      xo[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+    }
+    for (int r = 0; r < NB; ++r) {
+      // 32 bytes = blocks 2q and 2q + 1; low nibbles are their even weights, high nibbles the odd.
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + static_cast<size_t>(q) * 32));
+      const __m256i lo = _mm256_and_si256(v, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      for (int m = 0; m < MB; ++m) {
+        const __m256i acc = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo, xe[m]), hi, xo[m]);
+        const float* dx = p.dx_lanes + (static_cast<size_t>(m0 + m) * pairs + q) * 8;
+        total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), pair_scales(sr[r], 2 * q, bpg, dx), total[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < NB; ++r) {
+    for (int m = 0; m < MB; ++m) {
+      p.out[static_cast<size_t>(m0 + m) * p.N + n0 + r] = hsum(total[r][m]) + bias_term(p, n0 + r, m0 + m);
+    }
+  }
+}
+
+template <int MB, int NB>
+void tile8(const Int8Problem& p, int n0, int m0) {
+  const int blocks = p.K / 32;
+  const int bpg = p.group / 32;
+  const int groups = p.K / p.group;
+  __m256 total[NB][MB];
+  const uint8_t* wr[NB];
+  const float* sr[NB];
+  for (int r = 0; r < NB; ++r) {
+    wr[r] = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0 + r) * p.K;
+    sr[r] = p.scales + static_cast<size_t>(n0 + r) * groups;
+    for (int m = 0; m < MB; ++m) total[r][m] = _mm256_setzero_ps();
+  }
+  for (int b = 0; b < blocks; ++b) {
+    __m256i xv[MB];
+    for (int m = 0; m < MB; ++m) {
+      xv[m] = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(p.xq + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(b) * 32));
+    }
+    for (int r = 0; r < NB; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + static_cast<size_t>(b) * 32));
+      const float s = sr[r][b / bpg];
+      for (int m = 0; m < MB; ++m) {
+        const size_t at = static_cast<size_t>(m0 + m) * blocks + b;
+        __m256 dot = _mm256_cvtepi32_ps(dot_w8(_mm256_setzero_si256(), v, xv[m]));
+        if (kShiftedW8) dot = _mm256_add_ps(dot, _mm256_set1_ps(16.0f * static_cast<float>(p.qsum[at])));
+        total[r][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * p.dx[at]), total[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < NB; ++r) {
+    for (int m = 0; m < MB; ++m) {
+      p.out[static_cast<size_t>(m0 + m) * p.N + n0 + r] = hsum(total[r][m]) + bias_term(p, n0 + r, m0 + m);
+    }
+  }
+}
+
+template <int BITS, int MB>
+void feature_range(const Int8Problem& p, int n0, int n1, int m0) {
+  constexpr int NB = MB == 1 ? 4 : 2;
+  int n = n0;
+  for (; n + NB <= n1; n += NB) {
+    if constexpr (BITS == 4) tile4<MB, NB>(p, n, m0); else tile8<MB, NB>(p, n, m0);
+  }
+  for (; n < n1; ++n) {
+    if constexpr (BITS == 4) tile4<MB, 1>(p, n, m0); else tile8<MB, 1>(p, n, m0);
+  }
+}
+
+}  // namespace
+
+void features(const Int8Problem& p, int n0, int n1) {
+  int m0 = 0;
+  if (p.bits == 4) {
+    for (; m0 + 4 <= p.M; m0 += 4) feature_range<4, 4>(p, n0, n1, m0);
+    for (; m0 < p.M; ++m0) feature_range<4, 1>(p, n0, n1, m0);
+  } else {
+    for (; m0 + 4 <= p.M; m0 += 4) feature_range<8, 4>(p, n0, n1, m0);
+    for (; m0 < p.M; ++m0) feature_range<8, 1>(p, n0, n1, m0);
+  }
+}
+
+}  // namespace int8_*
+}  // namespace mlx_infer
