@@ -125,7 +125,7 @@ def paged_attention(
         meta.block_tables,
         meta.context_lens,
         meta.positions,
-        _step.get(meta, "token_seq", lambda: _token_seq(meta)),
+        token_seq(meta),
         meta.block_size,
         scale,
         sliding_window or 0,
@@ -149,12 +149,63 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array, dims: int) -> mx.array | Non
     return _native.rope(x, cos, sin, dims)
 
 
-def kv_write(pool: mx.array, rows: mx.array, slots: mx.array) -> mx.array | None:
+def kv_write(pool: mx.array, rows: mx.array, slots: mx.array, column: int = 0) -> mx.array | None:
     """``pool`` with ``rows`` written at ``slots`` as one op (in place when the pool is donated); None
-    where the kernel does not apply."""
+    where the kernel does not apply. ``rows`` is ``[T, n_kv, D]``, or ``[T, W]`` whose row ``t`` holds
+    the ``n_kv * D`` values from ``column`` on."""
     if pool.dtype.size not in (2, 4) or not applies():
         return None
-    return _native.kv_write(pool, rows.astype(pool.dtype), slots)
+    return _native.kv_write(pool, rows.astype(pool.dtype), slots, column)
+
+
+def block_qkv(
+    x: mx.array,
+    norm_weight: mx.array,
+    eps: float,
+    qkv: dict[str, mx.array],
+    group_size: int,
+    bits: int,
+    cos: mx.array,
+    sin: mx.array,
+    heads: tuple[int, int, int],
+    qk_norm: tuple[mx.array, mx.array, float] | None = None,
+) -> mx.array:
+    """First half of a Llama-style block (native): ``RMSNorm(x) @ qkv`` (+ bias), Qwen3's per-head
+    q/k norms when given, RoPE on q and k. ``heads`` is (n_heads, n_kv_heads, head_dim); returns
+    ``[T, (n_heads + 2 n_kv_heads) * head_dim]``."""
+    q_norm, k_norm, qk_eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+    n_heads, n_kv_heads, head_dim = heads
+    return _native.block_qkv(
+        x, norm_weight, eps, qkv["weight"], qkv["scales"], qkv["biases"], group_size, bits,
+        qkv.get("bias"), cos, sin, n_heads, n_kv_heads, head_dim, head_dim, q_norm, k_norm, qk_eps,
+    )
+
+
+def block_out(
+    qkv: mx.array,
+    key_pool: mx.array,
+    value_pool: mx.array,
+    meta: BatchMetadata,
+    scale: float,
+    window: int | None,
+    x: mx.array,
+    layers: list[tuple[dict[str, mx.array], int, int]],
+    norm_weight: mx.array,
+    eps: float,
+    heads: tuple[int, int, int],
+) -> mx.array:
+    """Second half of the block (native): attention of ``qkv``'s q part over the pools (its K/V parts
+    already written), o_proj, residual, RMSNorm, fused gate/up, SiLU gate, down_proj, residual.
+    ``layers`` holds (parameters, group_size, bits) of o_proj, gate/up and down_proj."""
+    (o, *o_q), (gate_up, *gu_q), (down, *d_q) = layers
+    names = ("weight", "scales", "biases")
+    n_heads, n_kv_heads, head_dim = heads
+    return _native.block_out(
+        qkv, key_pool, value_pool, meta.block_tables, meta.context_lens, meta.positions, token_seq(meta),
+        meta.block_size, scale, window or 0, x, [o[n] for n in names], norm_weight, eps,
+        [gate_up[n] for n in names], [down[n] for n in names], [*o_q, *gu_q, *d_q],
+        n_heads, n_kv_heads, head_dim,
+    )
 
 
 def supports_attention(queries: mx.array, key_pool: mx.array) -> bool:
@@ -166,6 +217,7 @@ def supports_attention(queries: mx.array, key_pool: mx.array) -> bool:
     )
 
 
-def _token_seq(meta: BatchMetadata) -> mx.array:
+def token_seq(meta: BatchMetadata) -> mx.array:
     """The sequence each of the step's tokens belongs to (built once per step, on the host)."""
-    return mx.array(np.repeat(np.arange(meta.batch_size, dtype=np.int32), meta.query_lens))
+    seqs = np.arange(meta.batch_size, dtype=np.int32)
+    return _step.get(meta, "token_seq", lambda: mx.array(np.repeat(seqs, meta.query_lens)))

@@ -17,6 +17,7 @@ from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.loading.policy import cpu_backend
 from mlx_infer.models.base import LayerKV
 from mlx_infer.models.fused import fuse_projections
+from mlx_infer.models.native_block import native_blocks
 from mlx_infer.sampling import SampleResult, SamplerRow, sample
 
 log = logging.getLogger("mlx_infer")
@@ -47,9 +48,12 @@ class ModelRunner:
     def __init__(self, model: nn.Module, kv: KVCacheManager, dtype: mx.Dtype):
         if cpu_backend():
             # Same parameters, fewer and faster ops per step on MLX's CPU backend (see models/fused.py).
-            log.info("CPU decode step: %s", fuse_projections(model))
-            # Build (or load) the native attention kernel now rather than inside the first step.
-            cpu_kernels.available()
+            summary = fuse_projections(model)
+            blocks = native_blocks(model)  # builds (or loads) the native kernels now, not in the first step
+            log.info(
+                "CPU decode step: %s, %d blocks as native block ops, %s matvec activations",
+                summary, blocks, cpu_kernels.activations(),
+            )
         self.model = model
         self.kv = kv
         n_kv_heads, head_dim = model.kv_shape()

@@ -241,7 +241,7 @@ def _fuse_group(module: nn.Module, names: tuple[str, ...]) -> None:
 
 
 @partial(mx.compile, shapeless=True)
-def _silu_gate(gate: mx.array, up: mx.array) -> mx.array:
+def silu_gate(gate: mx.array, up: mx.array) -> mx.array:
     return nn.silu(gate) * up
 
 
@@ -251,7 +251,7 @@ def _gelu_gate(gate: mx.array, up: mx.array) -> mx.array:
 
 
 # MLP classes computing down(act(gate(x)) * up(x)), and their compiled act(gate) * up.
-_ACTIVATIONS = {llama.MLP: _silu_gate, gemma3.MLP: _gelu_gate}
+_ACTIVATIONS = {llama.MLP: silu_gate, gemma3.MLP: _gelu_gate}
 
 
 class FusedMLP(nn.Module):

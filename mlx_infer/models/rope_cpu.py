@@ -39,13 +39,20 @@ def _cos_sin(
     return mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
 
 
+def step_tables(
+    positions: mx.array, dims: int, base: float, scale: float, freqs: mx.array | None, dtype: mx.Dtype
+) -> tuple[mx.array, mx.array]:
+    """The step's cos/sin tables (``[T, 1, dims/2]``), built by the first layer that asks for them."""
+    key = (dims, base, scale, id(freqs), dtype)
+    # freqs is a model attribute, alive as long as the model: its id is a stable key within a step.
+    return _tables.get(positions, key, lambda: _cos_sin(positions, dims, base, scale, freqs, dtype))
+
+
 def apply_rope_cpu(
     x: mx.array, positions: mx.array, dims: int, base: float, scale: float, freqs: mx.array | None
 ) -> mx.array:
     """Non-traditional (half-split) RoPE of ``x`` ([T, H, D]) at ``positions`` ([T])."""
-    key = (dims, base, scale, id(freqs), x.dtype)
-    # freqs is a model attribute, alive as long as the model: its id is a stable key within a step.
-    cos, sin = _tables.get(positions, key, lambda: _cos_sin(positions, dims, base, scale, freqs, x.dtype))
+    cos, sin = step_tables(positions, dims, base, scale, freqs, x.dtype)
     native = cpu_kernels.rope(x, cos, sin, dims)
     if native is not None:
         return native

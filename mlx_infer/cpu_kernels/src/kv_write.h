@@ -8,6 +8,9 @@ namespace mlx_infer {
 // place when nothing else holds it (as MLX's scatter does), where MLX's own indexed assignment is a
 // squeeze, a broadcast, a reshape and a scatter. (One pool per op: the outputs of a multi-output
 // primitive share their inputs, so neither could take over its pool's buffer.)
-mlx::core::array kv_write(const mlx::core::array& pool, const mlx::core::array& rows, const mlx::core::array& slots);
+// rows is [T, n_kv, D], or [T, W] whose row t holds the n_kv * D values from `column` on (the K or V part of
+// a fused q/k/v product: no slice op in between).
+mlx::core::array kv_write(const mlx::core::array& pool, const mlx::core::array& rows, const mlx::core::array& slots,
+                          int column = 0);
 
 }  // namespace mlx_infer

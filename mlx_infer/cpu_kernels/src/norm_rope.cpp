@@ -17,6 +17,41 @@ namespace mx = mlx::core;
 
 namespace mlx_infer {
 
+void rms_norm_rows(const float* x, const float* w, float* out, size_t rows, int D, float eps, bool offset) {
+  for (size_t r = 0; r < rows; ++r) {
+    const float* row = x + r * D;
+    float sum = 0.0f;
+    for (int d = 0; d < D; ++d) sum += row[d] * row[d];
+    const float inv = 1.0f / std::sqrt(sum / D + eps);
+    float* o = out + r * D;
+    for (int d = 0; d < D; ++d) o[d] = row[d] * inv * (offset ? 1.0f + w[d] : w[d]);
+  }
+}
+
+void rope_rows(const float* x, size_t x_stride, float* out, size_t out_stride, int T, int H, int D, int dims,
+               const float* cos, const float* sin) {
+  const int half = dims / 2;
+  for (int t = 0; t < T; ++t) {
+    const float* c = cos + static_cast<size_t>(t) * half;
+    const float* s = sin + static_cast<size_t>(t) * half;
+    for (int h = 0; h < H; ++h) {
+      const float* in = x + t * x_stride + static_cast<size_t>(h) * D;
+      float* o = out + t * out_stride + static_cast<size_t>(h) * D;
+      for (int i = 0; i < half; ++i) {
+        // The order of MLX's reference: x1 * cos - x2 * sin, x1 * sin + x2 * cos. Both halves are
+        // read before either is written, so out may be x (in place).
+        const float x1 = in[i];
+        const float x2 = in[half + i];
+        o[i] = x1 * c[i] - x2 * s[i];
+        o[half + i] = x1 * s[i] + x2 * c[i];
+      }
+      if (o != in) {
+        for (int i = dims; i < D; ++i) o[i] = in[i];
+      }
+    }
+  }
+}
+
 namespace {
 
 class RMSNorm : public mx::UnaryPrimitive {
@@ -35,14 +70,7 @@ class RMSNorm : public mx::UnaryPrimitive {
       std::vector<float> x_s, w_s;
       const float* xp = x.rows(x_s);
       const float* wp = w.rows(w_s);
-      for (size_t r = 0; r < rows; ++r) {
-        const float* row = xp + r * D;
-        float sum = 0.0f;
-        for (int d = 0; d < D; ++d) sum += row[d] * row[d];
-        const float inv = 1.0f / std::sqrt(sum / D + eps);
-        float* o = op + r * D;
-        for (int d = 0; d < D; ++d) o[d] = row[d] * inv * (offset ? 1.0f + wp[d] : wp[d]);
-      }
+      rms_norm_rows(xp, wp, op, rows, D, eps, offset);
     });
   }
 
@@ -80,22 +108,7 @@ class RoPE : public mx::UnaryPrimitive {
       const float* xp = x.rows(x_s);
       const float* cp = c.rows(c_s);
       const float* sp = s.rows(s_s);
-      const int half = dims / 2;
-      for (int t = 0; t < T; ++t) {
-        const float* cos = cp + static_cast<size_t>(t) * half;
-        const float* sin = sp + static_cast<size_t>(t) * half;
-        for (int h = 0; h < H; ++h) {
-          const size_t at = (static_cast<size_t>(t) * H + h) * D;
-          const float* in = xp + at;
-          float* o = op + at;
-          for (int i = 0; i < half; ++i) {
-            // The order of MLX's reference: x1 * cos - x2 * sin, x1 * sin + x2 * cos.
-            o[i] = in[i] * cos[i] - in[half + i] * sin[i];
-            o[half + i] = in[i] * sin[i] + in[half + i] * cos[i];
-          }
-          for (int i = dims; i < D; ++i) o[i] = in[i];
-        }
-      }
+      rope_rows(xp, static_cast<size_t>(H) * D, op, static_cast<size_t>(H) * D, T, H, D, dims, cp, sp);
     });
   }
 

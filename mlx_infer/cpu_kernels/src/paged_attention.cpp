@@ -25,22 +25,9 @@ namespace mlx_infer {
 
 namespace {
 
-struct Problem {
-  const float* q;
-  const float* keys;
-  const float* values;
-  const int32_t* block_tables;
-  const int32_t* context_lens;
-  const int32_t* positions;
-  const int32_t* token_seq;
-  float* out;
-  int T, H, D, n_kv, max_blocks, block_size, window;
-  float scale, softcap;
-};
-
 // Token t's query heads that share KV head `kv_head`, over that head's visible keys: each K/V row is
 // loaded once for the whole group. Keys are walked block by block (no division per key).
-void attend(const Problem& p, int t, int kv_head, std::vector<float>& scores) {
+void attend(const AttentionArgs& p, int t, int kv_head, std::vector<float>& scores) {
   const int seq = p.token_seq[t];
   const int pos = p.positions[t];
   const int rep = p.H / p.n_kv;
@@ -48,9 +35,9 @@ void attend(const Problem& p, int t, int kv_head, std::vector<float>& scores) {
   const int lo = p.window > 0 ? std::max(0, pos - p.window + 1) : 0;
   const size_t first_head = static_cast<size_t>(t) * p.H + static_cast<size_t>(kv_head) * rep;
   float* out = p.out + first_head * p.D;
+  const float* q = p.q + static_cast<size_t>(t) * p.q_stride + static_cast<size_t>(kv_head) * rep * p.D;
   std::fill(out, out + static_cast<size_t>(rep) * p.D, 0.0f);
   if (hi < lo) return;
-  const float* q = p.q + first_head * p.D;
   const int32_t* table = p.block_tables + static_cast<size_t>(seq) * p.max_blocks;
   const int n = hi - lo + 1;
   scores.resize(static_cast<size_t>(rep) * n);
@@ -105,6 +92,22 @@ void attend(const Problem& p, int t, int kv_head, std::vector<float>& scores) {
   }
 }
 
+}  // namespace
+
+void attend_all(const AttentionArgs& p) {
+  ThreadPool& threads = pool();
+  const int tasks = p.T * p.n_kv;
+  const int parts = threads.size();
+  threads.run([&](int part) {
+    std::vector<float> scores;
+    const int per = (tasks + parts - 1) / parts;
+    const int end = std::min(tasks, (part + 1) * per);
+    for (int i = part * per; i < end; ++i) attend(p, i / p.n_kv, i % p.n_kv, scores);
+  });
+}
+
+namespace {
+
 class PagedAttention : public mx::UnaryPrimitive {
  public:
   PagedAttention(mx::Stream stream, int block_size, float scale, int window, float softcap)
@@ -116,9 +119,9 @@ class PagedAttention : public mx::UnaryPrimitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     const mx::array& q = inputs[0];
-    Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(), q.shape(0),
-              q.shape(1), q.shape(2), inputs[1].shape(1), inputs[3].shape(1), block_size_, window_, scale_,
-              softcap_};
+    AttentionArgs p{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(),
+                    q.shape(0), q.shape(1), q.shape(2), inputs[1].shape(1), inputs[3].shape(1), block_size_, window_,
+                    scale_, softcap_, static_cast<size_t>(q.shape(1)) * q.shape(2)};
     encoder.dispatch([p, q = Input<float>(q), keys = Input<float>(inputs[1]), values = Input<float>(inputs[2]),
                       tables = Input<int32_t>(inputs[3]), lens = Input<int32_t>(inputs[4]),
                       positions = Input<int32_t>(inputs[5]), seqs = Input<int32_t>(inputs[6])]() mutable {
@@ -131,15 +134,7 @@ class PagedAttention : public mx::UnaryPrimitive {
       p.context_lens = lens.rows(l_s);
       p.positions = positions.rows(p_s);
       p.token_seq = seqs.rows(s_s);
-      ThreadPool& threads = pool();
-      const int tasks = p.T * p.n_kv;
-      const int parts = threads.size();
-      threads.run([&](int part) {
-        std::vector<float> scores;
-        const int per = (tasks + parts - 1) / parts;
-        const int end = std::min(tasks, (part + 1) * per);
-        for (int i = part * per; i < end; ++i) attend(p, i / p.n_kv, i % p.n_kv, scores);
-      });
+      attend_all(p);
     });
   }
 

@@ -4,6 +4,25 @@
 
 namespace mlx_infer {
 
+// One attention call as plain memory: q rows [T] of q_stride floats, each starting with its [H, D]
+// heads (a row of a fused q/k/v product, or [T, H, D] itself); out [T, H, D]; pools [slots, n_kv, D].
+struct AttentionArgs {
+  const float* q;
+  const float* keys;
+  const float* values;
+  const int32_t* block_tables;
+  const int32_t* context_lens;
+  const int32_t* positions;
+  const int32_t* token_seq;
+  float* out;
+  int T, H, D, n_kv, max_blocks, block_size, window;
+  float scale, softcap;
+  size_t q_stride;
+};
+
+// The kernel behind paged_attention (same semantics, below), split over the thread pool.
+void attend_all(const AttentionArgs& args);
+
 // Attention of ragged queries q [T, H, D] over paged K/V pools [slots, n_kv_heads, D], all float32.
 // Token t belongs to sequence token_seq[t] at position positions[t] and sees keys
 // j <= positions[t], j < context_lens[seq] (and j > positions[t] - window when window > 0), read

@@ -1,0 +1,130 @@
+"""Llama-style decoder blocks computed by the native CPU kernels' block ops: four graph nodes a block.
+
+After :func:`~mlx_infer.models.fused.fuse_projections`, a Llama/Mistral/Qwen2/Qwen3 block whose
+projections are quantized layers of the native CPU kernels is still about twenty MLX ops (norms,
+products, splits, reshapes, RoPE, KV writes, attention, adds, the gate), and on the CPU backend the
+fixed cost of each op was as large as the block's work at decode. :class:`NativeBlock` runs the same
+arithmetic as ``block_qkv`` -> two KV writes -> ``block_out`` (``cpu_kernels/src/decoder_block.cpp``).
+
+Parameters stay where they were (the block keeps its children), so saving, ``parameters()`` and
+sharding see the original block; a block whose parameters were replaced after the rewrite, or a
+step the kernels do not apply to (another device, float16 activations), computes op by op as before.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_infer import cpu_kernels
+from mlx_infer.metal_kernels.layers import KernelQuantizedLinear
+from mlx_infer.models import llama, qwen2
+from mlx_infer.models.base import BatchMetadata, LayerKV
+from mlx_infer.models.fused import CompiledRMSNorm, FusedMLP, FusedQuantizedLinear, silu_gate
+from mlx_infer.models.rope_cpu import step_tables
+
+_BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock)
+_ATTENTIONS = (llama.Attention, qwen2.Attention)
+_PARAMS = ("weight", "scales", "biases")
+
+
+def native_blocks(model: nn.Module) -> int:
+    """Swap every eligible block of ``model`` for a :class:`NativeBlock`; returns how many."""
+    layers = model.layers
+    swapped = 0
+    for i, block in enumerate(layers):
+        if type(block) in _BLOCKS and _eligible(block):
+            layers[i] = NativeBlock(block)
+            swapped += 1
+    return swapped
+
+
+def _eligible(block: nn.Module) -> bool:
+    attn, mlp = block.get("self_attn"), block.get("mlp")
+    if type(attn) not in _ATTENTIONS or type(mlp) is not FusedMLP or mlp._gate_fn is not silu_gate:
+        return False
+    if getattr(attn, "rope_traditional", False):
+        return False
+    qkv = [attn.get(n) for n in ("q_proj", "k_proj", "v_proj")]
+    gate_up = [mlp.get(n) for n in ("gate_proj", "up_proj")]
+    singles = [attn.get("o_proj"), mlp.get("down_proj")]
+    if not all(type(m) is FusedQuantizedLinear for m in qkv + gate_up):
+        return False
+    if not all(type(m) is KernelQuantizedLinear and "bias" not in m for m in singles):
+        return False
+    if "bias" in gate_up[0]:
+        return False
+    if qkv[0]._fused is not qkv[2]._fused or gate_up[0]._fused is not gate_up[1]._fused:
+        return False
+    norms = [block.get("input_layernorm"), block.get("post_attention_layernorm")]
+    if getattr(attn, "qk_norm", False):
+        norms += [attn.q_norm, attn.k_norm]
+    if not all(type(n) is CompiledRMSNorm for n in norms):
+        return False
+    fused = [qkv[0]._fused, gate_up[0]._fused]
+    layers = [(f.params["scales"], f) for f in fused] + [(m["scales"], m) for m in singles]
+    return all(cpu_kernels.supports_quantized(scales, m.group_size, m.bits) for scales, m in layers)
+
+
+class NativeBlock(nn.Module):
+    """A block (``self_attn``, ``mlp``, two norms) computed by the native block ops; see the module
+    docstring. Falls back to the wrapped block's own ``__call__`` where the ops do not apply."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        for name, child in block.children().items():  # in the original order: parameters() order
+            setattr(self, name, child)
+        self._op_by_op = type(block).__call__
+        attn, mlp = block.self_attn, block.mlp
+        self._heads = (attn.n_heads, attn.n_kv_heads, attn.head_dim)
+        self._qkv = attn.q_proj._fused
+        self._gate_up = mlp.gate_proj._fused
+        watched = self._parameters()
+        self._watched = ([m for m, _, _ in watched], [n for _, n, _ in watched], [a for _, _, a in watched])
+
+    def _parameters(self) -> list[tuple[nn.Module, str, mx.array]]:
+        """Every parameter the native ops read (through the fused copies), where the block holds it."""
+        attn, mlp = self.self_attn, self.mlp
+        modules = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                   mlp.down_proj, self.input_layernorm, self.post_attention_layernorm]
+        if getattr(attn, "qk_norm", False):
+            modules += [attn.q_norm, attn.k_norm]
+        return [(m, name, a) for m in modules for name, a in m.items() if isinstance(a, mx.array)]
+
+    def _applies(self, x: mx.array, kv: LayerKV) -> bool:
+        if x.dtype != mx.float32 or kv.keys.dtype != mx.float32 or not cpu_kernels.applies():
+            return False
+        # A parameter replaced since the rewrite (load_weights, update): the fused copies are stale.
+        modules, names, arrays = self._watched
+        return all(map(operator.is_, map(dict.get, modules, names), arrays))  # C loops: ~1 us per block
+
+    def __call__(self, x: mx.array, kv: LayerKV, meta: BatchMetadata) -> mx.array:
+        if not self._applies(x, kv):
+            return self._op_by_op(self, x, kv, meta)
+        attn, mlp = self.self_attn, self.mlp
+        n_heads, n_kv_heads, head_dim = self._heads
+        cos, sin = step_tables(
+            meta.positions, head_dim, attn.rope_base, attn.rope_scale, attn._freqs, x.dtype
+        )
+        qk_norm = None
+        if getattr(attn, "qk_norm", False):
+            qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+        norm = self.input_layernorm
+        qkv = cpu_kernels.block_qkv(
+            x, norm.weight, norm.eps, self._qkv.params, self._qkv.group_size, self._qkv.bits, cos, sin,
+            self._heads, qk_norm,
+        )
+        kv.write_columns(qkv, meta.slot_mapping, n_heads * head_dim, (n_heads + n_kv_heads) * head_dim)
+        o, down = attn.o_proj, mlp.down_proj
+        layers = [
+            ({n: o[n] for n in _PARAMS}, o.group_size, o.bits),
+            (self._gate_up.params, self._gate_up.group_size, self._gate_up.bits),
+            ({n: down[n] for n in _PARAMS}, down.group_size, down.bits),
+        ]
+        post = self.post_attention_layernorm
+        return cpu_kernels.block_out(
+            qkv, kv.keys, kv.values, meta, attn.scale, attn.sliding_window, x, layers, post.weight, post.eps,
+            self._heads,
+        )

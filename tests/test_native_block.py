@@ -1,0 +1,145 @@
+"""Decoder blocks through the native block ops (models/native_block.py) against the same model op by op.
+
+Oracles: the model after :func:`fuse_projections` alone (whose ops test_fused.py checks against the
+plain model), on tiny quantized Llama/Qwen2/Qwen3 models (logits within float32 tolerance, sliding
+windows, biases and q/k norms included) and on the real SmolLM2 (identical greedy tokens; with int8
+activations, the float32 answer's tokens at nearly every step).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from test_fused import _engine_greedy, _paged_run, _plain_load
+from test_models import CONFIGS, build, hf_weights
+
+from mlx_infer import cpu_kernels
+from mlx_infer.engine import runner
+from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.loading.policy import apply_weight_policy
+from mlx_infer.models.base import LayerKV
+from mlx_infer.models.fused import fuse_projections
+from mlx_infer.models.native_block import NativeBlock, native_blocks
+
+TOL = 2e-5
+
+
+@pytest.fixture(autouse=True)
+def kernels():
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+
+
+def _quantized(name: str, bits: int, seed: int = 0) -> nn.Module:
+    """A tiny model of ``name`` quantized as a checkpoint would be, under the CPU weight policy."""
+    model = build(CONFIGS[name], hf_weights(CONFIGS[name], seed=seed))
+    nn.quantize(model, group_size=32, bits=bits)
+    assert "native CPU kernels" in apply_weight_policy(model, None)
+    fuse_projections(model)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_native_blocks_match_the_blocks_op_by_op(name: str, bits: int):
+    op_by_op, native = _quantized(name, bits), _quantized(name, bits)
+    assert native_blocks(native) == len(native.layers)
+    assert all(isinstance(layer, NativeBlock) for layer in native.layers)
+    np.testing.assert_allclose(_paged_run(native), _paged_run(op_by_op), atol=TOL, rtol=1e-5)
+
+
+def test_parameters_are_unchanged_by_the_swap():
+    model = _quantized("qwen2", 4)
+    want = dict(tree_flatten(model.parameters()))
+    native_blocks(model)
+    got = dict(tree_flatten(model.parameters()))
+    assert list(got) == list(want)
+    assert all(got[k] is want[k] for k in want)
+
+
+def test_replaced_weights_are_used_instead_of_the_native_copies():
+    native, want = _quantized("qwen3", 4, seed=0), _quantized("qwen3", 4, seed=1)
+    native_blocks(native)
+    native.load_weights(list(tree_flatten(want.parameters())))
+    np.testing.assert_allclose(_paged_run(native), _paged_run(want), atol=TOL, rtol=0)
+
+
+def test_blocks_the_ops_do_not_cover_are_left_alone():
+    float_model = build(CONFIGS["llama"], hf_weights(CONFIGS["llama"]))
+    fuse_projections(float_model)
+    assert native_blocks(float_model) == 0  # float projections: MLX ops and the BLAS
+    gemma = _quantized("gemma3_text", 4)
+    assert native_blocks(gemma) == 0
+
+
+def test_block_ops_reject_bad_arguments_in_one_line():
+    model = _quantized("llama", 4)
+    attn = model.layers[0].self_attn
+    qkv = attn.q_proj._fused
+    x = mx.zeros((1, 64))
+    cos = sin = mx.zeros((1, 1, attn.head_dim // 2))
+    heads = (attn.n_heads, attn.n_kv_heads, attn.head_dim)
+    norm = model.layers[0].input_layernorm
+    with pytest.raises(ValueError, match="block_qkv: x must be") as error:
+        cpu_kernels.block_qkv(mx.zeros((1, 32)), norm.weight, 1e-5, qkv.params, qkv.group_size, qkv.bits,
+                              cos, sin, heads)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError):
+        cpu_kernels.block_qkv(x, norm.weight, 1e-5, qkv.params, qkv.group_size, qkv.bits, cos, sin,
+                              (attn.n_heads + 1, attn.n_kv_heads, attn.head_dim))
+
+
+def test_smollm2_native_blocks_keep_the_greedy_tokens(smollm2_path, monkeypatch: pytest.MonkeyPatch):
+    model, tokenizer = _plain_load(smollm2_path)
+    prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("def fibonacci(n):")]
+    monkeypatch.setattr(runner, "native_blocks", lambda model: 0)
+    want = _engine_greedy(model, tokenizer, prompts, 24)
+    assert not any(isinstance(layer, NativeBlock) for layer in model.layers)
+    monkeypatch.undo()
+    assert _engine_greedy(model, tokenizer, prompts, 24) == want  # the runner swaps the blocks now
+    assert all(isinstance(layer, NativeBlock) for layer in model.layers)
+
+
+def _decode_logits(
+    model: nn.Module, prompt: list[int], steps: int, forced: list[int] | None = None
+) -> np.ndarray:
+    """Logits of a prefill and ``steps`` decode steps, each fed ``forced[i]`` or else the greedy token."""
+    block = 16
+    n_blocks = -(-(len(prompt) + steps) // block)
+    cache = [LayerKV(n_blocks, block, *model.kv_shape(), mx.float32) for _ in model.layers]
+    table = list(range(n_blocks))
+    prefill = build_metadata([SequenceSlice(table, 0, len(prompt))], block)
+    rows = [np.array(model(mx.array(prompt), cache, prefill))]
+    for i in range(steps):
+        token = forced[i] if forced is not None else int(rows[-1][-1].argmax())
+        meta = build_metadata([SequenceSlice(table, len(prompt) + i, 1)], block)
+        rows.append(np.array(model(mx.array([token]), cache, meta)))
+    return np.concatenate(rows)
+
+
+def test_smollm2_int8_activations_stay_on_the_float32_tokens(smollm2_path):
+    """The default int8 decode matvecs against float32 ones on the float32 greedy continuation:
+    nearly the same next-token choice at every step, and small divergence of the distributions."""
+    model, tokenizer = _plain_load(smollm2_path)
+    fuse_projections(model)
+    native_blocks(model)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    exact = _decode_logits(model, prompt, 48)  # float32 activations (conftest.py)
+    forced = exact.argmax(-1).tolist()
+    cpu_kernels.set_activations("int8")
+    try:
+        int8 = _decode_logits(model, prompt, 48, forced)
+    finally:
+        cpu_kernels.set_activations("float32")
+    assert "Paris" in tokenizer.decode(forced)
+    agree = (int8.argmax(-1) == exact.argmax(-1)).mean()
+    p, q = (np.exp(a - a.max(-1, keepdims=True)) for a in (exact.astype(np.float64), int8.astype(np.float64)))
+    p, q = p / p.sum(-1, keepdims=True), q / q.sum(-1, keepdims=True)
+    kl = (p * (np.log(p + 1e-30) - np.log(q + 1e-30))).sum(-1)
+    print(f"int8 vs float32: top-1 agreement {agree:.3f}, KL mean {kl.mean():.4f} max {kl.max():.4f}")
+    assert agree >= 0.9 and kl.mean() < 0.03  # measured: 0.96 and 0.009
+    assert np.abs(int8 - exact).max() > 1e-3  # int8 activations really were used
