@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from test_fused import _engine_greedy, _paged_run, _plain_load
-from test_models import CONFIGS, build, hf_weights
+from test_models import CONFIGS, build, hf_weights, new_cache, step
 
 from mlx_infer import cpu_kernels
 from mlx_infer.engine import runner
@@ -78,19 +78,28 @@ def test_blocks_the_ops_do_not_cover_are_left_alone():
 
 def test_block_ops_reject_bad_arguments_in_one_line():
     model = _quantized("llama", 4)
-    attn = model.layers[0].self_attn
-    qkv = attn.q_proj._fused
-    x = mx.zeros((1, 64))
-    cos = sin = mx.zeros((1, 1, attn.head_dim // 2))
-    heads = (attn.n_heads, attn.n_kv_heads, attn.head_dim)
-    norm = model.layers[0].input_layernorm
+    native_blocks(model)
+    block = model.layers[0]
+    kv = LayerKV(4, 4, 2, 16, mx.float32)
+    meta = build_metadata([SequenceSlice([0], 0, 1)], 4)
+    cos = sin = mx.zeros((1, 1, 8))
     with pytest.raises(ValueError, match="block_qkv: x must be") as error:
-        cpu_kernels.block_qkv(mx.zeros((1, 32)), norm.weight, 1e-5, qkv.params, qkv.group_size, qkv.bits,
-                              cos, sin, heads)
+        block._ops(mx.zeros((1, 32)), kv.keys, kv.values, meta, cos, sin)
     assert "\n" not in str(error.value)
-    with pytest.raises(ValueError):
-        cpu_kernels.block_qkv(x, norm.weight, 1e-5, qkv.params, qkv.group_size, qkv.bits, cos, sin,
-                              (attn.n_heads + 1, attn.n_kv_heads, attn.head_dim))
+    with pytest.raises(ValueError, match="block_qkv"):
+        block._ops(mx.zeros((1, 64)), kv.keys, kv.values, meta, cos[:, :, :4], sin[:, :, :4])
+
+
+def test_the_kv_pools_are_written_in_place():
+    model = _quantized("llama", 4)
+    native_blocks(model)
+    cache = new_cache(model)
+    mx.eval([c.state() for c in cache])
+    address = np.array(cache[0].keys, copy=False).__array_interface__["data"][0]
+    for i in range(3):
+        step(model, cache, [SequenceSlice([0, 1], i, 1)], [5])
+    assert np.array(cache[0].keys, copy=False).__array_interface__["data"][0] == address
+    assert mx.any(cache[0].keys[:3] != 0).item() and not mx.any(cache[0].keys[3:]).item()
 
 
 def test_smollm2_native_blocks_keep_the_greedy_tokens(smollm2_path, monkeypatch: pytest.MonkeyPatch):

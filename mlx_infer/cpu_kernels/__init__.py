@@ -158,54 +158,59 @@ def kv_write(pool: mx.array, rows: mx.array, slots: mx.array, column: int = 0) -
     return _native.kv_write(pool, rows.astype(pool.dtype), slots, column)
 
 
-def block_qkv(
-    x: mx.array,
-    norm_weight: mx.array,
-    eps: float,
-    qkv: dict[str, mx.array],
-    group_size: int,
-    bits: int,
-    cos: mx.array,
-    sin: mx.array,
-    heads: tuple[int, int, int],
-    qk_norm: tuple[mx.array, mx.array, float] | None = None,
-) -> mx.array:
-    """First half of a Llama-style block (native): ``RMSNorm(x) @ qkv`` (+ bias), Qwen3's per-head
-    q/k norms when given, RoPE on q and k. ``heads`` is (n_heads, n_kv_heads, head_dim); returns
-    ``[T, (n_heads + 2 n_kv_heads) * head_dim]``."""
-    q_norm, k_norm, qk_eps = qk_norm if qk_norm is not None else (None, None, 0.0)
-    n_heads, n_kv_heads, head_dim = heads
-    return _native.block_qkv(
-        x, norm_weight, eps, qkv["weight"], qkv["scales"], qkv["biases"], group_size, bits,
-        qkv.get("bias"), cos, sin, n_heads, n_kv_heads, head_dim, head_dim, q_norm, k_norm, qk_eps,
-    )
+Affine = tuple[dict[str, mx.array], int, int]  # an affine layer: parameters, group_size, bits
+Norm = tuple[mx.array, float]  # an RMSNorm: weight, eps
 
 
-def block_out(
-    qkv: mx.array,
-    key_pool: mx.array,
-    value_pool: mx.array,
-    meta: BatchMetadata,
-    scale: float,
-    window: int | None,
-    x: mx.array,
-    layers: list[tuple[dict[str, mx.array], int, int]],
-    norm_weight: mx.array,
-    eps: float,
-    heads: tuple[int, int, int],
-) -> mx.array:
-    """Second half of the block (native): attention of ``qkv``'s q part over the pools (its K/V parts
-    already written), o_proj, residual, RMSNorm, fused gate/up, SiLU gate, down_proj, residual.
-    ``layers`` holds (parameters, group_size, bits) of o_proj, gate/up and down_proj."""
-    (o, *o_q), (gate_up, *gu_q), (down, *d_q) = layers
-    names = ("weight", "scales", "biases")
-    n_heads, n_kv_heads, head_dim = heads
-    return _native.block_out(
-        qkv, key_pool, value_pool, meta.block_tables, meta.context_lens, meta.positions, token_seq(meta),
-        meta.block_size, scale, window or 0, x, [o[n] for n in names], norm_weight, eps,
-        [gate_up[n] for n in names], [down[n] for n in names], [*o_q, *gu_q, *d_q],
-        n_heads, n_kv_heads, head_dim,
-    )
+class BlockOps:
+    """The native ops of one Llama-style decoder block, its weights bound once so that a step passes
+    only what changes (the block's Python cost is paid per layer per token):
+
+    ``block_qkv``: RMSNorm, fused q/k/v product (+ bias), Qwen3's per-head q/k norms when given, RoPE on
+    q and k -> ``[T, (n_heads + 2 n_kv_heads) * head_dim]``; two column KV writes of its K and V parts;
+    ``block_out``: attention of its q part, o_proj, residual, RMSNorm, fused gate/up, SiLU gate,
+    down_proj, residual.
+    """
+
+    def __init__(
+        self,
+        heads: tuple[int, int, int],
+        input_norm: Norm,
+        qkv: Affine,
+        qk_norms: tuple[mx.array, mx.array, float] | None,
+        scale: float,
+        window: int | None,
+        o_proj: Affine,
+        post_norm: Norm,
+        gate_up: Affine,
+        down_proj: Affine,
+    ):
+        n_heads, n_kv_heads, head_dim = heads
+        (params, group, bits) = qkv
+        self._qkv_head = (*input_norm, params["weight"], params["scales"], params["biases"], group, bits,
+                          params.get("bias"))
+        self._qkv_tail = (n_heads, n_kv_heads, head_dim, head_dim, *(qk_norms or (None, None, 0.0)))
+        self._columns = (n_heads * head_dim, (n_heads + n_kv_heads) * head_dim)
+        self._attention = (scale, window or 0)
+        names = ("weight", "scales", "biases")
+        layers = (o_proj, gate_up, down_proj)
+        o, gu, down = ([layer[0][n] for n in names] for layer in layers)
+        quant = [q for layer in layers for q in layer[1:]]
+        self._out_tail = (o, *post_norm, gu, down, quant, n_heads, n_kv_heads, head_dim)
+
+    def __call__(
+        self, x: mx.array, keys: mx.array, values: mx.array, meta: BatchMetadata, cos: mx.array, sin: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """The block's output and the pools with this step's K/V written (donate the old ones)."""
+        qkv = _native.block_qkv(x, *self._qkv_head, cos, sin, *self._qkv_tail)
+        key_column, value_column = self._columns
+        keys = _native.kv_write(keys, qkv, meta.slot_mapping, key_column)
+        values = _native.kv_write(values, qkv, meta.slot_mapping, value_column)
+        out = _native.block_out(
+            qkv, keys, values, meta.block_tables, meta.context_lens, meta.positions, token_seq(meta),
+            meta.block_size, *self._attention, x, *self._out_tail,
+        )
+        return out, keys, values
 
 
 def supports_attention(queries: mx.array, key_pool: mx.array) -> bool:
@@ -219,5 +224,7 @@ def supports_attention(queries: mx.array, key_pool: mx.array) -> bool:
 
 def token_seq(meta: BatchMetadata) -> mx.array:
     """The sequence each of the step's tokens belongs to (built once per step, on the host)."""
-    seqs = np.arange(meta.batch_size, dtype=np.int32)
-    return _step.get(meta, "token_seq", lambda: mx.array(np.repeat(seqs, meta.query_lens)))
+    def build() -> mx.array:
+        return mx.array(np.repeat(np.arange(meta.batch_size, dtype=np.int32), meta.query_lens))
+
+    return _step.get(meta, "token_seq", build)

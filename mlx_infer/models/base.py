@@ -92,16 +92,6 @@ class LayerKV:
         v[slot_mapping] = values.astype(v.dtype)
         self.keys, self.values = k, v
 
-    def write_columns(
-        self, rows: mx.array, slot_mapping: mx.array, key_column: int, value_column: int
-    ) -> None:
-        """Write the K and V parts of ``rows`` ([T, W]: a fused q/k/v product, keys from ``key_column``,
-        values from ``value_column``) with the native CPU kernel (callers check ``cpu_kernels.applies``)."""
-        k, v = self.keys, self.values
-        self.keys = self.values = None  # type: ignore[assignment]  # donate the pools (see write)
-        self.keys = cpu_kernels.kv_write(k, rows, slot_mapping, key_column)
-        self.values = cpu_kernels.kv_write(v, rows, slot_mapping, value_column)
-
     def state(self) -> list[mx.array]:
         return [self.keys, self.values]
 

@@ -59,7 +59,7 @@ def _eligible(block: nn.Module) -> bool:
     if qkv[0]._fused is not qkv[2]._fused or gate_up[0]._fused is not gate_up[1]._fused:
         return False
     norms = [block.get("input_layernorm"), block.get("post_attention_layernorm")]
-    if getattr(attn, "qk_norm", False):
+    if _has_qk_norm(attn):
         norms += [attn.q_norm, attn.k_norm]
     if not all(type(n) is CompiledRMSNorm for n in norms):
         return False
@@ -78,9 +78,22 @@ class NativeBlock(nn.Module):
             setattr(self, name, child)
         self._op_by_op = type(block).__call__
         attn, mlp = block.self_attn, block.mlp
-        self._heads = (attn.n_heads, attn.n_kv_heads, attn.head_dim)
-        self._qkv = attn.q_proj._fused
-        self._gate_up = mlp.gate_proj._fused
+        qkv, gate_up, o, down = attn.q_proj._fused, mlp.gate_proj._fused, attn.o_proj, mlp.down_proj
+        norm, post = block.input_layernorm, block.post_attention_layernorm
+        qk_norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if _has_qk_norm(attn) else None
+        self._ops = cpu_kernels.BlockOps(
+            (attn.n_heads, attn.n_kv_heads, attn.head_dim),
+            (norm.weight, norm.eps),
+            (qkv.params, qkv.group_size, qkv.bits),
+            qk_norms,
+            attn.scale,
+            attn.sliding_window,
+            ({n: o[n] for n in _PARAMS}, o.group_size, o.bits),
+            (post.weight, post.eps),
+            (gate_up.params, gate_up.group_size, gate_up.bits),
+            ({n: down[n] for n in _PARAMS}, down.group_size, down.bits),
+        )
+        self._rope = (attn.head_dim, attn.rope_base, attn.rope_scale, attn._freqs, mx.float32)
         watched = self._parameters()
         self._watched = ([m for m, _, _ in watched], [n for _, n, _ in watched], [a for _, _, a in watched])
 
@@ -89,42 +102,26 @@ class NativeBlock(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         modules = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
                    mlp.down_proj, self.input_layernorm, self.post_attention_layernorm]
-        if getattr(attn, "qk_norm", False):
+        if _has_qk_norm(attn):
             modules += [attn.q_norm, attn.k_norm]
         return [(m, name, a) for m in modules for name, a in m.items() if isinstance(a, mx.array)]
 
     def _applies(self, x: mx.array, kv: LayerKV) -> bool:
         if x.dtype != mx.float32 or kv.keys.dtype != mx.float32 or not cpu_kernels.applies():
             return False
-        # A parameter replaced since the rewrite (load_weights, update): the fused copies are stale.
+        # A parameter replaced since the rewrite (load_weights, update): the bound weights are stale.
         modules, names, arrays = self._watched
         return all(map(operator.is_, map(dict.get, modules, names), arrays))  # C loops: ~1 us per block
 
     def __call__(self, x: mx.array, kv: LayerKV, meta: BatchMetadata) -> mx.array:
         if not self._applies(x, kv):
             return self._op_by_op(self, x, kv, meta)
-        attn, mlp = self.self_attn, self.mlp
-        n_heads, n_kv_heads, head_dim = self._heads
-        cos, sin = step_tables(
-            meta.positions, head_dim, attn.rope_base, attn.rope_scale, attn._freqs, x.dtype
-        )
-        qk_norm = None
-        if getattr(attn, "qk_norm", False):
-            qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
-        norm = self.input_layernorm
-        qkv = cpu_kernels.block_qkv(
-            x, norm.weight, norm.eps, self._qkv.params, self._qkv.group_size, self._qkv.bits, cos, sin,
-            self._heads, qk_norm,
-        )
-        kv.write_columns(qkv, meta.slot_mapping, n_heads * head_dim, (n_heads + n_kv_heads) * head_dim)
-        o, down = attn.o_proj, mlp.down_proj
-        layers = [
-            ({n: o[n] for n in _PARAMS}, o.group_size, o.bits),
-            (self._gate_up.params, self._gate_up.group_size, self._gate_up.bits),
-            ({n: down[n] for n in _PARAMS}, down.group_size, down.bits),
-        ]
-        post = self.post_attention_layernorm
-        return cpu_kernels.block_out(
-            qkv, kv.keys, kv.values, meta, attn.scale, attn.sliding_window, x, layers, post.weight, post.eps,
-            self._heads,
-        )
+        cos, sin = step_tables(meta.positions, *self._rope)
+        # Rebound here, the old pools are referenced by nothing once the step is built: the KV writes
+        # take their buffers over (written in place, as LayerKV.write).
+        out, kv.keys, kv.values = self._ops(x, kv.keys, kv.values, meta, cos, sin)
+        return out
+
+
+def _has_qk_norm(attn: nn.Module) -> bool:
+    return bool(getattr(attn, "qk_norm", False))
