@@ -157,29 +157,18 @@ class BlockOut : public mx::UnaryPrimitive {
     AttentionArgs attn{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, T, shape_.H,
                        shape_.D, shape_.n_kv, inputs[3].shape(1), block_size_, window_, scale_, 0.0f,
                        static_cast<size_t>(shape_.width())};
-    encoder.dispatch([attn, qkv = Input<float>(inputs[0]), keys = Input<float>(inputs[1]),
-                      values = Input<float>(inputs[2]), tables = Input<int32_t>(inputs[3]),
-                      lens = Input<int32_t>(inputs[4]), positions = Input<int32_t>(inputs[5]),
-                      seqs = Input<int32_t>(inputs[6]), x = Input<float>(inputs[7]),
+    encoder.dispatch([attn, attention = AttentionInputs(inputs), x = Input<float>(inputs[7]),
                       o = AffineWeights(inputs[8], inputs[9], inputs[10], quant_[0], quant_[1]),
                       norm = Input<float>(inputs[11]),
                       gate_up = AffineWeights(inputs[12], inputs[13], inputs[14], quant_[2], quant_[3]),
                       down = AffineWeights(inputs[15], inputs[16], inputs[17], quant_[4], quant_[5]),
                       op = out.data<float>(), T, Dm, I, eps = eps_]() mutable {
-      std::vector<float> q_s, k_s, v_s, x_s, n_s;
-      std::vector<int32_t> t_s, l_s, p_s, s_s;
+      std::vector<float> x_s, n_s;
       AffineWeights::Scratch w_s;
       const size_t HD = static_cast<size_t>(attn.H) * attn.D;
       std::vector<float> heads(T * HD);
-      attn.q = qkv.rows(q_s);
-      attn.keys = keys.rows(k_s);
-      attn.values = values.rows(v_s);
-      attn.block_tables = tables.rows(t_s);
-      attn.context_lens = lens.rows(l_s);
-      attn.positions = positions.rows(p_s);
-      attn.token_seq = seqs.rows(s_s);
       attn.out = heads.data();
-      attend_all(attn);
+      attention.attend(attn);
       // h = x + o_proj(heads), written straight into the output, which then receives h + mlp(h).
       std::vector<float> tmp(static_cast<size_t>(T) * std::max(Dm, 2 * I));
       affine_product(heads.data(), T, static_cast<int>(HD), o.view(w_s), tmp.data());

@@ -122,20 +122,7 @@ class PagedAttention : public mx::UnaryPrimitive {
     AttentionArgs p{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(),
                     q.shape(0), q.shape(1), q.shape(2), inputs[1].shape(1), inputs[3].shape(1), block_size_, window_,
                     scale_, softcap_, static_cast<size_t>(q.shape(1)) * q.shape(2)};
-    encoder.dispatch([p, q = Input<float>(q), keys = Input<float>(inputs[1]), values = Input<float>(inputs[2]),
-                      tables = Input<int32_t>(inputs[3]), lens = Input<int32_t>(inputs[4]),
-                      positions = Input<int32_t>(inputs[5]), seqs = Input<int32_t>(inputs[6])]() mutable {
-      std::vector<float> q_s, k_s, v_s;
-      std::vector<int32_t> t_s, l_s, p_s, s_s;
-      p.q = q.rows(q_s);
-      p.keys = keys.rows(k_s);
-      p.values = values.rows(v_s);
-      p.block_tables = tables.rows(t_s);
-      p.context_lens = lens.rows(l_s);
-      p.positions = positions.rows(p_s);
-      p.token_seq = seqs.rows(s_s);
-      attend_all(p);
-    });
+    encoder.dispatch([p, in = AttentionInputs(inputs)]() { in.attend(p); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {

@@ -1,6 +1,9 @@
 #pragma once
 
+#include <vector>
+
 #include "mlx/mlx.h"
+#include "strided.h"
 
 namespace mlx_infer {
 
@@ -22,6 +25,31 @@ struct AttentionArgs {
 
 // The kernel behind paged_attention (same semantics, below), split over the thread pool.
 void attend_all(const AttentionArgs& args);
+
+// The seven arrays attention reads (queries, K and V pools, block tables, context lengths, positions,
+// token sequences), held by a dispatched task; attend() points args at them (row-major copies in
+// scratch where strided) and runs attend_all.
+struct AttentionInputs {
+  Input<float> q, keys, values;
+  Input<int32_t> tables, lens, positions, seqs;
+
+  explicit AttentionInputs(const std::vector<mlx::core::array>& inputs)
+      : q(inputs[0]), keys(inputs[1]), values(inputs[2]), tables(inputs[3]), lens(inputs[4]),
+        positions(inputs[5]), seqs(inputs[6]) {}
+
+  void attend(AttentionArgs args) const {
+    std::vector<float> q_s, k_s, v_s;
+    std::vector<int32_t> t_s, l_s, p_s, s_s;
+    args.q = q.rows(q_s);
+    args.keys = keys.rows(k_s);
+    args.values = values.rows(v_s);
+    args.block_tables = tables.rows(t_s);
+    args.context_lens = lens.rows(l_s);
+    args.positions = positions.rows(p_s);
+    args.token_seq = seqs.rows(s_s);
+    attend_all(args);
+  }
+};
 
 // Attention of ragged queries q [T, H, D] over paged K/V pools [slots, n_kv_heads, D], all float32.
 // Token t belongs to sequence token_seq[t] at position positions[t] and sees keys
