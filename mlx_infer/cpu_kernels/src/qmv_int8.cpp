@@ -71,19 +71,36 @@ inline __m256 pair_scales(const float* sw, int b, int blocks_per_group, const fl
   return _mm256_mul_ps(s, _mm256_loadu_ps(dx_lanes));
 }
 
+// The accumulators of an NB-feature by MB-row output tile, with each feature's weight and scale rows.
+template <int MB, int NB>
+struct Tile {
+  __m256 total[NB][MB];
+  const uint8_t* wr[NB];
+  const float* sr[NB];
+
+  Tile(const Int8Problem& p, int n0, size_t row_bytes) {
+    const int groups = p.K / p.group;
+    for (int r = 0; r < NB; ++r) {
+      wr[r] = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0 + r) * row_bytes;
+      sr[r] = p.scales + static_cast<size_t>(n0 + r) * groups;
+      for (int m = 0; m < MB; ++m) total[r][m] = _mm256_setzero_ps();
+    }
+  }
+
+  void store(const Int8Problem& p, int n0, int m0) const {
+    for (int r = 0; r < NB; ++r) {
+      for (int m = 0; m < MB; ++m) {
+        p.out[static_cast<size_t>(m0 + m) * p.N + n0 + r] = hsum(total[r][m]) + bias_term(p, n0 + r, m0 + m);
+      }
+    }
+  }
+};
+
 template <int MB, int NB>
 void tile4(const Int8Problem& p, int n0, int m0) {
   const int pairs = p.K / 64;
   const int bpg = p.group / 32;
-  const int groups = p.K / p.group;
-  __m256 total[NB][MB];
-  const uint8_t* wr[NB];
-  const float* sr[NB];
-  for (int r = 0; r < NB; ++r) {
-    wr[r] = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0 + r) * (p.K / 2);
-    sr[r] = p.scales + static_cast<size_t>(n0 + r) * groups;
-    for (int m = 0; m < MB; ++m) total[r][m] = _mm256_setzero_ps();
-  }
+  Tile<MB, NB> t(p, n0, p.K / 2);
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int q = 0; q < pairs; ++q) {
     __m256i xe[MB], xo[MB];
@@ -94,36 +111,25 @@ void tile4(const Int8Problem& p, int n0, int m0) {
     }
     for (int r = 0; r < NB; ++r) {
       // 32 bytes = blocks 2q and 2q + 1; low nibbles are their even weights, high nibbles the odd.
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + static_cast<size_t>(q) * 32));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.wr[r] + static_cast<size_t>(q) * 32));
       const __m256i lo = _mm256_and_si256(v, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       for (int m = 0; m < MB; ++m) {
         const __m256i acc = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo, xe[m]), hi, xo[m]);
         const float* dx = p.dx_lanes + (static_cast<size_t>(m0 + m) * pairs + q) * 8;
-        total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), pair_scales(sr[r], 2 * q, bpg, dx), total[r][m]);
+        const __m256 scales = pair_scales(t.sr[r], 2 * q, bpg, dx);
+        t.total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), scales, t.total[r][m]);
       }
     }
   }
-  for (int r = 0; r < NB; ++r) {
-    for (int m = 0; m < MB; ++m) {
-      p.out[static_cast<size_t>(m0 + m) * p.N + n0 + r] = hsum(total[r][m]) + bias_term(p, n0 + r, m0 + m);
-    }
-  }
+  t.store(p, n0, m0);
 }
 
 template <int MB, int NB>
 void tile8(const Int8Problem& p, int n0, int m0) {
   const int blocks = p.K / 32;
   const int bpg = p.group / 32;
-  const int groups = p.K / p.group;
-  __m256 total[NB][MB];
-  const uint8_t* wr[NB];
-  const float* sr[NB];
-  for (int r = 0; r < NB; ++r) {
-    wr[r] = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0 + r) * p.K;
-    sr[r] = p.scales + static_cast<size_t>(n0 + r) * groups;
-    for (int m = 0; m < MB; ++m) total[r][m] = _mm256_setzero_ps();
-  }
+  Tile<MB, NB> t(p, n0, p.K);
   for (int b = 0; b < blocks; ++b) {
     __m256i xv[MB];
     for (int m = 0; m < MB; ++m) {
@@ -131,21 +137,17 @@ void tile8(const Int8Problem& p, int n0, int m0) {
           reinterpret_cast<const __m256i*>(p.xq + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(b) * 32));
     }
     for (int r = 0; r < NB; ++r) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + static_cast<size_t>(b) * 32));
-      const float s = sr[r][b / bpg];
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.wr[r] + static_cast<size_t>(b) * 32));
+      const float s = t.sr[r][b / bpg];
       for (int m = 0; m < MB; ++m) {
         const size_t at = static_cast<size_t>(m0 + m) * blocks + b;
         __m256 dot = _mm256_cvtepi32_ps(dot_w8(_mm256_setzero_si256(), v, xv[m]));
         if (kShiftedW8) dot = _mm256_add_ps(dot, _mm256_set1_ps(16.0f * static_cast<float>(p.qsum[at])));
-        total[r][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * p.dx[at]), total[r][m]);
+        t.total[r][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * p.dx[at]), t.total[r][m]);
       }
     }
   }
-  for (int r = 0; r < NB; ++r) {
-    for (int m = 0; m < MB; ++m) {
-      p.out[static_cast<size_t>(m0 + m) * p.N + n0 + r] = hsum(total[r][m]) + bias_term(p, n0 + r, m0 + m);
-    }
-  }
+  t.store(p, n0, m0);
 }
 
 template <int BITS, int MB>
