@@ -80,10 +80,11 @@ def _np_int8_product(x: np.ndarray, w: mx.array, scales: mx.array, biases: mx.ar
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 16])
 def test_int8_activation_matvec_equals_its_numpy_scheme(int8_activations, bits: int, group: int, rows: int):
-    """The integer kernels (4-row tiles and their remainder; 37 features: a tail of the 8-feature
-    chunks) compute exactly the int8 scheme, and stay within its rounding of the float product."""
+    """The integer kernels (4-row tiles, several of them and their remainder; 37 features: a tail of
+    the 8-feature chunks) compute exactly the int8 scheme, and stay within its rounding of the float
+    product."""
     rng = np.random.default_rng(bits * 100 + group + rows)
     k, features = 640, 37
     weight = mx.array(rng.standard_normal((features, k)).astype(np.float32))
@@ -99,9 +100,9 @@ def test_int8_activation_matvec_equals_its_numpy_scheme(int8_activations, bits: 
 
 
 def test_int8_activations_leave_products_they_do_not_fit_exact(int8_activations):
-    """K not a multiple of 64 (and batches the BLAS path takes) keep float32 activations."""
+    """K not a multiple of 64, and batches of over 16 rows (the BLAS path), keep float32 activations."""
     rng = np.random.default_rng(5)
-    for rows, k in ((1, 96), (16, 256)):
+    for rows, k in ((1, 96), (17, 256)):
         w, scales, biases = mx.quantize(mx.array(rng.standard_normal((40, k)).astype(np.float32)), 32, 4)
         x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
         want = np.array(x, dtype=np.float64) @ _np_dequantize(w, scales, biases, 32, 4).T

@@ -150,29 +150,38 @@ void tile8(const Int8Problem& p, int n0, int m0) {
   t.store(p, n0, m0);
 }
 
-template <int BITS, int MB>
-void feature_range(const Int8Problem& p, int n0, int n1, int m0) {
-  constexpr int NB = MB == 1 ? 4 : 2;
+template <int BITS, int MB, int NB>
+void tile(const Int8Problem& p, int n, int m0) {
+  if constexpr (BITS == 4) tile4<MB, NB>(p, n, m0); else tile8<MB, NB>(p, n, m0);
+}
+
+// Features [n, n + NB) for every row: the row blocks run inside the feature loop, so each feature's
+// weights come from memory once and from L1 for the other rows (the rows' int8 x, K bytes each, stay
+// in L1 across features).
+template <int BITS, int NB>
+void all_rows(const Int8Problem& p, int n) {
+  int m0 = 0;
+  for (; m0 + 4 <= p.M; m0 += 4) tile<BITS, 4, NB>(p, n, m0);
+  for (; m0 < p.M; ++m0) tile<BITS, 1, NB>(p, n, m0);
+}
+
+template <int BITS, int NB>
+void feature_tiles(const Int8Problem& p, int n0, int n1) {
   int n = n0;
-  for (; n + NB <= n1; n += NB) {
-    if constexpr (BITS == 4) tile4<MB, NB>(p, n, m0); else tile8<MB, NB>(p, n, m0);
-  }
-  for (; n < n1; ++n) {
-    if constexpr (BITS == 4) tile4<MB, 1>(p, n, m0); else tile8<MB, 1>(p, n, m0);
-  }
+  for (; n + NB <= n1; n += NB) all_rows<BITS, NB>(p, n);
+  for (; n < n1; ++n) all_rows<BITS, 1>(p, n);
+}
+
+// Four features a tile for single rows (four independent accumulator chains), two for 4-row blocks.
+template <int BITS>
+void feature_range(const Int8Problem& p, int n0, int n1) {
+  if (p.M < 4) feature_tiles<BITS, 4>(p, n0, n1); else feature_tiles<BITS, 2>(p, n0, n1);
 }
 
 }  // namespace
 
 void features(const Int8Problem& p, int n0, int n1) {
-  int m0 = 0;
-  if (p.bits == 4) {
-    for (; m0 + 4 <= p.M; m0 += 4) feature_range<4, 4>(p, n0, n1, m0);
-    for (; m0 < p.M; ++m0) feature_range<4, 1>(p, n0, n1, m0);
-  } else {
-    for (; m0 + 4 <= p.M; m0 += 4) feature_range<8, 4>(p, n0, n1, m0);
-    for (; m0 < p.M; ++m0) feature_range<8, 1>(p, n0, n1, m0);
-  }
+  if (p.bits == 4) feature_range<4>(p, n0, n1); else feature_range<8>(p, n0, n1);
 }
 
 }  // namespace int8_*

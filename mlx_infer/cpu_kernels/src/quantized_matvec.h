@@ -24,7 +24,7 @@ mlx::core::array affine_qmv(
 void check_affine(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases, int K,
                   int group_size, int bits);
 
-// What products of fewer rows than the BLAS path takes (decode) multiply: "int8" quantizes x per
+// What products of up to 16 rows (decode steps and small batches) multiply: "int8" quantizes x per
 // block of 32 and uses integer dot products (qmv_int8.cpp; the default, AVX-VNNI where the CPU has
 // it), "int8-avx2" the same without VNNI, "float32" unpacks the weights to float (exact). Throws
 // std::invalid_argument for anything else. activations() names the one in use: "float32",
