@@ -192,18 +192,11 @@ def _np_attention(q, keys, values, seq_of, positions, tables, context_lens, bloc
     return out
 
 
-@pytest.mark.parametrize(
-    "n_heads,n_kv,head_dim,window,softcap",
-    [(4, 4, 64, None, None), (6, 2, 80, None, None), (8, 2, 128, None, None), (3, 1, 64, 7, None),
-     (4, 2, 64, None, 30.0)],
-)
-def test_paged_attention_equals_numpy(native, n_heads, n_kv, head_dim, window, softcap):
-    """A ragged step over permuted block tables: decodes at contexts 1, 15, 16, 17 and 300, and a
-    prefill chunk of 5 tokens after 20 cached ones."""
-    rng = np.random.default_rng(n_heads * 100 + head_dim)
+def _check_attention(shapes, n_heads, n_kv, head_dim, window, softcap, seed):
+    """The kernel against _np_attention for sequences of (tokens already cached, new tokens), their
+    blocks permuted across the pool."""
+    rng = np.random.default_rng(seed)
     block = 16
-    # (tokens already cached, new tokens) per sequence
-    shapes = [(0, 1), (14, 1), (15, 1), (16, 1), (299, 1), (20, 5)]
     needed = [-(-(c + n) // block) for c, n in shapes]
     physical = rng.permutation(sum(needed) + 3)  # spare blocks stay unused
     tables, at = [], 0
@@ -223,6 +216,29 @@ def test_paged_attention_equals_numpy(native, n_heads, n_kv, head_dim, window, s
     want = _np_attention(q, keys, values, seq_of, np.array(meta.positions), tables,
                          [c + n for c, n in shapes], block, scale, window, softcap)
     np.testing.assert_allclose(np.array(out), want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "n_heads,n_kv,head_dim,window,softcap",
+    [(4, 4, 64, None, None), (6, 2, 80, None, None), (8, 2, 128, None, None), (3, 1, 64, 7, None),
+     (4, 2, 64, None, 30.0)],
+)
+def test_paged_attention_equals_numpy(native, n_heads, n_kv, head_dim, window, softcap):
+    """A ragged step over permuted block tables: decodes at contexts 1, 15, 16, 17 and 300, and a
+    prefill chunk of 5 tokens after 20 cached ones."""
+    shapes = [(0, 1), (14, 1), (15, 1), (16, 1), (299, 1), (20, 5)]
+    _check_attention(shapes, n_heads, n_kv, head_dim, window, softcap, seed=n_heads * 100 + head_dim)
+
+
+@pytest.mark.parametrize(
+    "shapes,window,softcap",
+    [([(599, 1)], None, None), ([(599, 1), (40, 1)], None, None), ([(1000, 1)], 300, None),
+     ([(700, 1)], None, 30.0), ([(130, 1)], None, None)],
+)
+def test_paged_attention_of_a_few_decodes_splits_keys_and_merges(native, shapes, window, softcap):
+    """SmolLM2's heads (9 query, 3 KV) at batch 1-2: fewer (token, KV head) tasks than the threads
+    share evenly, so each one's keys are split into chunks whose partial softmaxes are merged."""
+    _check_attention(shapes, 9, 3, 64, window, softcap, seed=len(shapes) * 1000 + shapes[0][0])
 
 
 def test_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch):

@@ -25,6 +25,7 @@
 #include "norm_rope.h"
 #include "paged_attention.h"
 #include "quantized_matvec.h"
+#include "simd.h"
 #include "strided.h"
 #include "thread_pool.h"
 
@@ -35,14 +36,21 @@ namespace mlx_infer {
 namespace {
 
 // act[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i], as MLX's compiled gate computes it
-// (x * sigmoid(x), sigmoid = 1 / (1 + exp(-x))).
+// (x * sigmoid(x), sigmoid = 1 / (1 + exp(-x))), eight at a time with exp8.
 void silu_gate(const float* gate_up, int T, int I, float* act) {
   const auto rows = [&](int t0, int t1) {
     for (int t = t0; t < t1; ++t) {
       const float* g = gate_up + static_cast<size_t>(t) * 2 * I;
       const float* u = g + I;
       float* o = act + static_cast<size_t>(t) * I;
-      for (int i = 0; i < I; ++i) o[i] = g[i] * (1.0f / (1.0f + std::exp(-g[i]))) * u[i];
+      int i = 0;
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+      }
+      for (; i < I; ++i) o[i] = g[i] * (1.0f / (1.0f + std::exp(-g[i]))) * u[i];
     }
   };
   if (T < 8) {

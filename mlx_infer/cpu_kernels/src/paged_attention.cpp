@@ -25,19 +25,28 @@ namespace mlx_infer {
 
 namespace {
 
-// Token t's query heads that share KV head `kv_head`, over that head's visible keys: each K/V row is
-// loaded once for the whole group. Keys are walked block by block (no division per key).
-void attend(const AttentionArgs& p, int t, int kv_head, std::vector<float>& scores) {
-  const int seq = p.token_seq[t];
+// The keys token t sees: [lo, hi] (empty when hi < lo).
+struct KeyRange {
+  int lo, hi;
+};
+
+KeyRange visible(const AttentionArgs& p, int t) {
   const int pos = p.positions[t];
-  const int rep = p.H / p.n_kv;
-  const int hi = std::min(pos, p.context_lens[seq] - 1);
+  const int hi = std::min(pos, p.context_lens[p.token_seq[t]] - 1);
   const int lo = p.window > 0 ? std::max(0, pos - p.window + 1) : 0;
-  const size_t first_head = static_cast<size_t>(t) * p.H + static_cast<size_t>(kv_head) * rep;
-  float* out = p.out + first_head * p.D;
+  return {lo, hi};
+}
+
+// Token t's query heads that share KV head `kv_head`, over keys [lo, hi] (non-empty): each K/V row
+// is loaded once for the whole group, and keys are walked block by block (no division per key).
+// Writes out[r] = sum_j exp(s_rj - max_r) v_j (unnormalized), max_r, and total_r = sum_j exp(s_rj - max_r).
+void attend_keys(const AttentionArgs& p, int t, int kv_head, KeyRange keys, std::vector<float>& scores, float* out,
+                 float* max_score, float* total) {
+  const int seq = p.token_seq[t];
+  const int rep = p.H / p.n_kv;
+  const int lo = keys.lo, hi = keys.hi;
   const float* q = p.q + static_cast<size_t>(t) * p.q_stride + static_cast<size_t>(kv_head) * rep * p.D;
   std::fill(out, out + static_cast<size_t>(rep) * p.D, 0.0f);
-  if (hi < lo) return;
   const int32_t* table = p.block_tables + static_cast<size_t>(seq) * p.max_blocks;
   const int n = hi - lo + 1;
   scores.resize(static_cast<size_t>(rep) * n);
@@ -45,8 +54,8 @@ void attend(const AttentionArgs& p, int t, int kv_head, std::vector<float>& scor
     const size_t slot = static_cast<size_t>(table[j / p.block_size]) * p.block_size + j % p.block_size;
     return pool + (slot * p.n_kv + kv_head) * p.D;
   };
-  // Calls f(i, row) for the i-th visible key, row pointing at its (kv_head) vector in `pool`. The
-  // rows of one head are strided (n_kv heads per slot) and blocks scattered, which the hardware
+  // Calls f(i, row) for the i-th key of the range, row pointing at its (kv_head) vector in `pool`.
+  // The rows of one head are strided (n_kv heads per slot) and blocks scattered, which the hardware
   // prefetcher does not follow: the row kPrefetch keys ahead is requested explicitly.
   constexpr int kPrefetch = 8;
   auto for_each_key = [&](const float* pool, auto&& f) {
@@ -71,24 +80,114 @@ void attend(const AttentionArgs& p, int t, int kv_head, std::vector<float>& scor
       scores[static_cast<size_t>(r) * n + i] = s;
     }
   });
-  std::vector<float> inv_total(rep);
   for (int r = 0; r < rep; ++r) {
     float* row = scores.data() + static_cast<size_t>(r) * n;
-    const float max_score = *std::max_element(row, row + n);
-    float total = 0.0f;
-    for (int i = 0; i < n; ++i) {
-      row[i] = std::exp(row[i] - max_score);
-      total += row[i];
+    const float m = *std::max_element(row, row + n);
+    const __m256 vmax = _mm256_set1_ps(m);
+    __m256 vtotal = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), vmax));
+      _mm256_storeu_ps(row + i, e);
+      vtotal = _mm256_add_ps(vtotal, e);
     }
-    inv_total[r] = 1.0f / total;
+    float sum = hsum(vtotal);
+    for (; i < n; ++i) {
+      row[i] = std::exp(row[i] - m);
+      sum += row[i];
+    }
+    max_score[r] = m;
+    total[r] = sum;
   }
   for_each_key(p.values, [&](int i, const float* v) {
     for (int r = 0; r < rep; ++r) {
       scale_add(out + static_cast<size_t>(r) * p.D, 1.0f, v, scores[static_cast<size_t>(r) * n + i], p.D);
     }
   });
-  for (int r = 0; r < rep; ++r) {
-    for (int d = 0; d < p.D; ++d) out[static_cast<size_t>(r) * p.D + d] *= inv_total[r];
+}
+
+// Output rows of token t's query heads [kv_head * rep, (kv_head + 1) * rep).
+float* head_rows(const AttentionArgs& p, int t, int kv_head) {
+  const size_t first_head = static_cast<size_t>(t) * p.H + static_cast<size_t>(kv_head) * (p.H / p.n_kv);
+  return p.out + first_head * p.D;
+}
+
+// Each (token, KV head) as one task, its output normalized in place.
+void attend_whole(const AttentionArgs& p, ThreadPool& threads) {
+  const int tasks = p.T * p.n_kv;
+  const int rep = p.H / p.n_kv;
+  const int parts = threads.size();
+  threads.run([&](int part) {
+    std::vector<float> scores, max_score(rep), total(rep);
+    const int per = (tasks + parts - 1) / parts;
+    const int end = std::min(tasks, (part + 1) * per);
+    for (int i = part * per; i < end; ++i) {
+      const int t = i / p.n_kv, kv_head = i % p.n_kv;
+      float* out = head_rows(p, t, kv_head);
+      const KeyRange keys = visible(p, t);
+      if (keys.hi < keys.lo) {
+        std::fill(out, out + static_cast<size_t>(rep) * p.D, 0.0f);
+        continue;
+      }
+      attend_keys(p, t, kv_head, keys, scores, out, max_score.data(), total.data());
+      for (int r = 0; r < rep; ++r) {
+        const float inv = 1.0f / total[r];
+        for (int d = 0; d < p.D; ++d) out[static_cast<size_t>(r) * p.D + d] *= inv;
+      }
+    }
+  });
+}
+
+// Each (token, KV head)'s keys split into `splits` chunks computed as separate tasks, then merged as
+// in flash-decoding: out = sum_c exp(max_c - max) out_c / sum_c exp(max_c - max) total_c.
+void attend_split(const AttentionArgs& p, ThreadPool& threads, int splits) {
+  const int tasks = p.T * p.n_kv;
+  const int rep = p.H / p.n_kv;
+  const size_t out_size = static_cast<size_t>(rep) * p.D;
+  const size_t stride = out_size + 2 * rep;  // a chunk's out rows, then its maxima and totals
+  const int items = tasks * splits;
+  std::vector<float> partial(static_cast<size_t>(items) * stride);
+  std::vector<char> used(items, 0);
+  const int parts = threads.size();
+  threads.run([&](int part) {
+    std::vector<float> scores;
+    const int per = (items + parts - 1) / parts;
+    const int end = std::min(items, (part + 1) * per);
+    for (int i = part * per; i < end; ++i) {
+      const int task = i / splits, c = i % splits;
+      const int t = task / p.n_kv;
+      const KeyRange keys = visible(p, t);
+      const int chunk = (keys.hi - keys.lo + splits) / splits;  // ceil(n / splits), n = hi - lo + 1
+      const KeyRange mine{keys.lo + c * chunk, std::min(keys.hi, keys.lo + (c + 1) * chunk - 1)};
+      if (mine.hi < mine.lo) continue;
+      float* at = partial.data() + static_cast<size_t>(i) * stride;
+      attend_keys(p, t, task % p.n_kv, mine, scores, at, at + out_size, at + out_size + rep);
+      used[i] = 1;
+    }
+  });
+  for (int task = 0; task < tasks; ++task) {
+    float* out = head_rows(p, task / p.n_kv, task % p.n_kv);
+    std::fill(out, out + out_size, 0.0f);
+    const float* first = partial.data() + static_cast<size_t>(task) * splits * stride;
+    const char* in_use = used.data() + static_cast<size_t>(task) * splits;
+    for (int r = 0; r < rep; ++r) {
+      float m = -INFINITY;
+      for (int c = 0; c < splits; ++c) {
+        if (in_use[c]) m = std::max(m, first[c * stride + out_size + r]);
+      }
+      float total = 0.0f;
+      float* row = out + static_cast<size_t>(r) * p.D;
+      for (int c = 0; c < splits; ++c) {
+        if (!in_use[c]) continue;
+        const float* chunk = first + c * stride;
+        const float w = std::exp(chunk[out_size + r] - m);
+        total += w * chunk[out_size + rep + r];
+        scale_add(row, 1.0f, chunk + static_cast<size_t>(r) * p.D, w, p.D);
+      }
+      if (total > 0.0f) {
+        for (int d = 0; d < p.D; ++d) row[d] /= total;
+      }
+    }
   }
 }
 
@@ -97,13 +196,25 @@ void attend(const AttentionArgs& p, int t, int kv_head, std::vector<float>& scor
 void attend_all(const AttentionArgs& p) {
   ThreadPool& threads = pool();
   const int tasks = p.T * p.n_kv;
-  const int parts = threads.size();
-  threads.run([&](int part) {
-    std::vector<float> scores;
-    const int per = (tasks + parts - 1) / parts;
-    const int end = std::min(tasks, (part + 1) * per);
-    for (int i = part * per; i < end; ++i) attend(p, i / p.n_kv, i % p.n_kv, scores);
-  });
+  // A decode step of a few sequences has fewer (token, KV head) tasks than the threads can share
+  // evenly (SmolLM2 at batch 1: 3 KV heads on 2 threads, one of them doing two thirds of the work):
+  // then each task's keys are split into chunks of at least kMinChunk keys.
+  constexpr int kTasksPerThread = 4, kMinChunk = 64;
+  const int want = kTasksPerThread * threads.size();
+  int splits = 1;
+  if (tasks < want) {
+    int longest = 0;
+    for (int t = 0; t < p.T; ++t) {
+      const KeyRange keys = visible(p, t);
+      longest = std::max(longest, keys.hi - keys.lo + 1);
+    }
+    splits = std::max(1, std::min((want + tasks - 1) / tasks, longest / kMinChunk));
+  }
+  if (splits == 1) {
+    attend_whole(p, threads);
+  } else {
+    attend_split(p, threads, splits);
+  }
 }
 
 namespace {
