@@ -3,7 +3,9 @@
 //
 // One task per (token, KV head), split evenly over the thread pool: the GQA query heads of a KV
 // head are computed together, so each K/V row is read once. Scores go to a per-thread buffer, then
-// softmax in float32 and a weighted sum of the value rows.
+// softmax in float32 and a weighted sum of the value rows. Where there are too few tasks to keep the
+// threads busy (decoding one or two sequences), each task's keys are split into chunks whose partial
+// softmaxes are merged afterwards (flash-decoding).
 
 #include "paged_attention.h"
 
