@@ -57,12 +57,7 @@ void silu_gate(const float* gate_up, int T, int I, float* act) {
     rows(0, T);
     return;
   }
-  ThreadPool& threads = pool();
-  const int parts = threads.size();
-  threads.run([&](int part) {
-    const int per = (T + parts - 1) / parts;
-    rows(std::min(T, part * per), std::min(T, (part + 1) * per));
-  });
+  pool().for_range(T, 1, rows);
 }
 
 struct Shape {

@@ -116,14 +116,10 @@ float* head_rows(const AttentionArgs& p, int t, int kv_head) {
 
 // Each (token, KV head) as one task, its output normalized in place.
 void attend_whole(const AttentionArgs& p, ThreadPool& threads) {
-  const int tasks = p.T * p.n_kv;
   const int rep = p.H / p.n_kv;
-  const int parts = threads.size();
-  threads.run([&](int part) {
+  threads.for_range(p.T * p.n_kv, 1, [&](int begin, int end) {
     std::vector<float> scores, max_score(rep), total(rep);
-    const int per = (tasks + parts - 1) / parts;
-    const int end = std::min(tasks, (part + 1) * per);
-    for (int i = part * per; i < end; ++i) {
+    for (int i = begin; i < end; ++i) {
       const int t = i / p.n_kv, kv_head = i % p.n_kv;
       float* out = head_rows(p, t, kv_head);
       const KeyRange keys = visible(p, t);
@@ -141,21 +137,22 @@ void attend_whole(const AttentionArgs& p, ThreadPool& threads) {
 }
 
 // Each (token, KV head)'s keys split into `splits` chunks computed as separate tasks, then merged as
-// in flash-decoding: out = sum_c exp(max_c - max) out_c / sum_c exp(max_c - max) total_c.
+// in flash-decoding: out = sum_c exp(max_c - max) out_c / sum_c exp(max_c - max) total_c. An empty
+// chunk keeps zero rows, maxima of -inf and totals of 0, so it weighs nothing in the merge.
 void attend_split(const AttentionArgs& p, ThreadPool& threads, int splits) {
   const int tasks = p.T * p.n_kv;
   const int rep = p.H / p.n_kv;
   const size_t out_size = static_cast<size_t>(rep) * p.D;
   const size_t stride = out_size + 2 * rep;  // a chunk's out rows, then its maxima and totals
   const int items = tasks * splits;
-  std::vector<float> partial(static_cast<size_t>(items) * stride);
-  std::vector<char> used(items, 0);
-  const int parts = threads.size();
-  threads.run([&](int part) {
+  std::vector<float> partial(static_cast<size_t>(items) * stride, 0.0f);
+  for (int i = 0; i < items; ++i) {
+    float* max_score = partial.data() + static_cast<size_t>(i) * stride + out_size;
+    std::fill(max_score, max_score + rep, -INFINITY);
+  }
+  threads.for_range(items, 1, [&](int begin, int end) {
     std::vector<float> scores;
-    const int per = (items + parts - 1) / parts;
-    const int end = std::min(items, (part + 1) * per);
-    for (int i = part * per; i < end; ++i) {
+    for (int i = begin; i < end; ++i) {
       const int task = i / splits, c = i % splits;
       const int t = task / p.n_kv;
       const KeyRange keys = visible(p, t);
@@ -164,31 +161,25 @@ void attend_split(const AttentionArgs& p, ThreadPool& threads, int splits) {
       if (mine.hi < mine.lo) continue;
       float* at = partial.data() + static_cast<size_t>(i) * stride;
       attend_keys(p, t, task % p.n_kv, mine, scores, at, at + out_size, at + out_size + rep);
-      used[i] = 1;
     }
   });
   for (int task = 0; task < tasks; ++task) {
     float* out = head_rows(p, task / p.n_kv, task % p.n_kv);
     std::fill(out, out + out_size, 0.0f);
     const float* first = partial.data() + static_cast<size_t>(task) * splits * stride;
-    const char* in_use = used.data() + static_cast<size_t>(task) * splits;
     for (int r = 0; r < rep; ++r) {
       float m = -INFINITY;
-      for (int c = 0; c < splits; ++c) {
-        if (in_use[c]) m = std::max(m, first[c * stride + out_size + r]);
-      }
+      for (int c = 0; c < splits; ++c) m = std::max(m, first[c * stride + out_size + r]);
+      if (m == -INFINITY) continue;  // no visible keys: zeros
       float total = 0.0f;
       float* row = out + static_cast<size_t>(r) * p.D;
       for (int c = 0; c < splits; ++c) {
-        if (!in_use[c]) continue;
         const float* chunk = first + c * stride;
         const float w = std::exp(chunk[out_size + r] - m);
         total += w * chunk[out_size + rep + r];
         scale_add(row, 1.0f, chunk + static_cast<size_t>(r) * p.D, w, p.D);
       }
-      if (total > 0.0f) {
-        for (int d = 0; d < p.D; ++d) row[d] /= total;
-      }
+      for (int d = 0; d < p.D; ++d) row[d] /= total;  // >= 1: the chunk holding the maximum adds >= 1
     }
   }
 }

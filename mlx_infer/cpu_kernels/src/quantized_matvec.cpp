@@ -233,26 +233,12 @@ bool use_int8(const Problem& p, int bits) {
   return p.M <= kInt8MaxRows && p.K % 64 == 0 && p.group % 32 == 0 && (bits == 4 || bits == 8);
 }
 
-// f(n0, n1) for each thread's share of output features [0, N), in chunks of 8 so that each thread's
-// output writes stay on their own cache lines.
-template <class F>
-void over_features(int N, F&& f) {
-  ThreadPool& threads = pool();
-  const int parts = threads.size();
-  threads.run([&](int part) {
-    const int per = ((N + parts - 1) / parts + 7) / 8 * 8;
-    const int n0 = std::min(N, part * per);
-    const int n1 = std::min(N, n0 + per);
-    if (n0 < n1) f(n0, n1);
-  });
-}
-
 template <int BITS>
 void run_int8(const Problem& p, Int8Features features) {
   const QuantizedX xq(p.x, p.M, p.K, BITS);
   const Int8Problem ip{xq.q.data(), xq.dx.data(), xq.dx_lanes.data(), xq.qsum.data(), p.xsum, p.w, p.scales,
                        p.biases, p.out, p.M, p.N, p.K, p.group, BITS};
-  over_features(p.N, [&](int n0, int n1) { features(ip, n0, n1); });
+  pool().for_range(p.N, 8, [&](int n0, int n1) { features(ip, n0, n1); });
 }
 
 template <int BITS>
@@ -261,7 +247,7 @@ void run(const Problem& p) {
     run_int8<BITS>(p, features);
     return;
   }
-  over_features(p.N, [&](int n0, int n1) {
+  pool().for_range(p.N, 8, [&](int n0, int n1) {
     if (use_gemm(p.M, p.K)) {
       const SingleThreadedBlas one_thread;
       std::vector<float> tile(static_cast<size_t>(kTileFeatures) * p.K);

@@ -7,6 +7,7 @@
 // slower (57 -> 135 ms), while one sleeping after every job paid a wake-up per job.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -29,6 +30,20 @@ class ThreadPool {
   // Runs task(i) for i in [0, size()), index 0 on the calling thread; returns when all are done.
   // Callers on different threads (two MLX CPU streams) take turns.
   void run(const std::function<void(int)>& task);
+
+  // f(begin, end) for each thread's contiguous share of [0, n), shares rounded up to a multiple of
+  // `align` (8 output features keep each thread's writes on their own cache lines); empty shares
+  // are skipped.
+  template <class F>
+  void for_range(int n, int align, F&& f) {
+    const int parts = size();
+    run([&](int part) {
+      const int per = ((n + parts - 1) / parts + align - 1) / align * align;
+      const int begin = std::min(n, part * per);
+      const int end = std::min(n, begin + per);
+      if (begin < end) f(begin, end);
+    });
+  }
 
  private:
   void worker_loop(int index);
