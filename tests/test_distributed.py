@@ -36,7 +36,8 @@ from mlx_infer.errors import DistributedError
 
 PY = sys.executable
 TESTS = Path(__file__).parent
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+# faulthandler: a worker killed by a signal prints its Python stack (what it was doing) to stderr.
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
 # A tiny Llama whose heads (and KV heads, and MLP columns) divide by 2 and by 3.
 TINY_TP = dict(
     hidden_size=96, num_attention_heads=6, num_key_value_heads=6, intermediate_size=192, num_hidden_layers=3
@@ -128,7 +129,7 @@ def launched_tokens(
         "--",
         *worker_args(model, prompt, max_tokens, raw),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
     by_rank = results(done.stdout)
     assert sorted(by_rank) == list(range(len(hosts.split(",")))), done.stdout[-2000:]
     for line in done.stdout.splitlines():  # every line of output names its rank
@@ -169,7 +170,7 @@ def smol_reference(smollm2_path: Path) -> list[int]:
         timeout=120,
         env=ENV,
     )
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
     assert "Paris" in done.stdout
     return results(done.stdout)[0]["tokens"]
 
