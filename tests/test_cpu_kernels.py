@@ -236,8 +236,8 @@ def test_paged_attention_equals_numpy(native, n_heads, n_kv, head_dim, window, s
      ([(700, 1)], None, 30.0), ([(130, 1)], None, None)],
 )
 def test_paged_attention_of_a_few_decodes_splits_keys_and_merges(native, shapes, window, softcap):
-    """SmolLM2's heads (9 query, 3 KV) at batch 1-2: fewer (token, KV head) tasks than the threads
-    share evenly, so each one's keys are split into chunks whose partial softmaxes are merged."""
+    """SmolLM2's heads (9 query, 3 KV) at batch 1-2: fewer tokens than the threads share evenly, so
+    each one's keys are split into chunks whose partial softmaxes are merged."""
     _check_attention(shapes, 9, 3, 64, window, softcap, seed=len(shapes) * 1000 + shapes[0][0])
 
 

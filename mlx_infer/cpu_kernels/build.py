@@ -105,9 +105,11 @@ def _build(folder: Path, library: Path, nanobind_dir: str) -> None:
     cmake = shutil.which("cmake")
     if cmake is None:
         raise Unavailable("cmake not found (install it, e.g. `pip install cmake`, to build the CPU kernels)")
-    import mlx
+    import mlx.core
 
-    mlx_dir = Path(mlx.__path__[0]) / "share" / "cmake" / "MLX"
+    # Beside mlx/core*.so, not mlx.__path__[0]: mlx is a namespace package, so any folder named mlx
+    # earlier on sys.path (MLX's own JIT cache /tmp/mlx, for a script run from /tmp) comes first there.
+    mlx_dir = Path(mlx.core.__file__).parent / "share" / "cmake" / "MLX"
     log_path = folder / "build.log"
     started = time.perf_counter()
     log.warning("building mlx-infer's native CPU kernels once (about a minute; cached in %s)", folder)

@@ -1,10 +1,10 @@
 // Paged attention for MLX's CPU backend: reads K/V rows straight from the pool through the block
 // tables, so no per-layer gather copies the context into a contiguous tensor first.
 //
-// One task per (token, KV head), split evenly over the thread pool: the GQA query heads of a KV
-// head are computed together, so each K/V row is read once. Scores go to a per-thread buffer, then
-// softmax in float32 and a weighted sum of the value rows. Where there are too few tasks to keep the
-// threads busy (decoding one or two sequences), each task's keys are split into chunks whose partial
+// One task per token, split evenly over the thread pool: all its heads are computed together, so
+// each pool slot (every KV head's row) is read once, front to back. Scores go to a per-thread buffer,
+// then softmax in float32 and a weighted sum of the value rows. Where there are too few tokens to keep
+// the threads busy (decoding a few sequences), each token's keys are split into chunks whose partial
 // softmaxes are merged afterwards (flash-decoding).
 
 #include "paged_attention.h"
@@ -39,51 +39,54 @@ KeyRange visible(const AttentionArgs& p, int t) {
   return {lo, hi};
 }
 
-// Token t's query heads that share KV head `kv_head`, over keys [lo, hi] (non-empty): each K/V row
-// is loaded once for the whole group, and keys are walked block by block (no division per key).
-// Writes out[r] = sum_j exp(s_rj - max_r) v_j (unnormalized), max_r, and total_r = sum_j exp(s_rj - max_r).
-void attend_keys(const AttentionArgs& p, int t, int kv_head, KeyRange keys, std::vector<float>& scores, float* out,
+// All of token t's query heads over keys [lo, hi] (non-empty). A pool slot holds the n_kv heads'
+// rows side by side, so walking the keys reads each slot's K (then V) as one contiguous run, and
+// blocks of block_size slots as one longer run: per-KV-head tasks read a third of every slot each
+// (SmolLM2), a strided pattern that reached ~7 GB/s where the machine streams 16. The GQA query heads
+// of a KV head share each K/V row load, and keys are walked block by block (no division per key).
+// Writes out[h] = sum_j exp(s_hj - max_h) v_j (unnormalized), max_h, and total_h = sum_j exp(s_hj - max_h).
+void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float>& scores, float* out,
                  float* max_score, float* total) {
   const int seq = p.token_seq[t];
   const int rep = p.H / p.n_kv;
   const int lo = keys.lo, hi = keys.hi;
-  const float* q = p.q + static_cast<size_t>(t) * p.q_stride + static_cast<size_t>(kv_head) * rep * p.D;
-  std::fill(out, out + static_cast<size_t>(rep) * p.D, 0.0f);
+  const size_t row_size = static_cast<size_t>(p.n_kv) * p.D;  // one slot: every KV head
+  const float* q = p.q + static_cast<size_t>(t) * p.q_stride;
+  std::fill(out, out + static_cast<size_t>(p.H) * p.D, 0.0f);
   const int32_t* table = p.block_tables + static_cast<size_t>(seq) * p.max_blocks;
   const int n = hi - lo + 1;
-  scores.resize(static_cast<size_t>(rep) * n);
+  scores.resize(static_cast<size_t>(p.H) * n);
   auto row_of = [&](const float* pool, int j) {
     const size_t slot = static_cast<size_t>(table[j / p.block_size]) * p.block_size + j % p.block_size;
-    return pool + (slot * p.n_kv + kv_head) * p.D;
+    return pool + slot * row_size;
   };
-  // Calls f(i, row) for the i-th key of the range, row pointing at its (kv_head) vector in `pool`.
-  // The rows of one head are strided (n_kv heads per slot) and blocks scattered, which the hardware
-  // prefetcher does not follow: the row kPrefetch keys ahead is requested explicitly.
-  constexpr int kPrefetch = 8;
+  // Calls f(i, row) for the i-th key of the range, row pointing at its slot in `pool`. Blocks are
+  // scattered, which the hardware prefetcher does not follow: the slot kPrefetch keys ahead is
+  // requested explicitly.
+  constexpr int kPrefetch = 2;
   auto for_each_key = [&](const float* pool, auto&& f) {
     for (int j = lo; j <= hi;) {
       const int block = j / p.block_size;
       const int end = std::min(hi + 1, (block + 1) * p.block_size);
-      const size_t base = static_cast<size_t>(table[block]) * p.block_size;
+      const float* base = pool + static_cast<size_t>(table[block]) * p.block_size * row_size;
       for (; j < end; ++j) {
         if (j + kPrefetch <= hi) {
           const char* ahead = reinterpret_cast<const char*>(row_of(pool, j + kPrefetch));
-          for (int b = 0; b < p.D * 4; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+          for (size_t b = 0; b < row_size * 4; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
         }
-        const size_t slot = base + j % p.block_size;
-        f(j - lo, pool + (slot * p.n_kv + kv_head) * p.D);
+        f(j - lo, base + static_cast<size_t>(j % p.block_size) * row_size);
       }
     }
   };
   for_each_key(p.keys, [&](int i, const float* k) {
-    for (int r = 0; r < rep; ++r) {
-      float s = dot(q + static_cast<size_t>(r) * p.D, k, p.D) * p.scale;
+    for (int h = 0; h < p.H; ++h) {
+      float s = dot(q + static_cast<size_t>(h) * p.D, k + static_cast<size_t>(h / rep) * p.D, p.D) * p.scale;
       if (p.softcap > 0.0f) s = std::tanh(s / p.softcap) * p.softcap;
-      scores[static_cast<size_t>(r) * n + i] = s;
+      scores[static_cast<size_t>(h) * n + i] = s;
     }
   });
-  for (int r = 0; r < rep; ++r) {
-    float* row = scores.data() + static_cast<size_t>(r) * n;
+  for (int h = 0; h < p.H; ++h) {
+    float* row = scores.data() + static_cast<size_t>(h) * n;
     const float m = *std::max_element(row, row + n);
     const __m256 vmax = _mm256_set1_ps(m);
     __m256 vtotal = _mm256_setzero_ps();
@@ -98,86 +101,79 @@ void attend_keys(const AttentionArgs& p, int t, int kv_head, KeyRange keys, std:
       row[i] = std::exp(row[i] - m);
       sum += row[i];
     }
-    max_score[r] = m;
-    total[r] = sum;
+    max_score[h] = m;
+    total[h] = sum;
   }
   for_each_key(p.values, [&](int i, const float* v) {
-    for (int r = 0; r < rep; ++r) {
-      scale_add(out + static_cast<size_t>(r) * p.D, 1.0f, v, scores[static_cast<size_t>(r) * n + i], p.D);
+    for (int h = 0; h < p.H; ++h) {
+      add_scaled(out + static_cast<size_t>(h) * p.D, v + static_cast<size_t>(h / rep) * p.D,
+                 scores[static_cast<size_t>(h) * n + i], p.D);
     }
   });
 }
 
-// Output rows of token t's query heads [kv_head * rep, (kv_head + 1) * rep).
-float* head_rows(const AttentionArgs& p, int t, int kv_head) {
-  const size_t first_head = static_cast<size_t>(t) * p.H + static_cast<size_t>(kv_head) * (p.H / p.n_kv);
-  return p.out + first_head * p.D;
-}
+// Token t's output rows [H, D].
+float* token_rows(const AttentionArgs& p, int t) { return p.out + static_cast<size_t>(t) * p.H * p.D; }
 
-// Each (token, KV head) as one task, its output normalized in place.
+// Each token as one task, its output normalized in place.
 void attend_whole(const AttentionArgs& p, ThreadPool& threads) {
-  const int rep = p.H / p.n_kv;
-  threads.for_range(p.T * p.n_kv, 1, [&](int begin, int end) {
-    std::vector<float> scores, max_score(rep), total(rep);
-    for (int i = begin; i < end; ++i) {
-      const int t = i / p.n_kv, kv_head = i % p.n_kv;
-      float* out = head_rows(p, t, kv_head);
+  threads.for_range(p.T, 1, [&](int begin, int end) {
+    std::vector<float> scores, max_score(p.H), total(p.H);
+    for (int t = begin; t < end; ++t) {
+      float* out = token_rows(p, t);
       const KeyRange keys = visible(p, t);
       if (keys.hi < keys.lo) {
-        std::fill(out, out + static_cast<size_t>(rep) * p.D, 0.0f);
+        std::fill(out, out + static_cast<size_t>(p.H) * p.D, 0.0f);
         continue;
       }
-      attend_keys(p, t, kv_head, keys, scores, out, max_score.data(), total.data());
-      for (int r = 0; r < rep; ++r) {
-        const float inv = 1.0f / total[r];
-        for (int d = 0; d < p.D; ++d) out[static_cast<size_t>(r) * p.D + d] *= inv;
+      attend_keys(p, t, keys, scores, out, max_score.data(), total.data());
+      for (int h = 0; h < p.H; ++h) {
+        const float inv = 1.0f / total[h];
+        for (int d = 0; d < p.D; ++d) out[static_cast<size_t>(h) * p.D + d] *= inv;
       }
     }
   });
 }
 
-// Each (token, KV head)'s keys split into `splits` chunks computed as separate tasks, then merged as
-// in flash-decoding: out = sum_c exp(max_c - max) out_c / sum_c exp(max_c - max) total_c. An empty
+// Each token's keys split into `splits` chunks computed as separate tasks, then merged as in
+// flash-decoding: out = sum_c exp(max_c - max) out_c / sum_c exp(max_c - max) total_c. An empty
 // chunk keeps zero rows, maxima of -inf and totals of 0, so it weighs nothing in the merge.
 void attend_split(const AttentionArgs& p, ThreadPool& threads, int splits) {
-  const int tasks = p.T * p.n_kv;
-  const int rep = p.H / p.n_kv;
-  const size_t out_size = static_cast<size_t>(rep) * p.D;
-  const size_t stride = out_size + 2 * rep;  // a chunk's out rows, then its maxima and totals
-  const int items = tasks * splits;
+  const size_t out_size = static_cast<size_t>(p.H) * p.D;
+  const size_t stride = out_size + 2 * static_cast<size_t>(p.H);  // a chunk's out rows, then its maxima and totals
+  const int items = p.T * splits;
   std::vector<float> partial(static_cast<size_t>(items) * stride, 0.0f);
   for (int i = 0; i < items; ++i) {
     float* max_score = partial.data() + static_cast<size_t>(i) * stride + out_size;
-    std::fill(max_score, max_score + rep, -INFINITY);
+    std::fill(max_score, max_score + p.H, -INFINITY);
   }
   threads.for_range(items, 1, [&](int begin, int end) {
     std::vector<float> scores;
     for (int i = begin; i < end; ++i) {
-      const int task = i / splits, c = i % splits;
-      const int t = task / p.n_kv;
+      const int t = i / splits, c = i % splits;
       const KeyRange keys = visible(p, t);
       const int chunk = (keys.hi - keys.lo + splits) / splits;  // ceil(n / splits), n = hi - lo + 1
       const KeyRange mine{keys.lo + c * chunk, std::min(keys.hi, keys.lo + (c + 1) * chunk - 1)};
       if (mine.hi < mine.lo) continue;
       float* at = partial.data() + static_cast<size_t>(i) * stride;
-      attend_keys(p, t, task % p.n_kv, mine, scores, at, at + out_size, at + out_size + rep);
+      attend_keys(p, t, mine, scores, at, at + out_size, at + out_size + p.H);
     }
   });
-  for (int task = 0; task < tasks; ++task) {
-    float* out = head_rows(p, task / p.n_kv, task % p.n_kv);
+  for (int t = 0; t < p.T; ++t) {
+    float* out = token_rows(p, t);
     std::fill(out, out + out_size, 0.0f);
-    const float* first = partial.data() + static_cast<size_t>(task) * splits * stride;
-    for (int r = 0; r < rep; ++r) {
+    const float* first = partial.data() + static_cast<size_t>(t) * splits * stride;
+    for (int h = 0; h < p.H; ++h) {
       float m = -INFINITY;
-      for (int c = 0; c < splits; ++c) m = std::max(m, first[c * stride + out_size + r]);
+      for (int c = 0; c < splits; ++c) m = std::max(m, first[c * stride + out_size + h]);
       if (m == -INFINITY) continue;  // no visible keys: zeros
       float total = 0.0f;
-      float* row = out + static_cast<size_t>(r) * p.D;
+      float* row = out + static_cast<size_t>(h) * p.D;
       for (int c = 0; c < splits; ++c) {
         const float* chunk = first + c * stride;
-        const float w = std::exp(chunk[out_size + r] - m);
-        total += w * chunk[out_size + rep + r];
-        scale_add(row, 1.0f, chunk + static_cast<size_t>(r) * p.D, w, p.D);
+        const float w = std::exp(chunk[out_size + h] - m);
+        total += w * chunk[out_size + p.H + h];
+        add_scaled(row, chunk + static_cast<size_t>(h) * p.D, w, p.D);
       }
       for (int d = 0; d < p.D; ++d) row[d] /= total;  // >= 1: the chunk holding the maximum adds >= 1
     }
@@ -188,20 +184,18 @@ void attend_split(const AttentionArgs& p, ThreadPool& threads, int splits) {
 
 void attend_all(const AttentionArgs& p) {
   ThreadPool& threads = pool();
-  const int tasks = p.T * p.n_kv;
-  // A decode step of a few sequences has fewer (token, KV head) tasks than the threads can share
-  // evenly (SmolLM2 at batch 1: 3 KV heads on 2 threads, one of them doing two thirds of the work):
-  // then each task's keys are split into chunks of at least kMinChunk keys.
+  // A decode step of a few sequences has fewer tokens than the threads can share evenly (batch 1:
+  // one token on 2 threads): then each token's keys are split into chunks of at least kMinChunk keys.
   constexpr int kTasksPerThread = 4, kMinChunk = 64;
   const int want = kTasksPerThread * threads.size();
   int splits = 1;
-  if (tasks < want) {
+  if (p.T < want) {
     int longest = 0;
     for (int t = 0; t < p.T; ++t) {
       const KeyRange keys = visible(p, t);
       longest = std::max(longest, keys.hi - keys.lo + 1);
     }
-    splits = std::max(1, std::min((want + tasks - 1) / tasks, longest / kMinChunk));
+    splits = std::max(1, std::min((want + p.T - 1) / p.T, longest / kMinChunk));
   }
   if (splits == 1) {
     attend_whole(p, threads);

@@ -29,13 +29,11 @@ inline float dot(const float* a, const float* b, int n) {
   return hsum(_mm256_add_ps(acc0, acc1));
 }
 
-// y = a * y + b * x over a length that is a multiple of 8.
-inline void scale_add(float* y, float a, const float* x, float b, int n) {
-  const __m256 va = _mm256_set1_ps(a);
+// y += b * x over a length that is a multiple of 8.
+inline void add_scaled(float* y, const float* x, float b, int n) {
   const __m256 vb = _mm256_set1_ps(b);
   for (int i = 0; i < n; i += 8) {
-    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(y + i), va);
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(x + i), vb, v));
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(x + i), vb, _mm256_loadu_ps(y + i)));
   }
 }
 
