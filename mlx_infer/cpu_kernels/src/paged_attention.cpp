@@ -56,7 +56,7 @@ void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float
   const int32_t* table = p.block_tables + static_cast<size_t>(seq) * p.max_blocks;
   const int n = hi - lo + 1;
   scores.resize(static_cast<size_t>(p.H) * n);
-  auto row_of = [&](const float* pool, int j) {
+  auto row_of = [&](const float* pool, int j) {  // for the prefetch; the walk steps through blocks
     const size_t slot = static_cast<size_t>(table[j / p.block_size]) * p.block_size + j % p.block_size;
     return pool + slot * row_size;
   };
@@ -78,11 +78,15 @@ void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float
       }
     }
   };
+  // Query head h = kv_head * rep + r reads KV head kv_head's row.
   for_each_key(p.keys, [&](int i, const float* k) {
-    for (int h = 0; h < p.H; ++h) {
-      float s = dot(q + static_cast<size_t>(h) * p.D, k + static_cast<size_t>(h / rep) * p.D, p.D) * p.scale;
-      if (p.softcap > 0.0f) s = std::tanh(s / p.softcap) * p.softcap;
-      scores[static_cast<size_t>(h) * n + i] = s;
+    for (int kv_head = 0, h = 0; kv_head < p.n_kv; ++kv_head) {
+      const float* k_head = k + static_cast<size_t>(kv_head) * p.D;
+      for (int r = 0; r < rep; ++r, ++h) {
+        float s = dot(q + static_cast<size_t>(h) * p.D, k_head, p.D) * p.scale;
+        if (p.softcap > 0.0f) s = std::tanh(s / p.softcap) * p.softcap;
+        scores[static_cast<size_t>(h) * n + i] = s;
+      }
     }
   });
   for (int h = 0; h < p.H; ++h) {
@@ -105,9 +109,11 @@ void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float
     total[h] = sum;
   }
   for_each_key(p.values, [&](int i, const float* v) {
-    for (int h = 0; h < p.H; ++h) {
-      add_scaled(out + static_cast<size_t>(h) * p.D, v + static_cast<size_t>(h / rep) * p.D,
-                 scores[static_cast<size_t>(h) * n + i], p.D);
+    for (int kv_head = 0, h = 0; kv_head < p.n_kv; ++kv_head) {
+      const float* v_head = v + static_cast<size_t>(kv_head) * p.D;
+      for (int r = 0; r < rep; ++r, ++h) {
+        add_scaled(out + static_cast<size_t>(h) * p.D, v_head, scores[static_cast<size_t>(h) * n + i], p.D);
+      }
     }
   });
 }
