@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -97,6 +100,40 @@ def test_int8_activation_matvec_equals_its_numpy_scheme(int8_activations, bits: 
     exact = x.astype(np.float64) @ _np_dequantize(w, scales, biases, group, bits).T
     assert np.abs(out - exact).max() < 0.03 * np.abs(exact).max()
     assert not np.allclose(out, exact, rtol=1e-5, atol=1e-4)  # it really took the int8 path
+
+
+_MANY_THREADS_SCRIPT = """
+import sys
+import mlx_infer
+import mlx.core as mx
+import numpy as np
+from mlx_infer import cpu_kernels
+
+assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+rng = np.random.default_rng(0)
+outs = []
+for i in range(300):
+    features, k, bits = int(rng.integers(1, 700)), 64 * int(rng.integers(1, 10)), (4, 8)[i % 2]
+    w, s, b = mx.quantize(mx.array(rng.standard_normal((features, k)).astype(np.float32)), 32, bits)
+    x = mx.array(rng.standard_normal((1 + i % 3, k)).astype(np.float32))
+    outs.append(np.array(cpu_kernels.quantized_matmul(x, w, s, b, 32, bits)).ravel())
+np.save(sys.argv[1], np.concatenate(outs))
+"""
+
+
+def test_products_split_over_more_threads_than_cores_are_unchanged(native, tmp_path: Path):
+    """Seven kernel threads on this machine's cores: workers are often descheduled or still waking
+    when a product starts, so the caller takes most chunks and the job closes with some workers
+    never joining. 300 products of random shapes must equal those computed here, bit for bit (a
+    feature's arithmetic does not depend on which thread computes it)."""
+    out_path = tmp_path / "many_threads.npy"
+    env = {**os.environ, "MLX_INFER_CPU_THREADS": "7"}
+    run = subprocess.run([sys.executable, "-c", _MANY_THREADS_SCRIPT, str(out_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    namespace: dict = {}
+    exec(_MANY_THREADS_SCRIPT.replace("np.save(sys.argv[1], np.concatenate(outs))", ""), namespace)
+    np.testing.assert_array_equal(np.load(out_path), np.concatenate(namespace["outs"]))
 
 
 def test_int8_activations_leave_products_they_do_not_fit_exact(int8_activations):

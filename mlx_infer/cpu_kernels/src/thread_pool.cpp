@@ -9,7 +9,7 @@ namespace mlx_infer {
 
 ThreadPool::ThreadPool(int num_threads) {
   for (int i = 1; i < num_threads; ++i) {
-    workers_.emplace_back([this, i] { worker_loop(i); });
+    workers_.emplace_back([this] { worker_loop(); });
   }
 }
 
@@ -17,51 +17,52 @@ ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
-    generation_.fetch_add(1);
   }
   wake_.notify_all();
   for (auto& w : workers_) w.join();
 }
 
-void ThreadPool::run(const std::function<void(int)>& task) {
-  if (workers_.empty()) {
-    task(0);
-    return;
-  }
-  std::lock_guard<std::mutex> one_job(run_mutex_);
+void ThreadPool::help(const std::function<void()>& task) {
+  std::lock_guard<std::mutex> one_job(help_mutex_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     task_ = &task;
-    pending_.store(static_cast<int>(workers_.size()));
-    generation_.fetch_add(1, std::memory_order_release);
+    // The previous job is closed with no worker inside (its caller waited for that): open the next.
+    state_.store(((state_.load(std::memory_order_relaxed) >> 32) + 1) << 32, std::memory_order_release);
   }
   wake_.notify_all();
-  task(0);
+  task();
   // pause, not yield: with nothing else runnable, yield returns at once and the loop would take the
   // execution units of a hyper-thread sibling that may be the very worker being waited for.
-  while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+  const uint64_t closed = state_.fetch_or(kClosed, std::memory_order_acq_rel) | kClosed;
+  if ((closed & kActive) == 0) return;
+  while ((state_.load(std::memory_order_acquire) & kActive) != 0) _mm_pause();
 }
 
-void ThreadPool::worker_loop(int index) {
-  uint64_t seen = 0;
+void ThreadPool::worker_loop() {
+  uint64_t seen = state_.load() >> 32;
+  const auto has_new_job = [&] { return (state_.load(std::memory_order_acquire) >> 32) != seen; };
   while (true) {
-    const std::function<void(int)>* task;
     // The kernels of one decode step come tens of microseconds apart: a worker that slept after each
     // job paid a futex wake-up (often longer than its share of the job) every time. So it watches for
     // the next job for a while, then sleeps until notified (no spinning between steps).
     const auto spin_until = std::chrono::steady_clock::now() + kSpin;
-    while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < spin_until) {
+    while (!has_new_job() && std::chrono::steady_clock::now() < spin_until) {
       for (int i = 0; i < 16; ++i) _mm_pause();
     }
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return generation_.load() != seen; });
+      wake_.wait(lock, [&] { return stop_ || has_new_job(); });
       if (stop_) return;
-      seen = generation_.load();
-      task = task_;
     }
-    (*task)(index);
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
+    // Join the job unless its caller has closed it; the job, and so task_, stay put while we are in.
+    uint64_t s = state_.load(std::memory_order_acquire);
+    while (!(s & kClosed) && !state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) {
+    }
+    seen = s >> 32;
+    if (s & kClosed) continue;
+    (*task_)();
+    state_.fetch_sub(1, std::memory_order_acq_rel);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -27,36 +28,51 @@ class ThreadPool {
 
   int size() const { return static_cast<int>(workers_.size()) + 1; }
 
-  // Runs task(i) for i in [0, size()), index 0 on the calling thread; returns when all are done.
-  // Callers on different threads (two MLX CPU streams) take turns.
-  void run(const std::function<void(int)>& task);
-
-  // f(begin, end) for each thread's contiguous share of [0, n), shares rounded up to a multiple of
-  // `align` (8 output features keep each thread's writes on their own cache lines); empty shares
-  // are skipped.
+  // f(begin, end) over chunks covering [0, n), each a multiple of `align` long (8 output features
+  // keep each thread's writes on their own cache lines) but the last. The calling thread and the
+  // workers that join in time take the chunks in turn, kChunksPerThread of them each when all run.
+  // Why chunks taken in turn rather than one fixed share per thread: with as many busy threads as
+  // cores (MLX's own, Python building the next step), a worker is often descheduled or still waking
+  // when a job starts, and the others then spun until it came back.
   template <class F>
   void for_range(int n, int align, F&& f) {
     const int parts = size();
-    run([&](int part) {
-      const int per = ((n + parts - 1) / parts + align - 1) / align * align;
-      const int begin = std::min(n, part * per);
-      const int end = std::min(n, begin + per);
-      if (begin < end) f(begin, end);
+    if (parts == 1 || n <= align) {
+      if (n > 0) f(0, n);
+      return;
+    }
+    const int chunk = ((n + parts * kChunksPerThread - 1) / (parts * kChunksPerThread) + align - 1) / align * align;
+    const int chunks = (n + chunk - 1) / chunk;
+    std::atomic<int> next{0};
+    help([&] {
+      for (int c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+           c = next.fetch_add(1, std::memory_order_relaxed)) {
+        f(c * chunk, std::min(n, (c + 1) * chunk));
+      }
     });
   }
 
  private:
-  void worker_loop(int index);
+  // Runs task on the calling thread and on every worker that picks the job up before the caller's
+  // own call returns; then waits for just those. So task must leave nothing undone when any one
+  // call of it returns (for_range's: until no chunk is left), and may run on one thread or several.
+  // Callers on different threads (two MLX CPU streams) take turns.
+  void help(const std::function<void()>& task);
+  void worker_loop();
 
   static constexpr std::chrono::microseconds kSpin{200};
+  static constexpr int kChunksPerThread = 4;
+  // state_: the job's generation in the high 32 bits, kClosed once the caller's call has returned
+  // (no worker may join after it), and the number of workers inside the job in the low bits.
+  static constexpr uint64_t kClosed = uint64_t{1} << 31;
+  static constexpr uint64_t kActive = kClosed - 1;
 
   std::vector<std::thread> workers_;
-  std::mutex run_mutex_;  // one job at a time
+  std::mutex help_mutex_;  // one job at a time
   std::mutex mutex_;
   std::condition_variable wake_;
-  const std::function<void(int)>* task_ = nullptr;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
+  const std::function<void()>* task_ = nullptr;
+  std::atomic<uint64_t> state_{kClosed};
   bool stop_ = false;
 };
 
