@@ -79,11 +79,14 @@ inline __m256 pair_scales(const float* sw, int b, int blocks_per_group, const fl
 constexpr int kPrefetchTiles = 2;
 
 // The accumulators of an NB-feature by MB-row output tile, with each feature's weight and scale rows.
+// Constructing it prefetches the scales and biases of the tile kPrefetchTiles ahead; prefetch(i)
+// the weights that tile's step i will read (beyond the end of the arrays is harmless: no faults).
 template <int MB, int NB>
 struct Tile {
   __m256 total[NB][MB];
   const uint8_t* wr[NB];
   const float* sr[NB];
+  const char* ahead;  // the first weight byte of the tile kPrefetchTiles ahead
 
   Tile(const Int8Problem& p, int n0, size_t row_bytes) {
     const int groups = p.K / p.group;
@@ -92,16 +95,18 @@ struct Tile {
       sr[r] = p.scales + static_cast<size_t>(n0 + r) * groups;
       for (int m = 0; m < MB; ++m) total[r][m] = _mm256_setzero_ps();
     }
-  }
-
-  // The scales and biases of the tile kPrefetchTiles ahead (beyond the end is harmless: no faults).
-  void prefetch_ahead(const Int8Problem& p, int n0) const {
-    const int groups = p.K / p.group;
+    ahead = reinterpret_cast<const char*>(wr[0]) + kPrefetchTiles * NB * row_bytes;
     const size_t at = static_cast<size_t>(n0 + kPrefetchTiles * NB) * groups;
     for (size_t b = 0; b < NB * groups * sizeof(float); b += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(p.scales + at) + b, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(p.biases + at) + b, _MM_HINT_T0);
     }
+  }
+
+  // Step i reads 32 bytes of each row, so over the tile's steps its NB contiguous rows are read at
+  // NB * 32 bytes a step: the same share of the tile ahead is requested.
+  void prefetch(int i) const {
+    for (int b = 0; b < NB * 32; b += 64) _mm_prefetch(ahead + static_cast<size_t>(i) * NB * 32 + b, _MM_HINT_T0);
   }
 
   void store(const Int8Problem& p, int n0, int m0) const {
@@ -117,13 +122,10 @@ template <int MB, int NB>
 void tile4(const Int8Problem& p, int n0, int m0) {
   const int pairs = p.K / 64;
   const int bpg = p.group / 32;
-  const size_t row_bytes = p.K / 2;
-  Tile<MB, NB> t(p, n0, row_bytes);
-  t.prefetch_ahead(p, n0);
+  Tile<MB, NB> t(p, n0, p.K / 2);
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const char* ahead = reinterpret_cast<const char*>(t.wr[0]) + kPrefetchTiles * NB * row_bytes;
   for (int q = 0; q < pairs; ++q) {
-    for (int l = 0; l < NB * 32; l += 64) _mm_prefetch(ahead + static_cast<size_t>(q) * NB * 32 + l, _MM_HINT_T0);
+    t.prefetch(q);
     __m256i xe[MB], xo[MB];
     for (int m = 0; m < MB; ++m) {
       const int8_t* xq = p.xq + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(q) * 64;
@@ -150,12 +152,9 @@ template <int MB, int NB>
 void tile8(const Int8Problem& p, int n0, int m0) {
   const int blocks = p.K / 32;
   const int bpg = p.group / 32;
-  const size_t row_bytes = p.K;
-  Tile<MB, NB> t(p, n0, row_bytes);
-  t.prefetch_ahead(p, n0);
-  const char* ahead = reinterpret_cast<const char*>(t.wr[0]) + kPrefetchTiles * NB * row_bytes;
+  Tile<MB, NB> t(p, n0, p.K);
   for (int b = 0; b < blocks; ++b) {
-    for (int l = 0; l < NB * 32; l += 64) _mm_prefetch(ahead + static_cast<size_t>(b) * NB * 32 + l, _MM_HINT_T0);
+    t.prefetch(b);
     __m256i xv[MB];
     for (int m = 0; m < MB; ++m) {
       xv[m] = _mm256_loadu_si256(

@@ -32,10 +32,10 @@ void ThreadPool::help(const std::function<void()>& task) {
   }
   wake_.notify_all();
   task();
-  // pause, not yield: with nothing else runnable, yield returns at once and the loop would take the
-  // execution units of a hyper-thread sibling that may be the very worker being waited for.
-  const uint64_t closed = state_.fetch_or(kClosed, std::memory_order_acq_rel) | kClosed;
-  if ((closed & kActive) == 0) return;
+  // No chunk is left: close the job to latecomers and wait for the workers inside it. pause, not
+  // yield: with nothing else runnable, yield returns at once and the loop would take the execution
+  // units of a hyper-thread sibling that may be the very worker being waited for.
+  state_.fetch_or(kClosed, std::memory_order_acq_rel);
   while ((state_.load(std::memory_order_acquire) & kActive) != 0) _mm_pause();
 }
 
