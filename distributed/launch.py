@@ -32,8 +32,12 @@ DEFAULT_PORT = 32323
 STOP_GRACE_S = 3.0
 PARTIAL_LINE_S = 0.1  # a partial line waits this long for the rest of its line
 _LINES = re.compile(b"(?<=\n)")  # split after each newline, keeping it
-# Passed on to every rank when set here (ssh does not carry the environment).
-FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "MLX_INFER_BLAS", "MLX_INFER_KERNELS", "MLX_INFER_DEBUG")
+# Passed on to every rank when set here (ssh does not carry the environment): every rank must compute with
+# the kernels and activations the user chose, or a sharded run stops computing what one process does.
+FORWARDED_ENV = (
+    "HF_HUB_OFFLINE", "HF_HOME", "MLX_INFER_BLAS", "MLX_INFER_KERNELS", "MLX_INFER_DEBUG",
+    "MLX_INFER_CPU_KERNELS", "MLX_INFER_CPU_ACTIVATIONS",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_infer.engine.engine import Engine, EngineConfig, pool_num_blocks
-from mlx_infer.engine.runner import kv_bytes_per_token
+from mlx_infer.engine.runner import kv_bytes_per_token, prepare_for_cpu
 from mlx_infer.errors import DistributedError
 from mlx_infer.kv.memory import device_memory_bytes
 from mlx_infer.loading import LoadedModel, load
@@ -100,6 +100,9 @@ class Session:
     def follow(self) -> None:
         """Run rank 0's steps on this rank's shard until rank 0 closes the session."""
         model = self.loaded.model
+        # The same CPU setup rank 0's runner gives its shard: the same kernels on every rank, so that a
+        # pipeline computes what one process computes.
+        prepare_for_cpu(model)
         n_kv_heads, head_dim = model.kv_shape()
         cache = [
             LayerKV(self.config.num_blocks, self.config.block_size, n_kv_heads, head_dim, self.shard.dtype)

@@ -1,8 +1,9 @@
 """One rank of a distributed greedy/sampled generation: ``python -m mlx_infer.distributed.worker``.
 
 Run by ``mlx-infer launch`` on every host (or alone, as a single process: the same code path without a
-group). Rank 0 streams the answer to stdout; every rank ends with one ``RESULT {json}`` line (tokens and
-timing on rank 0, bytes this rank sent on all of them) that tests and measurements read.
+group). Rank 0 streams the answer to stdout; every rank ends with one ``RESULT {json}`` line (tokens, their
+log-probabilities and timing on rank 0; on all of them the bytes this rank sent and how many of its layers
+run as native block ops) that tests and measurements read.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ import json
 import logging
 import sys
 import time
+from dataclasses import replace
+
+import mlx.nn as nn
 
 from mlx_infer import cli_options
 from mlx_infer.engine.engine import Engine
 from mlx_infer.errors import DistributedError, MlxInferError
+from mlx_infer.models.native_block import NativeBlock
 from mlx_infer.sampling import SamplingParams
 
 from .runtime import STRATEGIES, init_group, open_session
@@ -52,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     config = replace(cli_options.engine_config(args), num_blocks=args.num_blocks)
     keep = args.keep_quantized
     group = init_group()
@@ -62,19 +65,22 @@ def _run(args: argparse.Namespace) -> int:
 
         loaded = load(args.model, keep_quantized=keep)
         engine = Engine(loaded.model, loaded.tokenizer, loaded.max_context, config)
-        _report(_generate(engine, args), rank=0, bytes_sent=0, messages=0)
+        _report(_generate(engine, args), rank=0, bytes_sent=0, messages=0, **_blocks(loaded.model))
         return 0
     session = open_session(args.model, group, config, args.strategy, keep)
-    traffic = session.shard.traffic
     if session.rank != 0:
         session.follow()
-        _report({}, rank=session.rank, bytes_sent=traffic.bytes_sent, messages=traffic.messages)
-        return 0
-    try:
-        result = _generate(session.engine(), args)
-    finally:
-        session.close()
-    _report(result, rank=0, bytes_sent=traffic.bytes_sent, messages=traffic.messages)
+        result = {}
+    else:
+        try:
+            result = _generate(session.engine(), args)
+        finally:
+            session.close()
+    traffic = session.shard.traffic
+    _report(
+        result, rank=session.rank, bytes_sent=traffic.bytes_sent, messages=traffic.messages,
+        **_blocks(session.loaded.model),
+    )
     return 0
 
 
@@ -84,13 +90,15 @@ def _generate(engine: Engine, args: argparse.Namespace) -> dict:
         prompt_ids = tokenizer.encode(args.prompt)
     else:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    params: SamplingParams = cli_options.sampling_params(args)
+    # Each token's log-probability too: equal tokens can hide different logits.
+    params: SamplingParams = replace(cli_options.sampling_params(args), logprobs=0)
     start = time.perf_counter()
     engine.add_request(prompt_ids, params)
-    tokens, times = [], []
+    tokens, logprobs, times = [], [], []
     while engine.has_unfinished():
         for out in engine.step():
             tokens.extend(out.token_ids)
+            logprobs.extend(lp.logprob for lp in out.logprobs or [])
             times.append(time.perf_counter())
             sys.stdout.write(out.text)
             sys.stdout.flush()
@@ -98,12 +106,19 @@ def _generate(engine: Engine, args: argparse.Namespace) -> dict:
     decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
     return {
         "tokens": tokens,
+        "logprobs": logprobs,
         "prompt_tokens": len(prompt_ids),
         "seconds": time.perf_counter() - start,
         "first_token_s": times[0] - start if times else None,
         "decode_tok_s": decode,
         "steps": engine.stats.steps,
     }
+
+
+def _blocks(model: nn.Module) -> dict:
+    """How many of this rank's layers run as native block ops (the CPU backend's fast path)."""
+    native = sum(isinstance(block, NativeBlock) for block in model.layers)
+    return {"layers": len(model.layers), "native_blocks": native}
 
 
 def _report(result: dict, **fields) -> None:

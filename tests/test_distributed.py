@@ -3,10 +3,14 @@
 Multi-rank runs go through ``python -m mlx_infer.distributed.launch`` (ring backend, 127.0.0.1, or network
 namespaces reached through an ssh stand-in) and compare against a single process: sharded greedy tokens
 must equal the unsharded ones, and every architecture's sharded logits must equal its unsharded logits.
+SmolLM2's pipeline runs on the default path users run (int8 activations, native block ops on every rank)
+as well as on conftest's exact float32 one: the same kernels on every rank, so the same tokens and the same
+log-probabilities, bit for bit.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -16,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,18 +31,23 @@ from conftest import TINY_LLAMA_CONFIG, make_tiny_llama, write_hf_folder
 from engine_helpers import greedy_reference
 from mlx.utils import tree_flatten
 
+from mlx_infer import cpu_kernels
 from mlx_infer.distributed import hostfile, launch, shard_pipeline, shard_tensor
 from mlx_infer.distributed.channel import decode_step, encode_step
 from mlx_infer.distributed.pipeline import layer_ranges
-from mlx_infer.distributed.runtime import load_sharded
+from mlx_infer.distributed.runtime import Session, load_sharded
 from mlx_infer.distributed.tensor import _keep_columns, _keep_rows
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.engine.engine import EngineConfig
 from mlx_infer.errors import DistributedError
+from mlx_infer.models.native_block import NativeBlock
 
 PY = sys.executable
 TESTS = Path(__file__).parent
 # faulthandler: a worker killed by a signal prints its Python stack (what it was doing) to stderr.
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
+# The default path (int8 activations in the native products) and the exact one, for worker subprocesses.
+ACTIVATION_ENVS = {kind: {**ENV, cpu_kernels.ACTIVATIONS_ENV_VAR: kind} for kind in ("int8", "float32")}
 # A tiny Llama whose heads (and KV heads, and MLP columns) divide by 2 and by 3.
 TINY_TP = dict(
     hidden_size=96, num_attention_heads=6, num_key_value_heads=6, intermediate_size=192, num_hidden_layers=3
@@ -79,13 +89,13 @@ def _free(port: int) -> bool:
     return True
 
 
-def run_launch(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+def run_launch(*args: str, timeout: float = 150, env: dict = ENV) -> subprocess.CompletedProcess:
     return subprocess.run(
         [PY, "-m", "mlx_infer.distributed.launch", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=ENV,
+        env=env,
         cwd=TESTS.parent,
     )
 
@@ -115,9 +125,11 @@ def worker_args(model: Path, prompt: str, max_tokens: int, raw: bool) -> list[st
     return args + (["--no-chat-template", "--ignore-eos"] if raw else [])
 
 
-def launched_tokens(
-    hosts: str, strategy: str, model: Path, prompt: str, max_tokens: int, raw: bool, *extra: str
-) -> list[int]:
+def launched(
+    hosts: str, strategy: str, model: Path, prompt: str, max_tokens: int, raw: bool, *extra: str,
+    env: dict = ENV,
+) -> dict[int, dict]:
+    """Each rank's ``RESULT`` of a launched worker run (rank 0's holds the tokens)."""
     done = run_launch(
         "--hosts",
         hosts,
@@ -128,13 +140,18 @@ def launched_tokens(
         *extra,
         "--",
         *worker_args(model, prompt, max_tokens, raw),
+        env=env,
     )
     assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
     by_rank = results(done.stdout)
     assert sorted(by_rank) == list(range(len(hosts.split(",")))), done.stdout[-2000:]
     for line in done.stdout.splitlines():  # every line of output names its rank
         assert line.startswith("[rank "), line
-    return by_rank[0]["tokens"]
+    return by_rank
+
+
+def launched_tokens(*args, **kwargs) -> list[int]:
+    return launched(*args, **kwargs)[0]["tokens"]
 
 
 # ------------------------------------------------------------------------------------------ fixtures
@@ -151,28 +168,35 @@ def tiny_tp(tmp_path_factory) -> tuple[Path, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def smol_reference(smollm2_path: Path) -> list[int]:
-    """Single-process greedy tokens of SmolLM2 for FRANCE, through the same worker without a group."""
-    done = subprocess.run(
-        [
-            PY,
-            "-m",
-            "mlx_infer.distributed.worker",
-            "-m",
-            str(smollm2_path),
-            "-p",
-            FRANCE,
-            "--max-tokens",
-            "12",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=ENV,
-    )
-    assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
-    assert "Paris" in done.stdout
-    return results(done.stdout)[0]["tokens"]
+def smol_reference(smollm2_path: Path) -> Callable[[str], dict]:
+    """Single-process greedy run of SmolLM2 for FRANCE, through the same worker without a group, by
+    activations (the ``RESULT``: tokens and their log-probabilities)."""
+
+    @functools.cache
+    def run(activations: str) -> dict:
+        done = subprocess.run(
+            [
+                PY,
+                "-m",
+                "mlx_infer.distributed.worker",
+                "-m",
+                str(smollm2_path),
+                "-p",
+                FRANCE,
+                "--max-tokens",
+                "12",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=ACTIVATION_ENVS[activations],
+        )
+        assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
+        result = results(done.stdout)[0]
+        assert result["native_blocks"] == result["layers"] == 30, result
+        return result
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +336,24 @@ def test_a_pipeline_rank_materializes_only_its_share(smollm2_path: Path):
     assert peak < 0.6 * full_peak, (peak, full_peak)
 
 
-def test_dry_run_prints_the_host_file_and_one_command_per_rank(capsys):
+@pytest.mark.slow
+def test_a_follower_sets_its_shard_up_as_the_runner_does(smollm2_path: Path):
+    """Rank 1 of a pipeline computes its layers with native block ops, as rank 0's runner (and one
+    process) does: the same kernels for the same layers."""
+    loaded, shard = load_sharded(str(smollm2_path), lambda m: shard_pipeline(m, FakeGroup(1, 2)))
+
+    class Stopped:  # rank 0 closed the session before any step
+        def receive(self) -> None:
+            return None
+
+    session = Session(loaded, FakeGroup(1, 2), shard, Stopped(), EngineConfig(num_blocks=4))
+    session.follow()
+    assert len(loaded.model.layers) == 15
+    assert all(isinstance(block, NativeBlock) for block in loaded.model.layers)
+
+
+def test_dry_run_prints_the_host_file_and_one_command_per_rank(capsys, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_ENV_VAR, "float32")  # ssh would not carry it to the hosts
     assert (
         launch.main(
             [
@@ -340,6 +381,7 @@ def test_dry_run_prints_the_host_file_and_one_command_per_rank(capsys):
     assert len(commands) == 3
     for rank, line in enumerate(commands):
         assert f"export MLX_RANK={rank};" in line and "MLX_INFER_STRATEGY=tensor" in line
+        assert "export MLX_INFER_CPU_ACTIVATIONS=float32;" in line
         assert "127.0.0.1:40100" in line and "127.0.0.1:40102" in line
         assert f"{PY} -m mlx_infer.cli generate -m M -p" in line
     # One host is a plain process: no ring (mlx.launch 0.32.4 crashes on a one-rank ring).
@@ -492,10 +534,20 @@ def test_tensor_parallel_greedy_equals_one_process(tiny_tp, hosts: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_pipeline_greedy_on_smollm2_equals_one_process(smollm2_path: Path, smol_reference, ranks: int):
+@pytest.mark.parametrize(("ranks", "activations"), [(2, "int8"), (3, "int8"), (2, "float32")])
+def test_pipeline_on_smollm2_computes_what_one_process_computes(
+    smollm2_path: Path, smol_reference, ranks: int, activations: str
+):
+    """Same kernels, same per-layer arithmetic: the same greedy tokens and log-probabilities, bit for bit,
+    with every rank's layers as native block ops."""
     hosts = ",".join(["127.0.0.1"] * ranks)
-    assert launched_tokens(hosts, "pipeline", smollm2_path, FRANCE, 12, False) == smol_reference
+    env = ACTIVATION_ENVS[activations]
+    by_rank = launched(hosts, "pipeline", smollm2_path, FRANCE, 12, False, env=env)
+    expected = smol_reference(activations)
+    assert by_rank[0]["tokens"] == expected["tokens"]
+    assert by_rank[0]["logprobs"] == expected["logprobs"]
+    assert sum(r["layers"] for r in by_rank.values()) == 30
+    assert all(r["native_blocks"] == r["layers"] for r in by_rank.values()), by_rank
 
 
 @pytest.mark.slow
@@ -592,9 +644,10 @@ def test_tensor_parallel_across_namespaces(netns, tiny_tp):
 @pytest.mark.slow
 def test_pipeline_across_namespaces(netns, smollm2_path: Path, smol_reference):
     tokens = launched_tokens(
-        netns["hosts"], "pipeline", smollm2_path, FRANCE, 12, False, "--ssh", netns["ssh"]
+        netns["hosts"], "pipeline", smollm2_path, FRANCE, 12, False, "--ssh", netns["ssh"],
+        env=ACTIVATION_ENVS["int8"],
     )
-    assert tokens == smol_reference
+    assert tokens == smol_reference("int8")["tokens"]
 
 
 @pytest.mark.slow
@@ -606,7 +659,7 @@ def test_distributed_serve_answers_concurrent_requests_like_one_process(smollm2_
     import openai
     from server_helpers import LiveServer
 
-    from mlx_infer.engine.engine import Engine, EngineConfig
+    from mlx_infer.engine.engine import Engine
     from mlx_infer.loading import load
     from mlx_infer.sampling import SamplingParams
 

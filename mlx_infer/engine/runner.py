@@ -44,16 +44,23 @@ class InFlight:
         return {r.request_id: i for i, r in enumerate(self.sampled)}
 
 
+def prepare_for_cpu(model: nn.Module) -> None:
+    """On MLX's CPU backend: same parameters, fewer and faster ops per step (see models/fused.py and
+    models/native_block.py). Every process that runs the model's layers calls it (the runner, and each
+    distributed follower on its shard), so that they all compute with the same kernels."""
+    if not cpu_backend():
+        return
+    summary = fuse_projections(model)
+    blocks = native_blocks(model)  # builds (or loads) the native kernels now, not in the first step
+    log.info(
+        "CPU decode step: %s, %d blocks as native block ops, %s matvec activations",
+        summary, blocks, cpu_kernels.activations(),
+    )
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, kv: KVCacheManager, dtype: mx.Dtype):
-        if cpu_backend():
-            # Same parameters, fewer and faster ops per step on MLX's CPU backend (see models/fused.py).
-            summary = fuse_projections(model)
-            blocks = native_blocks(model)  # builds (or loads) the native kernels now, not in the first step
-            log.info(
-                "CPU decode step: %s, %d blocks as native block ops, %s matvec activations",
-                summary, blocks, cpu_kernels.activations(),
-            )
+        prepare_for_cpu(model)
         self.model = model
         self.kv = kv
         n_kv_heads, head_dim = model.kv_shape()
