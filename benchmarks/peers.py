@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from measure import Result
@@ -158,6 +160,88 @@ def _gguf_sizes(path: str) -> tuple[int, int, str]:
     head_dim = field("embedding_length") // field("attention.head_count")
     kv_per_token = 2 * field("block_count") * n_kv_heads * head_dim * 2  # K and V, float16
     return weight_bytes, kv_per_token, types.most_common(1)[0][0]
+
+
+# ---- llama.cpp's quality: llama-perplexity --kl-divergence ------------------------------------
+@dataclass
+class LlamaQuality:
+    """``llama-perplexity --kl-divergence`` of a GGUF against an F32 GGUF of the same weights."""
+
+    tokens: int  # scored positions: the second half of each chunk
+    chunks: int
+    ctx: int
+    kl_mean: float
+    kl_p99: float
+    kl_max: float
+    same_top: float  # "Same top p", as a fraction
+    ppl_base: float  # the F32 GGUF's perplexity
+    ppl: float
+
+
+def find_llama_tool(name: str, directory: str | None) -> str | None:
+    """``name`` (e.g. ``llama-perplexity``) in ``directory``, or on PATH without one."""
+    if directory:
+        path = Path(directory) / name
+        return str(path) if path.is_file() else None
+    return shutil.which(name)
+
+
+def f32_gguf(quantize: str, gguf: str) -> Path:
+    """An F32 GGUF of ``gguf``'s weights, made once with ``llama-quantize --allow-requantize`` and cached:
+    llama.cpp's exact path, which computes F32 weights with F32 activations."""
+    src = Path(gguf)
+    stat = src.stat()
+    dest = CACHE / f"{src.stem}-{stat.st_size}-{int(stat.st_mtime)}-F32.gguf"
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".tmp")
+    _run_tool([quantize, "--allow-requantize", gguf, str(tmp), "F32"], "llama-quantize")
+    tmp.rename(dest)
+    return dest
+
+
+def run_llama_kld(
+    perplexity: str, quantize: str, gguf: str, text: Path, ctx: int, chunks: int, threads: int, workdir: Path
+) -> LlamaQuality:
+    """Base logits from the F32 GGUF over ``chunks`` chunks of ``ctx`` tokens of ``text``, then ``gguf``
+    scored against them (``--kl-divergence-base`` then ``--kl-divergence``)."""
+    base = workdir / "kld-base.bin"
+    common = ["-c", str(ctx), "--chunks", str(chunks), "-t", str(threads), "--kl-divergence-base", str(base)]
+    _run_tool([perplexity, "-m", str(f32_gguf(quantize, gguf)), "-f", str(text), *common], "llama-perplexity")
+    out = _run_tool([perplexity, "-m", gguf, "--kl-divergence", *common], "llama-perplexity")
+    return parse_kld(out, ctx)
+
+
+_NUMBER_AFTER = r"\s*:?\s*(-?[0-9.]+(?:e[-+]?\d+)?|-?nan|-?inf)"
+
+
+def parse_kld(output: str, ctx: int) -> LlamaQuality:
+    """The statistics ``llama-perplexity --kl-divergence`` prints at its end (it prints none for fewer
+    than 100 scored tokens: a RuntimeError then)."""
+
+    def number(label: str) -> float:
+        match = re.search(label + _NUMBER_AFTER, output, flags=re.IGNORECASE)
+        if match is None:
+            raise RuntimeError(f"llama-perplexity printed no {label!r} (too few tokens scored?)")
+        return float(match.group(1))
+
+    chunks = int(number(r"computing over"))
+    return LlamaQuality(
+        tokens=chunks * (ctx - 1 - ctx // 2), chunks=chunks, ctx=ctx,
+        kl_mean=number(r"Mean\s+KLD"), kl_p99=number(r"99\.0%\s+KLD"), kl_max=number(r"Maximum KLD"),
+        same_top=number(r"Same top p") / 100, ppl_base=number(r"Mean PPL\(base\)"),
+        ppl=number(r"Mean PPL\(Q\)"),
+    )
+
+
+def _run_tool(cmd: list[str], name: str) -> str:
+    """stdout and stderr of ``cmd`` (llama.cpp logs its results to stderr); RuntimeError if it fails."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [f"exit {proc.returncode}"]
+        raise RuntimeError(f"{name} failed: {last[0]}")
+    return proc.stdout + proc.stderr
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["mlx-lm"]:

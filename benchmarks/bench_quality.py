@@ -1,0 +1,267 @@
+"""What each lossy runtime option costs in accuracy, against the exact path, in decode mode.
+
+    python benchmarks/bench_quality.py -m MODEL [--text FILE] [--tokens 400]
+        [--compare llama.cpp] [--llama-dir DIR] [--json FILE]
+
+The text's first ``--tokens`` tokens are fed one a step (teacher-forced) through the engine's runner
+and paged KV cache, as generation runs them, once on the exact path (float32 activations) and once per
+lossy option, in lockstep. Per predicted position: KL(exact || option), whether the argmax tokens
+agree, and each path's negative log-likelihood of the actual next token (perplexity).
+``--compare llama.cpp`` runs ``llama-perplexity --kl-divergence`` of the same GGUF against an F32 GGUF
+of its weights on the same text, llama.cpp's own measure of its 8-bit activations. See README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# mlx_infer first: it binds the optimized BLAS, which only works before mlx.core is imported.
+import mlx_infer  # noqa: E402,F401,I001
+import peers  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+from teacher_forced import DecodePath  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mlx_infer import blas, cpu_kernels  # noqa: E402
+from mlx_infer.convert.evaluate import DEFAULT_EVAL_FILE, Quality, eval_windows  # noqa: E402
+from mlx_infer.errors import MlxInferError  # noqa: E402
+from mlx_infer.loading import load  # noqa: E402
+
+PEERS = ("llama.cpp",)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One runtime setting the engine offers; the exact path is every field at its default.
+
+    A new lossy option (a KV cache dtype, speculative decoding) is a field here, applied in
+    :func:`applied`, and one entry in :data:`OPTIONS`.
+    """
+
+    name: str
+    activations: str = "float32"  # cpu_kernels.set_activations kind of the decode matvecs
+
+
+EXACT = Option("exact (float32 activations)")
+OPTIONS = (
+    Option("int8 activations (default)", activations="int8"),
+    Option("int8 activations, AVX2 kernel", activations="int8-avx2"),
+)
+
+
+@contextmanager
+def applied(option: Option):
+    """``option``'s settings for the products evaluated inside; the exact path's again after."""
+    cpu_kernels.set_activations(option.activations)
+    try:
+        yield
+    finally:
+        cpu_kernels.set_activations(EXACT.activations)
+
+
+def runnable(options: tuple[Option, ...]) -> list[Option]:
+    """The options that compute differently from the exact path and from each other here (the int8
+    kernel picked at run time may be the AVX2 one already; without the native kernels there are no
+    int8 activations at all)."""
+    seen, out = set(), []
+    for option in options:
+        with applied(option):
+            kernel = cpu_kernels.activations()
+        if kernel != "float32" and kernel not in seen:
+            seen.add(kernel)
+            out.append(option)
+    return out
+
+
+@dataclass
+class _Rows:
+    """Per-position figures of one option, as host arrays once a window is done."""
+
+    kl: list[np.ndarray]
+    same: list[np.ndarray]
+    nll: list[np.ndarray]
+
+    def quality(self, nll_exact: list[np.ndarray], windows: int) -> Quality:
+        kl = np.concatenate(self.kl).astype(np.float64)
+        return Quality(
+            tokens=int(kl.size), windows=windows, kl_mean=float(kl.mean()),
+            kl_p99=float(np.percentile(kl, 99)), kl_max=float(kl.max()),
+            top1_agreement=float(np.concatenate(self.same).mean()),
+            ppl_source=float(np.exp(np.concatenate(nll_exact).astype(np.float64).mean())),
+            ppl_output=float(np.exp(np.concatenate(self.nll).astype(np.float64).mean())),
+        )
+
+
+def measure(model, windows: list[list[int]], options: list[Option]) -> dict[str, Quality]:
+    """Each option's :class:`Quality` against the exact path, every window decoded a token a step.
+
+    Each path has its own KV cache; the paths step in lockstep, each step evaluated under its own
+    settings (kernel settings apply to the products evaluated while they hold), so the exact
+    distribution is compared at once and never stored for the whole text.
+    """
+    longest = max(len(w) for w in windows)
+    exact = DecodePath(model, longest)
+    paths = [DecodePath(model, longest) for _ in options]
+    rows = [_Rows([], [], []) for _ in options]
+    nll_exact: list[np.ndarray] = []
+    for window in windows:
+        for path in (exact, *paths):
+            path.reset()
+        steps: list[list[tuple[mx.array, ...]]] = [[] for _ in options]
+        exact_nll = []
+        for token, target in zip(window[:-1], window[1:]):
+            with applied(EXACT):
+                lp_exact = exact.step(token)
+                exact_nll.append(-lp_exact[target])
+                mx.eval(lp_exact, exact_nll[-1])
+            for option, path, figures in zip(options, paths, steps):
+                with applied(option):
+                    lp = path.step(token)
+                    # Clamped at 0: identical distributions can round to -1e-9; KL is never negative.
+                    kl = mx.maximum(mx.sum(mx.exp(lp_exact) * (lp_exact - lp)), 0.0)
+                    step = (kl, mx.argmax(lp_exact) == mx.argmax(lp), -lp[target])
+                    mx.eval(step)  # here: only the three figures outlive the step, not lp
+                figures.append(step)
+        nll_exact.append(np.array(mx.stack(exact_nll)))
+        for r, figures in zip(rows, steps):
+            kl, same, nll = (np.array(mx.stack(column)) for column in zip(*figures))
+            r.kl.append(kl)
+            r.same.append(same)
+            r.nll.append(nll)
+    return {o.name: r.quality(nll_exact, len(windows)) for o, r in zip(options, rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        lm = load(args.model)
+        windows = eval_windows(lm.tokenizer, args.text, args.tokens)
+    except MlxInferError as e:
+        console.print(f"[red]error: {e}[/red]")
+        return e.exit_code
+    options = runnable(OPTIONS)
+    console.print(f"{lm.weight_policy}; BLAS: {blas.active()}")
+    results = measure(lm.model, windows, options)
+    kernels = {o.name: _kernel(o) for o in options}
+
+    llama, skipped = None, []
+    if "llama.cpp" in args.compare:
+        try:
+            llama, why = _run_llama(lm.source, args)
+        except (RuntimeError, OSError) as e:
+            llama, why = None, f"failed: {e}"
+        if llama is None:
+            skipped.append(f"llama.cpp: {why}")
+
+    _print_table(console, results, kernels, llama)
+    for line in skipped:
+        console.print(f"[yellow]skipped {line}[/yellow]")
+    if not options:
+        console.print(f"[yellow]no lossy option runs here: {cpu_kernels.unavailable_reason()}[/yellow]")
+    if args.json:
+        _write_json(Path(args.json), args, results, kernels, llama, skipped)
+    return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-m", "--model", required=True, help="GGUF file, HF/MLX folder or Hub repo id")
+    parser.add_argument("--text", type=Path, default=DEFAULT_EVAL_FILE,
+                        help="evaluation text (default: convert/eval_text.txt)")
+    parser.add_argument("--tokens", type=int, default=400, help="text tokens decoded (default 400)")
+    parser.add_argument("--compare", type=_peer_list, default=[], help="peers: llama.cpp")
+    parser.add_argument("--llama-dir", help="folder of llama-perplexity and llama-quantize (default: PATH)")
+    parser.add_argument("--llama-ctx", type=int, default=256,
+                        help="llama-perplexity context (-c); it scores the second half of each chunk")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if args.tokens < 2:
+        parser.error("--tokens must be at least 2")
+    if args.llama_ctx < 8:
+        parser.error("--llama-ctx must be at least 8")
+    return args
+
+
+def _peer_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(unknown)} (known: {', '.join(PEERS)})")
+    return names
+
+
+def _kernel(option: Option) -> str:
+    with applied(option):
+        return cpu_kernels.activations()
+
+
+def _run_llama(gguf: str, args: argparse.Namespace) -> tuple[peers.LlamaQuality | None, str]:
+    if not gguf.endswith(".gguf"):
+        return None, "llama.cpp needs a .gguf model"
+    tools = [peers.find_llama_tool(name, args.llama_dir) for name in ("llama-perplexity", "llama-quantize")]
+    if None in tools:
+        return None, "llama-perplexity/llama-quantize not found (put them on PATH or pass --llama-dir DIR)"
+    # About as many scored tokens as ours: llama.cpp scores the second half of each chunk.
+    chunks = math.ceil(args.tokens / (args.llama_ctx - 1 - args.llama_ctx // 2))
+    with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
+        result = peers.run_llama_kld(*tools, gguf, args.text, args.llama_ctx, chunks, args.threads, Path(tmp))
+    return result, ""
+
+
+def _print_table(
+    console: Console, results: dict[str, Quality], kernels: dict[str, str], llama: peers.LlamaQuality | None
+) -> None:
+    table = Table(title="quality against the exact path, teacher-forced, one token a step")
+    for name in ("engine", "option", "kernel", "tokens", "mean KL", "p99 KL", "max KL", "top-1", "PPL exact",
+                 "PPL option"):
+        table.add_column(name, justify="left" if name in ("engine", "option", "kernel") else "right")
+    for name, q in results.items():
+        table.add_row("mlx-infer", name, kernels[name], str(q.tokens), f"{q.kl_mean:.4f}",
+                      f"{q.kl_p99:.4f}", f"{q.kl_max:.4f}", f"{q.top1_agreement:.1%}", f"{q.ppl_source:.3f}",
+                      f"{q.ppl_output:.3f}")
+    if llama is not None:
+        table.add_row("llama.cpp", "8-bit activations (vs F32 GGUF)", f"-c {llama.ctx}", str(llama.tokens),
+                      f"{llama.kl_mean:.4f}", f"{llama.kl_p99:.4f}", f"{llama.kl_max:.4f}",
+                      f"{llama.same_top:.1%}", f"{llama.ppl_base:.3f}", f"{llama.ppl:.3f}")
+    console.print(table)
+    console.print("KL(exact || option) in nats per position; top-1: the argmax tokens agree (llama.cpp: "
+                  "'Same top p'); llama.cpp scores the second half of each chunk, so its positions differ")
+
+
+def _write_json(path: Path, args, results, kernels, llama, skipped: list[str]) -> None:
+    data = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "blas": blas.active(),
+                    "mlx": mx.__version__},
+        "args": {"model": args.model, "text": str(args.text), "tokens": args.tokens, "compare": args.compare,
+                 "llama_ctx": args.llama_ctx},
+        "results": [dict(q.as_dict(), engine="mlx-infer", option=name, kernel=kernels[name])
+                    for name, q in results.items()],
+        "skipped": skipped,
+    }
+    if llama is not None:
+        data["results"].append(dict(vars(llama), engine="llama.cpp", option="8-bit activations"))
+    path.write_text(json.dumps(data, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
