@@ -8,11 +8,18 @@ from __future__ import annotations
 
 
 class MlxInferError(Exception):
-    """Base class: a user-facing error whose message is one line."""
+    """Base class: a user-facing error whose message is one line.
+
+    ``param`` names the request field at fault, when there is one (OpenAI's ``error.param``).
+    """
 
     exit_code = 1
     http_status = 500
     openai_type = "server_error"
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFound(MlxInferError):
@@ -42,6 +49,35 @@ class InvalidRequest(MlxInferError):
 
 class ContextTooLong(InvalidRequest):
     """A prompt (plus what must be generated) does not fit the model's context or the KV pool."""
+
+
+class RequestTooLarge(InvalidRequest):
+    """A request body over the server's byte limit, refused before it is parsed."""
+
+    http_status = 413
+
+
+class RequestTimeout(InvalidRequest):
+    """A request body that did not arrive in time."""
+
+    http_status = 408
+
+
+class RequestFailed(MlxInferError):
+    """Something went wrong inside the engine for this one request; the engine goes on with the others."""
+
+
+class ServiceUnavailable(MlxInferError):
+    """The server cannot take requests now: the model is loading, the server is shutting down, or the
+    engine has stopped."""
+
+    http_status = 503
+
+
+class EngineFailure(ServiceUnavailable):
+    """The engine thread stopped; the process should be restarted (``serve`` exits with this code)."""
+
+    exit_code = 7
 
 
 class QueueFull(MlxInferError):

@@ -15,6 +15,14 @@ import numpy as np
 
 from mlx_infer.errors import InvalidRequest
 
+SEED_MODULUS = 2**64  # mx.random.key takes an unsigned 64-bit seed
+
+
+def rng_key(seed: int) -> mx.array:
+    """The PRNG key of a seed: any integer (OpenAI seeds are signed 64-bit), reduced mod 2**64 so
+    negative and large seeds reach MLX's unsigned range; a seed and its 64-bit two's complement agree."""
+    return mx.random.key(seed % SEED_MODULUS)
+
 
 @dataclass
 class SamplingParams:

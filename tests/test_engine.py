@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from engine_helpers import CharTokenizer, full_forward_logits, greedy_reference, tiny_llama
 
-from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
 from mlx_infer.engine.scheduler import SchedulerConfig
-from mlx_infer.errors import ContextTooLong, InvalidRequest
+from mlx_infer.errors import ContextTooLong, EngineFailure, InvalidRequest
 from mlx_infer.kv.block_pool import BlockPool
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.sampling import SamplerRow, SamplingParams, sample
@@ -173,6 +173,107 @@ def test_logprobs_match_log_softmax(model):
     assert entry.logprob == pytest.approx(float(expected.max()), abs=1e-4)
     top_ids = [t for t, _ in entry.top]
     assert top_ids == list(np.argsort(-expected)[:3])
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**63 - 1, 2**64 + 5])
+def test_any_integer_seed_is_mapped_into_mlx_key_range(model, seed):
+    # mx.random.key takes only [0, 2**64): the seed is reduced mod 2**64, so -1 and 2**64 - 1 agree.
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=seed)
+    same = SamplingParams(max_tokens=6, temperature=1.0, seed=seed % 2**64)
+    out, again = run_all(make_engine(model), [PROMPTS[0], PROMPTS[0]], [params, same])
+    assert len(tokens_of(out)) == 6 and tokens_of(out) == tokens_of(again)
+
+
+# ---- failures stay with the request (or the step) they belong to ---------------------------------
+class _FailingDetok:
+    def add(self, token: int) -> str:
+        raise ValueError("injected detokenizer failure")
+
+    def flush(self) -> str:
+        return ""
+
+
+def _assert_idle(engine: Engine) -> None:
+    assert not engine.has_unfinished()
+    assert engine.kv.pool.num_used == 0 and not engine.requests and not engine._detokenizers
+    check_block_accounting(engine)
+
+
+def test_detokenizer_failure_fails_that_request_alone(model, references):
+    engine = make_engine(model, block_size=4)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in PROMPTS]
+    engine._detokenizers[ids[1]] = _FailingDetok()
+    outputs = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    failed = outputs[ids[1]]
+    assert [o.finish_reason for o in failed] == ["error"]
+    assert isinstance(failed[0].error, ValueError) and failed[0].finished
+    for i, ref in ((0, references[0]), (2, references[2]), (3, references[3])):
+        assert tokens_of(outputs[ids[i]]) == ref
+    assert engine.stats.failed_requests == 1
+    _assert_idle(engine)
+
+
+def test_step_failure_fails_its_requests_and_the_engine_goes_on(model, references, monkeypatch):
+    engine = make_engine(model, block_size=4)
+    run_all(engine, [PROMPTS[0]], [SamplingParams(max_tokens=12)])  # its prefix blocks are now cached
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in PROMPTS[:2]]
+    engine.step()
+    engine.step()
+    execute = engine.runner.execute
+
+    def broken(*args):
+        # As when an MLX op fails half-way through a step's graph: the KV pools are gone with it.
+        engine.runner.cache[0].keys = None
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    outputs = engine.step()
+    assert {o.request_id for o in outputs} == set(ids)
+    assert all(o.finish_reason == "error" and isinstance(o.error, RuntimeError) for o in outputs)
+    assert engine.stats.failed_steps == 1
+    _assert_idle(engine)
+    assert engine.kv.pool.num_cached == 0  # no prefix that the failed step was writing can be found
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    results = run_all(engine, PROMPTS, [SamplingParams(max_tokens=12)] * len(PROMPTS))
+    assert [tokens_of(r) for r in results] == references
+    _assert_idle(engine)
+
+
+def test_scheduling_failure_of_one_request_fails_it_alone(model, references, monkeypatch):
+    engine = make_engine(model, block_size=4)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in PROMPTS[:3]]
+    find = engine.kv.find_cached_prefix
+
+    def find_or_fail(seq_id, token_ids):
+        if seq_id == ids[1]:
+            raise KeyError("injected scheduling failure")
+        return find(seq_id, token_ids)
+
+    monkeypatch.setattr(engine.kv, "find_cached_prefix", find_or_fail)
+    outputs = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    assert [o.finish_reason for o in outputs[ids[1]]] == ["error"]
+    assert tokens_of(outputs[ids[0]]) == references[0] and tokens_of(outputs[ids[2]]) == references[2]
+    _assert_idle(engine)
+
+
+def test_unrecoverable_step_failure_raises_engine_failure(model, monkeypatch):
+    engine = make_engine(model)
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=12))
+    engine.step()
+
+    def broken(*args):
+        engine.kv.pool.ref_counts[-1] += 1  # block accounting no longer adds up
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    with pytest.raises(EngineFailure, match="reference counts"):
+        engine.step()
 
 
 # ---- the sampler alone ---------------------------------------------------------------------------

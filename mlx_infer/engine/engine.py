@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer.engine.request import PENDING_TOKEN, Request, RequestOutput, Status, TokenLogprob
 from mlx_infer.engine.runner import InFlight, ModelRunner, activation_dtype, kv_bytes_per_token
-from mlx_infer.engine.scheduler import Scheduler, SchedulerConfig
+from mlx_infer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from mlx_infer.engine.stop import StopMatcher
-from mlx_infer.errors import ContextTooLong, InvalidRequest
+from mlx_infer.errors import ContextTooLong, EngineFailure, InvalidRequest
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.memory import kv_budget_bytes
+from mlx_infer.models.base import LayerKV
 from mlx_infer.sampling import SamplingParams
 
 log = logging.getLogger("mlx_infer")
@@ -39,6 +42,17 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     finished_requests: int = 0
+    failed_requests: int = 0  # failed inside the engine (their clients got an error), engine unharmed
+    failed_steps: int = 0  # steps that failed for the whole batch and were recovered from
+
+
+@dataclass
+class _StepProgress:
+    """How far a step got, so a failure fails the requests it held: the previous step's always, the
+    running ones if scheduling was under way, the scheduled batch once it is known."""
+
+    scheduling: bool = False
+    batch: list[ScheduledRequest] | None = None
 
 
 def pool_num_blocks(config: EngineConfig, max_context: int, kv_bytes_per_token: int) -> int:
@@ -108,9 +122,11 @@ class Engine:
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise InvalidRequest(f"duplicate request id {request_id!r}")
+        # Build everything before registering anything: a failure here leaves no trace in the engine.
         request = Request(request_id, list(prompt_ids), params, StopMatcher(params.stop))
+        detokenizer = self.tokenizer.detokenizer()
         self.requests[request_id] = request
-        self._detokenizers[request_id] = self.tokenizer.detokenizer()
+        self._detokenizers[request_id] = detokenizer
         self.scheduler.add(request)
         return request_id
 
@@ -138,12 +154,37 @@ class Engine:
         overlap, across a whole batch). Outputs therefore trail by one step; a request that stopped
         has one extra token computed and dropped. Penalties need every earlier token on the host, so
         a step whose requests use them reads the previous samples first.
+
+        Failures stay as small as they can: a request whose own bookkeeping or detokenizing raises
+        finishes alone with finish_reason "error" (and ``error`` set); a step that fails as a whole
+        (an MLX error) fails the requests it held and the engine goes on (see ``_recover``). Only an
+        engine whose state no longer adds up raises (EngineFailure).
         """
-        outputs: list[RequestOutput] = []
         previous, self._in_flight = self._in_flight, None
+        progress = _StepProgress()
+        outputs: list[RequestOutput] = []
+        try:
+            self._launch(previous, progress, outputs)
+        except Exception as e:  # noqa: BLE001 - fail this step's requests, keep the engine
+            held = list(previous.sampled) if previous is not None else []
+            if progress.batch is not None:
+                held += [s.request for s in progress.batch]
+            elif progress.scheduling:  # scheduling itself failed: the running requests were being scheduled
+                held += self.scheduler.running
+            # Requests the scheduler failed alone before it raised are reported too.
+            outputs += [self._fail(r, err, finish=False) for r, err in self.scheduler.failed]
+            self.scheduler.failed = []
+            outputs += self._recover(e, list({id(r): r for r in held}.values()))
+        return outputs
+
+    def _launch(self, previous: InFlight | None, progress: _StepProgress, outputs: list) -> None:
         if previous is not None and any(r.uses_penalties for r in previous.sampled):
-            outputs, previous = self._read(previous), None
-        batch = self.scheduler.schedule()
+            outputs += self._read(previous)
+            previous = None
+        progress.scheduling = True
+        batch = progress.batch = self.scheduler.schedule()
+        outputs += [self._fail(r, e, finish=False) for r, e in self.scheduler.failed]
+        self.scheduler.failed = []
         result, rows = self.runner.execute(batch, previous) if batch else (None, [])
         if previous is not None:
             outputs += self._read(previous)
@@ -161,7 +202,73 @@ class Engine:
                     request.token_ids.append(PENDING_TOKEN)
         if result is not None:
             self._in_flight = InFlight(sampled, result)
+
+    def _recover(self, error: Exception, held: list[Request]) -> list[RequestOutput]:
+        """After a step failed as a whole: fail its requests, make the KV state trustworthy again, and
+        check the block accounting before the next step (raising EngineFailure if it does not add up)."""
+        log.error("engine step failed (%d requests fail with it)", len(held), exc_info=error)
+        self.stats.failed_steps += 1
+        self._in_flight = None
+        outputs = [self._fail(r, error) for r in held if r.status is not Status.FINISHED]
+        try:
+            if not self._kv_pools_intact():
+                # The pools themselves are lost: every request's K/V with them.
+                log.error("KV pools lost in the failed step: reallocating; every request in flight fails")
+                self._reset_kv_pools()
+                outputs += [
+                    self._fail(r, error)
+                    for r in list(self.scheduler.running) + list(self.scheduler.waiting)
+                    if r.status is not Status.FINISHED
+                ]
+            for r in list(self.scheduler.waiting):
+                # A waiting request holds no blocks (it may have been half-way through admission).
+                self.kv.free(r.request_id)
+                r.num_computed = 0
+            # Blocks the failed step was writing may hold garbage: none may be found as a cached prefix.
+            self.kv.pool.reset_prefix_cache()
+            check_block_accounting(self)
+        except Exception as e:
+            raise EngineFailure(f"the engine cannot recover from a failed step: {e}") from e
         return outputs
+
+    def _kv_pools_intact(self) -> bool:
+        state = [a for layer in self.runner.cache for a in (layer.keys, layer.values)]
+        if any(a is None for a in state):
+            return False
+        try:
+            mx.eval(state)
+        except Exception:  # noqa: BLE001 - an MLX error: the pools depend on the failed computation
+            return False
+        return True
+
+    def _reset_kv_pools(self) -> None:
+        dtype = activation_dtype(self.model)
+        n_kv_heads, head_dim = self.model.kv_shape()
+        pool = self.kv.pool.num_blocks
+        self.runner.cache = [
+            LayerKV(pool, self.config.block_size, n_kv_heads, head_dim, dtype) for _ in self.model.layers
+        ]
+        mx.eval([a for layer in self.runner.cache for a in layer.state()])
+
+    def _fail(self, request: Request, error: Exception, finish: bool = True) -> RequestOutput:
+        """Finish one request with finish_reason "error"; its blocks return to the pool."""
+        if finish:
+            self.scheduler.finish(request, "error")
+        self.requests.pop(request.request_id, None)
+        self._detokenizers.pop(request.request_id, None)
+        self.stats.failed_requests += 1
+        log.error("request %s failed: %s: %s", request.request_id, type(error).__name__, error)
+        return RequestOutput(
+            request_id=request.request_id,
+            token_ids=[],
+            text="",
+            finished=True,
+            finish_reason="error",
+            error=error,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_prompt,
+        )
 
     def _read(self, step: InFlight) -> list[RequestOutput]:
         """Read a step's samples on the host, put them in place of the pending tokens and emit them."""
@@ -182,7 +289,10 @@ class Engine:
                 k = request.params.logprobs
                 top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else []
                 token_logprobs = [TokenLogprob(token, logprobs[i], top)]
-            outputs.append(self._emit(request, token, token_logprobs))
+            try:
+                outputs.append(self._emit(request, token, token_logprobs))
+            except Exception as e:  # noqa: BLE001 - detokenizing or stop matching: this request alone
+                outputs.append(self._fail(request, e))
         return outputs
 
     def _emit(self, request: Request, token: int, logprobs: list[TokenLogprob] | None) -> RequestOutput:
@@ -219,3 +329,20 @@ class Engine:
         self.requests.pop(request.request_id, None)
         self._detokenizers.pop(request.request_id, None)
         self.stats.finished_requests += 1
+
+
+def check_block_accounting(engine: Engine) -> None:
+    """Raise RuntimeError unless every block's reference count equals the block tables that hold it,
+    every table belongs to a live request, and the free list holds exactly the unreferenced blocks."""
+    kv = engine.kv
+    live = {r.request_id for r in engine.scheduler.running} | {r.request_id for r in engine.scheduler.waiting}
+    strays = set(kv.block_tables) - live
+    if any(kv.block_tables[s] for s in strays):
+        raise RuntimeError(f"block tables of finished requests: {sorted(strays)[:5]}")
+    held = Counter(b for table in kv.block_tables.values() for b in table)
+    wrong = [b for b in range(kv.pool.num_blocks) if kv.pool.ref_counts[b] != held.get(b, 0)]
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} blocks have reference counts that no block table accounts for")
+    unreferenced = sum(1 for c in kv.pool.ref_counts if c == 0)
+    if kv.pool.num_free != unreferenced:
+        raise RuntimeError(f"{kv.pool.num_free} free blocks but {unreferenced} unreferenced")

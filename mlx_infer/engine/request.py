@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlx_infer.engine.stop import StopMatcher
-from mlx_infer.sampling import SamplingParams
+from mlx_infer.sampling import SamplingParams, rng_key
 
 # Stands in for a sampled token still being computed: the engine schedules the next step before the
 # host has read the last one (see Engine.step).
@@ -45,7 +45,7 @@ class Request:
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
         if self.params.seed is not None:
-            self.rng_key = mx.random.key(self.params.seed)
+            self.rng_key = rng_key(self.params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,8 +93,9 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     logprobs: list[TokenLogprob] | None = None
+    error: Exception | None = None  # set with finish_reason "error": why this request failed alone
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

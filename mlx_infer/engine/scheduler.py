@@ -38,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.failed: list[tuple[Request, Exception]] = []  # of the last schedule(), see there
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -46,6 +47,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledRequest]:
+        """This step's requests. A request whose bookkeeping raises is finished with reason "error" and
+        listed in ``failed`` (with its exception) for the engine to report; the others are scheduled."""
+        self.failed = []
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
@@ -55,45 +59,81 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_uncomputed, budget)
-            while not self.kv.allocate(
-                request.request_id, request.token_ids, request.num_computed, num_new, register=False
-            ):
-                victim = self.running.pop()
-                self._preempt(victim)
+            try:
+                victims = self._make_room(request, num_new)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                self._fail(request, e)
+                continue
+            if victims:
                 preempted = True
-                scheduled = [s for s in scheduled if s.request is not victim]
-                if victim is request:
-                    break
-            else:
-                scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
-                index += 1
-        for s in scheduled:
+                gone = {id(v) for v in victims}
+                scheduled = [s for s in scheduled if id(s.request) not in gone]
+                if id(request) in gone:
+                    continue
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            index += 1
+        for s in list(scheduled):
             r = s.request
-            # A pending token's value is not known yet: its block is registered on a later step.
-            self.kv.register(r.request_id, r.token_ids, min(r.num_computed + s.num_new, r.num_known_tokens))
+            try:
+                # A pending token's value is not known yet: its block is registered on a later step.
+                known = min(r.num_computed + s.num_new, r.num_known_tokens)
+                self.kv.register(r.request_id, r.token_ids, known)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                self._fail(r, e)
+                scheduled.remove(s)
         budget = self.config.max_num_batched_tokens - sum(s.num_new for s in scheduled)
 
         # Then waiting requests, oldest first, while blocks, budget and sequence slots last.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            request.num_computed = self.kv.find_cached_prefix(request.request_id, request.token_ids)
-            num_new = min(request.num_uncomputed, budget)
-            if not self.kv.allocate(request.request_id, request.token_ids, request.num_computed, num_new):
-                # Hand back the prefix blocks too: a waiting request must hold nothing, or it could
-                # starve the running ones it waits for.
-                self.kv.free(request.request_id)
-                request.num_computed = 0
+            try:
+                num_new = self._admit(request, budget)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                self._fail(request, e)
+                continue
+            if num_new is None:
                 break
-            if not request.admitted:
-                request.num_cached_prompt = request.num_computed
-            self.waiting.popleft()
-            request.status = Status.RUNNING
-            request.admitted = True
-            self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return scheduled
+
+    def _make_room(self, request: Request, num_new: int) -> list[Request]:
+        """Allocate a running request's blocks for this step, preempting the newest running requests
+        until they fit; returns the preempted ones (the request itself, last, if even that was short)."""
+        victims = []
+        while not self.kv.allocate(
+            request.request_id, request.token_ids, request.num_computed, num_new, register=False
+        ):
+            victim = self.running.pop()
+            self._preempt(victim)
+            victims.append(victim)
+            if victim is request:
+                break
+        return victims
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Move the oldest waiting request to running with blocks for its first chunk; returns the chunk's
+        length, or None (holding nothing) when the pool is short."""
+        request.num_computed = self.kv.find_cached_prefix(request.request_id, request.token_ids)
+        num_new = min(request.num_uncomputed, budget)
+        if not self.kv.allocate(request.request_id, request.token_ids, request.num_computed, num_new):
+            # Hand back the prefix blocks too: a waiting request must hold nothing, or it could
+            # starve the running ones it waits for.
+            self.kv.free(request.request_id)
+            request.num_computed = 0
+            return None
+        if not request.admitted:
+            request.num_cached_prompt = request.num_computed
+        self.waiting.popleft()
+        request.status = Status.RUNNING
+        request.admitted = True
+        self.running.append(request)
+        return num_new
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        self.finish(request, "error")
+        self.failed.append((request, error))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
