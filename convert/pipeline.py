@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +12,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from mlx_infer.errors import InvalidRequest
 from mlx_infer.loading import Checkpoint, open_checkpoint
 from mlx_infer.loading.build import build_model
 
-from . import evaluate, output
+from . import choice, evaluate, output
 from .quant import Plan, QuantParams, make_plan, quant_params
 from .report import build_report, print_report
 from .weights import Layer, output_groups, quantizable_layers, source_params
@@ -37,6 +38,7 @@ class Options:
     recipe: str | None = None
     dtype: str | None = None
     dequantize: bool = False
+    pure: bool = False
     force: bool = False
     eval_file: Path | None = None
     eval_tokens: int = 1024
@@ -44,7 +46,8 @@ class Options:
 
     @property
     def quantize(self) -> bool:
-        return any(v is not None for v in (self.q_bits, self.q_group_size, self.q_mode, self.recipe))
+        given = (self.q_bits, self.q_group_size, self.q_mode, self.recipe)
+        return self.pure or any(v is not None for v in given)
 
     def command_line(self) -> str:
         """The command that reproduces this conversion (recorded in the report)."""
@@ -56,7 +59,8 @@ class Options:
                 words += [flag, str(value)]
         if self.eval_tokens != 1024:
             words += ["--eval-tokens", str(self.eval_tokens)]
-        switches = (("--dequantize", self.dequantize), ("--force", self.force), ("--no-eval", self.no_eval))
+        switches = (("--dequantize", self.dequantize), ("--pure", self.pure), ("--force", self.force),
+                    ("--no-eval", self.no_eval))
         words += [flag for flag, on in switches if on]
         return shlex.join(words)
 
@@ -64,7 +68,7 @@ class Options:
 def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
     """Write ``opts.out``; return the report (also saved in the folder and printed)."""
     console = console or Console(stderr=True)
-    params = _validate(opts)
+    requested = _validate(opts)
     output.check_target(opts.out, opts.force)
     with _progress(console) as progress:
         task = progress.add_task("loading", total=None, detail=opts.model)
@@ -75,11 +79,18 @@ def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
         progress.update(task, total=1, completed=1)
 
         layers = quantizable_layers(model)
-        plan = make_plan(params, opts.recipe, len(model.layers)) if params else None
-        targets, unquantized = _targets(layers, plan, opts.dequantize)
+        plan = _plan(opts, requested, layers, len(model.layers))
+        choices = choice.choose(layers, plan, opts.dequantize, opts.pure)
         dtype_name = opts.dtype or _default_dtype(ckpt.config, model)
         source_bytes, source_params_count = _tensor_stats(model)
-        groups = output_groups(source_params(model), layers, targets, DTYPES[dtype_name])
+        params = source_params(model)
+        warnings = choice.warnings(layers, choices, explicit_group=opts.q_group_size is not None)
+        warnings += _rounded_scales(params, choices, dtype_name)
+        for line in warnings:  # before the work starts, so a lossy run can be stopped
+            console.print(f"[yellow]warning:[/yellow] {escape(line)}")
+        for line in choice.notes(layers, choices):
+            console.print(f"note: {escape(line)}")
+        groups = output_groups(params, layers, choices.targets, DTYPES[dtype_name])
         del model  # the groups' lazy graphs now hold the only references to the source tensors
 
         shards = output.plan_shards(groups)
@@ -94,7 +105,7 @@ def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
                 on_group=lambda g: progress.advance(quantizing, g.nbytes),
                 on_shard=lambda n: progress.advance(writing, n),
             )
-            quantization = _quantization_config(targets)
+            quantization = _quantization_config(choices.targets)
             config = output.output_config(ckpt.config, quantization, dtype_name)
             output.write_json(tmp / "config.json", config)
             max_length = int(ckpt.config.get("max_position_embeddings") or 4096)
@@ -104,7 +115,7 @@ def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
                 command=opts.command_line(), source=ckpt.path, out=opts.out, plan=plan, dtype=dtype_name,
                 dequantize=opts.dequantize, source_bytes=source_bytes, source_params=source_params_count,
                 source_disk=_disk_size(ckpt.path), index=index, out_disk=_disk_size(tmp),
-                unquantized=unquantized, tokenizer_files=tokenizer_files, quality=quality,
+                choices=choices, warnings=warnings, tokenizer_files=tokenizer_files, quality=quality,
             )
             output.write_json(tmp / REPORT_FILE, report)
     print_report(report, Console())
@@ -113,7 +124,11 @@ def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
 
 def _validate(opts: Options) -> QuantParams | None:
     if opts.quantize and opts.dequantize:
-        raise InvalidRequest("--dequantize writes floating-point weights: it excludes --q-* and --recipe")
+        raise InvalidRequest(
+            "--dequantize writes floating-point weights: it excludes --q-*, --recipe and --pure")
+    if opts.pure and opts.recipe is not None:
+        raise InvalidRequest(
+            f"--pure gives every layer the same quantization: it excludes --recipe {opts.recipe}")
     if opts.dtype is not None and opts.dtype not in DTYPES:
         raise InvalidRequest(f"unknown --dtype {opts.dtype!r}; choose one of {', '.join(DTYPES)}")
     if opts.eval_tokens < 2:
@@ -127,27 +142,25 @@ def _validate(opts: Options) -> QuantParams | None:
     return params
 
 
-def _targets(
-    layers: dict[str, Layer], plan: Plan | None, dequantize: bool
-) -> tuple[dict[str, QuantParams | None], list[dict[str, Any]]]:
-    """Each layer's output quantization, and the layers a plan leaves unquantized (and why)."""
-    if plan is None:
-        return {p: None if dequantize else layer.source for p, layer in layers.items()}, []
-    targets: dict[str, QuantParams | None] = {}
-    unquantized = []
-    for path, layer in layers.items():
-        q = plan.params_for(path)
-        if layer.in_features % q.group_size == 0:
-            targets[path] = q
-        else:
-            targets[path] = None
-            unquantized.append({"layer": path, "input_size": layer.in_features, "group_size": q.group_size})
-    if layers and not any(targets.values()):
+def _plan(
+    opts: Options, requested: QuantParams | None, layers: dict[str, Layer], num_layers: int
+) -> Plan | None:
+    """The requested quantization, its group size by default the source's (so that the source's quantized
+    layers stay exact); None when nothing is to be quantized."""
+    if requested is None:
+        return None
+    if opts.q_group_size is None:
+        group = choice.source_group_size(layers, requested.mode)
+        requested = replace(requested, group_size=group or requested.group_size)
+    plan = make_plan(requested, opts.recipe, num_layers)
+    # A layer the source has quantized is always written quantized (copied, kept or re-quantized).
+    if layers and all(layer.source is None and layer.in_features % requested.group_size
+                      for layer in layers.values()):
         sizes = ", ".join(str(s) for s in sorted({layer.in_features for layer in layers.values()}))
         raise InvalidRequest(
-            f"group size {plan.default.group_size} divides no layer's input size ({sizes}): none quantizable"
+            f"group size {requested.group_size} divides no layer's input size ({sizes}): none quantizable"
         )
-    return targets, unquantized
+    return plan
 
 
 def _quantization_config(targets: dict[str, QuantParams | None]) -> dict[str, Any] | None:
@@ -162,6 +175,20 @@ def _quantization_config(targets: dict[str, QuantParams | None]) -> dict[str, An
         if q is not None and q != default:
             config[path] = q.as_config()
     return config
+
+
+def _rounded_scales(params: dict[str, mx.array], choices: choice.Choices, dtype_name: str) -> list[str]:
+    """A warning when writing the exactly kept layers' scales and biases in ``dtype_name`` rounds them
+    (float32 holds every narrower float; any other change of type rounds)."""
+    dtype = DTYPES[dtype_name]
+    rounded: Counter[str] = Counter()
+    for path in choices.paths("copied", "widened", "kept"):
+        stored = params[f"{path}.scales"].dtype
+        if mx.issubdtype(stored, mx.floating) and stored != dtype and dtype != mx.float32:
+            rounded[str(stored).rsplit(".", 1)[-1]] += 1
+    return [f"writing the {name} scales and biases of {n} exactly kept layers as {dtype_name} rounds them "
+            f"(lossy); --dtype {name}{'' if name == 'float32' else ' or float32'} keeps them exact"
+            for name, n in rounded.items()]
 
 
 def _default_dtype(config: dict[str, Any], model: nn.Module) -> str:

@@ -39,6 +39,18 @@ class QuantParams:
         """The dict mlx-lm writes into ``config.json``'s ``quantization`` key."""
         return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
 
+    def holds(self, src: QuantParams) -> bool:
+        """Whether every weight on ``src``'s grid is exactly on this one: the same parameters, or, both
+        affine, at least as many bits and groups that split the source's (w = s·q + b keeps its code q
+        and the source group's s and b)."""
+        if self == src:
+            return True
+        return (self.mode == src.mode == "affine" and self.bits >= src.bits
+                and src.group_size % self.group_size == 0)
+
+    def __str__(self) -> str:
+        return f"{self.mode} {self.bits}-bit g{self.group_size}"
+
 
 def quant_params(mode: str | None, bits: int | None, group_size: int | None) -> QuantParams:
     """Validated parameters; ``None`` takes the mode's default (as mlx-lm does)."""

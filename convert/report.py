@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from .choice import Choices
 from .evaluate import Quality
 from .quant import Plan
 
@@ -25,7 +26,8 @@ def build_report(
     source_disk: int,
     index: dict[str, Any],
     out_disk: int,
-    unquantized: list[dict[str, Any]],
+    choices: Choices,
+    warnings: list[str],
     tokenizer_files: list[str],
     quality: Quality | None,
 ) -> dict[str, Any]:
@@ -49,7 +51,10 @@ def build_report(
         "tensor_bytes": {"source": source_bytes, "output": out_bytes},
         "disk_bytes": {"source": source_disk, "output": out_disk},
         "shards": len(set(index["weight_map"].values())),
-        "unquantized_layers": unquantized,
+        "layers": choices.counts(),
+        "kept_layers": choices.kept,
+        "unquantized_layers": choices.unquantized,
+        "warnings": warnings,
         "tokenizer_files": tokenizer_files,
         "evaluation": None if quality is None else quality.as_dict(),
     }
@@ -74,6 +79,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     if q.get("recipe"):
         what += f" ({q['recipe']})"
     table.add_row("quantization", "", what)
+    table.add_row("layers", "", ", ".join(f"{n} {kind}" for kind, n in report["layers"].items()))
     unquantized = report["unquantized_layers"]
     if unquantized:
         names = ", ".join(u["layer"] for u in unquantized[:4]) + (" ..." if len(unquantized) > 4 else "")

@@ -102,6 +102,12 @@ def _layer_group(
         out[f"{p}.scales"] = _cast(scales, dtype)
         if biases is not None:
             out[f"{p}.biases"] = _cast(biases, dtype)
+    elif src is not None and target is not None and target.holds(src):
+        assert biases is not None  # holds() is only true between affine grids, which have biases
+        out[f"{p}.weight"] = pack(codes(w, scales, src), target.bits)
+        split = src.group_size // target.group_size  # each source group's s and b, once per output group
+        out[f"{p}.scales"] = _cast(mx.repeat(scales, split, axis=-1), dtype)
+        out[f"{p}.biases"] = _cast(mx.repeat(biases, split, axis=-1), dtype)
     else:
         full = w if src is None else dequantized(w, scales, biases, src)
         full = full.astype(dtype)
@@ -114,6 +120,30 @@ def _layer_group(
                 out[f"{p}.biases"] = q_biases[0]
     n_params = math.prod(w.shape[:-1]) * layer.in_features
     return Group(out, n_params)
+
+
+def codes(w: mx.array, scales: mx.array, q: QuantParams) -> mx.array:
+    """The integer codes of an affine quantized weight, uint32 [..., in_features] (dequantized with
+    scale 1 and bias 0: at most 8 bits, so exact in floating point)."""
+    ones = mx.ones(scales.shape, dtype=mx.float32)
+    zeros = mx.zeros(scales.shape, dtype=mx.float32)
+    return mx.dequantize(w, ones, zeros, group_size=q.group_size, bits=q.bits).astype(mx.uint32)
+
+
+def pack(values: mx.array, bits: int) -> mx.array:
+    """``values`` (uint32, each below 2**bits) packed as MLX packs quantized weights: each row one
+    little-endian bit stream, value i in bits [i·bits, (i+1)·bits), read as uint32 words. Every 32
+    values fill exactly ``bits`` words."""
+    *lead, n = values.shape
+    chunks = values.reshape(*lead, n // 32, 32)
+    words = [mx.zeros((*lead, n // 32), dtype=mx.uint32) for _ in range(bits)]
+    for i in range(32):
+        word, shift = divmod(i * bits, 32)
+        v = chunks[..., i]
+        words[word] = words[word] | (v << shift)
+        if shift + bits > 32:  # the value straddles two words: its high bits start the next one
+            words[word + 1] = words[word + 1] | (v >> (32 - shift))
+    return mx.stack(words, axis=-1).reshape(*lead, n * bits // 32)
 
 
 def _cast(value: mx.array, dtype: mx.Dtype) -> mx.array:

@@ -18,7 +18,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_infer.convert import cli, output
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.errors import InvalidRequest, ModelNotFound
-from mlx_infer.loading import load
+from mlx_infer.loading import load, open_checkpoint
+from mlx_infer.loading.build import build_model
 from mlx_infer.models.base import LayerKV
 
 
@@ -134,6 +135,86 @@ def test_recipe_and_dequantize(tmp_path: Path, eval_file: Path):
     assert np.array_equal(float_weights(plain)["lm_head.weight"], float_weights(mixed)["lm_head.weight"])
 
 
+@pytest.fixture
+def mixed_source(tmp_path: Path, tiny_llama_folder: Path) -> Path:
+    """An mlx-community style folder: affine 4-bit g32, with the embedding, head and layer 1's v_proj and
+    down_proj at 6 bits (mixed_4_6 on two layers)."""
+    convert(tiny_llama_folder, tmp_path / "mixed", "--recipe", "mixed_4_6", "--q-group-size", "32",
+            "--no-eval")
+    return tmp_path / "mixed"
+
+
+def test_quantized_source_is_copied_exactly(mixed_source: Path, tmp_path: Path, eval_file: Path, capsys):
+    """--q-bits 4 on a 4-bit g32 source: the group follows the source, its 4-bit layers are copied bit for
+    bit and its 6-bit layers keep their bits (as llama-quantize keeps output.weight)."""
+    capsys.readouterr()
+    out = tmp_path / "out"
+    report = convert(mixed_source, out, "--q-bits", "4", "--eval-file", str(eval_file))
+    src, dst = mx.load(str(mixed_source / "model.safetensors")), mx.load(str(out / "model.safetensors"))
+    assert src.keys() == dst.keys()
+    for k in src:
+        assert src[k].dtype == dst[k].dtype and mx.array_equal(src[k], dst[k]), k
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert quant == json.loads((mixed_source / "config.json").read_text())["quantization"]
+    assert quant["model.embed_tokens"]["bits"] == quant["lm_head"]["bits"] == 6 and quant["group_size"] == 32
+    assert report["evaluation"]["kl_max"] == 0 and report["evaluation"]["top1_agreement"] == 1
+    assert report["layers"] == {"copied": 12, "kept": 4} and report["warnings"] == []
+    assert {k["layer"] for k in report["kept_layers"]} == {
+        "model.embed_tokens", "lm_head", "model.layers.1.self_attn.v_proj", "model.layers.1.mlp.down_proj"}
+    assert "keeping 4 layers" in capsys.readouterr().err
+    load(str(out))
+
+
+@pytest.mark.parametrize("src_bits,src_group,bits,group", [(4, 64, 8, 32), (3, 32, 4, 32), (2, 64, 6, 32)])
+def test_wider_grid_holds_the_source_exactly(tiny_llama_folder: Path, tmp_path: Path, eval_file: Path,
+                                              src_bits: int, src_group: int, bits: int, group: int):
+    """More bits, or groups that split the source's, hold every source value: codes repacked, each
+    group's scale and bias repeated, nothing rounded."""
+    source = tmp_path / "source"
+    convert(tiny_llama_folder, source, "--q-bits", str(src_bits), "--q-group-size", str(src_group),
+            "--no-eval")
+    out = tmp_path / "out"
+    report = convert(source, out, "--q-bits", str(bits), "--q-group-size", str(group), "--eval-file",
+                     str(eval_file))
+    assert json.loads((out / "config.json").read_text())["quantization"] == {
+        "group_size": group, "bits": bits, "mode": "affine"}
+    before, after = float_weights(source), float_weights(out)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert report["evaluation"]["kl_max"] == 0 and report["warnings"] == []
+    assert report["layers"] == {"widened": 16}
+
+
+def test_lossy_requantization_warns_first(mixed_source: Path, tmp_path: Path, capsys, monkeypatch):
+    """An explicit group the source's does not split, or --pure over its 6-bit layers, re-quantizes with
+    loss: a warning names the layers' forms and the reason before the work starts."""
+    capsys.readouterr()
+    printed_before_writing = []
+    real_write = output.write_weights
+
+    def write_weights(*args, **kwargs):
+        printed_before_writing.append(capsys.readouterr().err)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(output, "write_weights", write_weights)
+    report = convert(mixed_source, tmp_path / "g64", "--q-bits", "4", "--q-group-size", "64", "--no-eval")
+    assert report["layers"] == {"requantized": 12, "kept": 4}
+    [warning] = report["warnings"]
+    assert "12 layers the source stores as affine 4-bit g32 to affine 4-bit g64" in warning
+    assert "groups of 64 do not split the source's groups of 32" in warning
+    assert "without --q-group-size" in warning
+    assert "warning:" in printed_before_writing[0] and "groups of 64" in printed_before_writing[0]
+
+    report = convert(mixed_source, tmp_path / "pure", "--q-bits", "4", "--pure", "--no-eval")
+    assert report["layers"] == {"copied": 12, "requantized": 4}
+    assert "--pure takes them below the 6 bits" in report["warnings"][0]
+    assert json.loads((tmp_path / "pure" / "config.json").read_text())["quantization"] == {
+        "group_size": 32, "bits": 4, "mode": "affine"}
+
+    report = convert(mixed_source, tmp_path / "f16", "--q-bits", "4", "--dtype", "float16", "--no-eval")
+    assert report["warnings"] == ["writing the float32 scales and biases of 16 exactly kept layers as "
+                                  "float16 rounds them (lossy); --dtype float32 keeps them exact"]
+
+
 def test_layers_the_group_does_not_divide_stay_unquantized(tiny_llama_folder: Path, tmp_path: Path):
     report = convert(tiny_llama_folder, tmp_path / "g128", "--q-group-size", "128", "--no-eval")
     left = {u["layer"] for u in report["unquantized_layers"]}
@@ -200,6 +281,8 @@ def test_interrupted_write_leaves_nothing(tiny_llama_folder: Path, tmp_path: Pat
         (["--q-group-size", "48"], InvalidRequest, "--q-group-size 48 is not supported"),
         (["--recipe", "mixed_4_6", "--q-mode", "mxfp8"], InvalidRequest, "recipe mixed_4_6"),
         (["--q-bits", "4", "--dequantize"], InvalidRequest, "--dequantize"),
+        (["--pure", "--dequantize"], InvalidRequest, "--dequantize"),
+        (["--pure", "--recipe", "mixed_3_6"], InvalidRequest, "--pure gives every layer the same"),
         (["--dtype", "float64"], InvalidRequest, "unknown --dtype"),
     ],
 )
@@ -244,11 +327,13 @@ PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def smollm2_converted(smollm2_path: Path, tmp_path_factory) -> dict[int, tuple[Path, dict]]:
+def smollm2_converted(smollm2_path: Path, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """The Q4_1 GGUF (4-bit g32, its tied embedding/head Q8_0) converted two ways: ``--q-bits 4``, which
+    its grid holds (copied exactly), and ``--q-bits 8 --q-group-size 64``, which re-quantizes every layer."""
     root = tmp_path_factory.mktemp("smollm2")
-    return {bits: (root / f"q{bits}", convert(smollm2_path, root / f"q{bits}", "--q-bits", str(bits),
-                                              "--q-group-size", "64", "--eval-tokens", "64"))
-            for bits in (4, 8)}
+    flags = {"exact": ["--q-bits", "4"], "lossy": ["--q-bits", "8", "--q-group-size", "64"]}
+    return {name: (root / name, convert(smollm2_path, root / name, *f, "--eval-tokens", "64"))
+            for name, f in flags.items()}
 
 
 def greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
@@ -289,13 +374,19 @@ def mlx_lm_greedy(folder: Path, prompt: list[int], n: int) -> tuple[list[int], l
     return [int(t) for (t, _), _ in steps], list(ids)
 
 
+QUANTIZATION = {
+    "exact": {"group_size": 32, "bits": 4, "mode": "affine",
+              "model.embed_tokens": {"group_size": 32, "bits": 8, "mode": "affine"}},
+    "lossy": {"group_size": 64, "bits": 8, "mode": "affine"},
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [4, 8])
-def test_smollm2_round_trip_through_mlx_infer_and_mlx_lm(smollm2_converted, bits: int):
+@pytest.mark.parametrize("name", ["exact", "lossy"])
+def test_smollm2_round_trip_through_mlx_infer_and_mlx_lm(smollm2_converted, name: str):
     pytest.importorskip("mlx_lm")
-    folder, report = smollm2_converted[bits]
-    config = json.loads((folder / "config.json").read_text())
-    assert config["quantization"] == {"group_size": 64, "bits": bits, "mode": "affine"}
+    folder, report = smollm2_converted[name]
+    assert json.loads((folder / "config.json").read_text())["quantization"] == QUANTIZATION[name]
     assert report["unquantized_layers"] == []  # 576 and 1536 inputs: all divisible by 64
     ours = load(str(folder))
     prompt = ours.tokenizer.encode_chat(PROMPT)
@@ -303,16 +394,37 @@ def test_smollm2_round_trip_through_mlx_infer_and_mlx_lm(smollm2_converted, bits
     theirs, their_prompt = mlx_lm_greedy(folder, prompt, 16)
     assert their_prompt == prompt  # the tokenizer built from GGUF metadata reads the same in transformers
     assert tokens == theirs
+    if name == "exact":
+        assert "Paris" in ours.tokenizer.decode(tokens)
 
 
 @pytest.mark.slow
-def test_smollm2_quality_report(smollm2_converted):
-    (_, q4), (_, q8) = smollm2_converted[4], smollm2_converted[8]
-    e4, e8 = q4["evaluation"], q8["evaluation"]
-    assert e4["tokens"] == e8["tokens"] == 63
-    assert 0 <= e8["kl_mean"] < e4["kl_mean"] and e8["kl_p99"] < e4["kl_p99"]
-    assert 0 <= e4["top1_agreement"] <= e8["top1_agreement"] <= 1 and e8["top1_agreement"] > 0.9
-    assert e4["ppl_source"] == pytest.approx(e8["ppl_source"], rel=1e-5)  # same source, same tokens
-    assert abs(e8["ppl_output"] - e8["ppl_source"]) < abs(e4["ppl_output"] - e4["ppl_source"])
-    assert 4.4 < q4["bits_per_weight"]["output"] < 4.6 and 8.4 < q8["bits_per_weight"]["output"] < 8.6
-    assert q4["disk_bytes"]["output"] < q8["disk_bytes"]["output"] < 2 * q4["disk_bytes"]["output"]
+def test_smollm2_q4_keeps_the_gguf_weights_bit_for_bit(smollm2_path: Path, smollm2_converted):
+    folder, report = smollm2_converted["exact"]
+    ckpt = open_checkpoint(str(smollm2_path))
+    source = dict(tree_flatten(build_model(ckpt.config, ckpt.weights, ckpt.path.name).parameters()))
+    saved = mx.load(str(folder / "model.safetensors"))
+    assert source.keys() == saved.keys()
+    for k, v in source.items():  # quantized layers as stored; the float32 norms written (exactly) in float16
+        assert (v.dtype == saved[k].dtype or k.endswith("norm.weight")) and mx.array_equal(v, saved[k]), k
+    e = report["evaluation"]
+    assert e["kl_mean"] == e["kl_max"] == 0 and e["top1_agreement"] == 1
+    assert e["ppl_source"] == e["ppl_output"]
+    assert report["layers"] == {"copied": 210, "kept": 1} and report["warnings"] == []
+    assert report["kept_layers"] == [{"layer": "model.embed_tokens", "as": "affine 8-bit g32",
+                                      "reason": "more bits than 4"}]
+    assert report["bits_per_weight"]["output"] == pytest.approx(report["bits_per_weight"]["source"], abs=0.01)
+
+
+@pytest.mark.slow
+def test_smollm2_lossy_requantization_is_reported(smollm2_converted):
+    (_, exact), (_, lossy) = smollm2_converted["exact"], smollm2_converted["lossy"]
+    e = lossy["evaluation"]
+    assert e["tokens"] == exact["evaluation"]["tokens"] == 63
+    assert 0 < e["kl_mean"] < 0.01 and e["top1_agreement"] > 0.9
+    assert e["ppl_source"] == pytest.approx(exact["evaluation"]["ppl_source"], rel=1e-5)  # same source
+    assert lossy["layers"] == {"requantized": 211}
+    assert sorted(w.split(" to ")[0] for w in lossy["warnings"]) == [
+        "re-quantizing 1 layer the source stores as affine 8-bit g32",
+        "re-quantizing 210 layers the source stores as affine 4-bit g32"]
+    assert 8.4 < lossy["bits_per_weight"]["output"] < 8.6
