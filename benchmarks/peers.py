@@ -213,25 +213,22 @@ def run_llama_kld(
     return parse_kld(out, ctx)
 
 
-_NUMBER_AFTER = r"\s*:?\s*(-?[0-9.]+(?:e[-+]?\d+)?|-?nan|-?inf)"
-
-
 def parse_kld(output: str, ctx: int) -> LlamaQuality:
     """The statistics ``llama-perplexity --kl-divergence`` prints at its end (it prints none for fewer
     than 100 scored tokens: a RuntimeError then)."""
+    text = re.sub(r"[ \t]+", " ", output)  # labels are padded to line up; match them with single spaces
 
     def number(label: str) -> float:
-        match = re.search(label + _NUMBER_AFTER, output, flags=re.IGNORECASE)
+        match = re.search(re.escape(label) + r" ?:? ?(-?[0-9.]+(?:e[-+]?\d+)?|-?nan|-?inf)", text)
         if match is None:
             raise RuntimeError(f"llama-perplexity printed no {label!r} (too few tokens scored?)")
         return float(match.group(1))
 
-    chunks = int(number(r"computing over"))
+    chunks = int(number("computing over"))
     return LlamaQuality(
         tokens=chunks * (ctx - 1 - ctx // 2), chunks=chunks, ctx=ctx,
-        kl_mean=number(r"Mean\s+KLD"), kl_p99=number(r"99\.0%\s+KLD"), kl_max=number(r"Maximum KLD"),
-        same_top=number(r"Same top p") / 100, ppl_base=number(r"Mean PPL\(base\)"),
-        ppl=number(r"Mean PPL\(Q\)"),
+        kl_mean=number("Mean KLD"), kl_p99=number("99.0% KLD"), kl_max=number("Maximum KLD"),
+        same_top=number("Same top p") / 100, ppl_base=number("Mean PPL(base)"), ppl=number("Mean PPL(Q)"),
     )
 
 

@@ -1,0 +1,97 @@
+"""benchmarks/bench_quality.py: llama-perplexity's statistics parsed, the lockstep measurement, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_tiny_llama
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_quality.py"
+sys.path.insert(0, str(BENCH.parent))
+
+import bench_quality  # noqa: E402
+import peers  # noqa: E402
+
+# The end of a real `llama-perplexity --kl-divergence` run (SmolLM2 Q4_1 against its F32 GGUF), cut.
+KLD_OUTPUT = """\
+kl_divergence: computing over 4 chunks, n_ctx=256, batch_size=2048, n_seq=8
+kl_divergence: 0.40 seconds per pass - ETA 0.02 minutes
+
+chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS
+   1     13.1181 ±    1.6071       0.00386 ±    0.00610       0.00370 ±    0.00049    1.914 ±  0.181 %
+
+====== Perplexity statistics ======
+Mean PPL(Q)                   :  12.930466 ±   0.780251
+Mean PPL(base)                :  12.886318 ±   0.776944
+Cor(ln(PPL(Q)), ln(PPL(base))):  99.89%
+Mean ln(PPL(Q)/PPL(base))     :   0.003420 ±   0.002851
+Mean PPL(Q)/PPL(base)         :   1.003426 ±   0.002861
+Mean PPL(Q)-PPL(base)         :   0.044148 ±   0.036910
+
+====== KL divergence statistics ======
+Mean    KLD:   0.003817 ±   0.000354
+Maximum KLD:   0.079231
+99.9%   KLD:   0.074433
+99.0%   KLD:   0.036115
+95.0%   KLD:   0.013742
+Median  KLD:   0.001667
+Minimum KLD:  -0.000002
+
+====== Token probability statistics ======
+Mean    Δp:  0.073 ± 0.075 %
+Maximum Δp: 11.012%
+Same top p: 95.866 ± 0.509 %
+"""
+
+
+def test_parse_kld_reads_llama_perplexity_statistics() -> None:
+    q = peers.parse_kld(KLD_OUTPUT, ctx=256)
+    assert (q.chunks, q.tokens, q.ctx) == (4, 4 * 127, 256)
+    assert (q.kl_mean, q.kl_p99, q.kl_max) == (0.003817, 0.036115, 0.079231)
+    assert q.same_top == pytest.approx(0.95866)
+    assert (q.ppl_base, q.ppl) == (12.886318, 12.930466)
+
+
+def test_parse_kld_without_statistics_says_why() -> None:
+    # llama-perplexity prints no statistics for fewer than 100 scored tokens.
+    cut = KLD_OUTPUT.split("====== Perplexity")[0]
+    with pytest.raises(RuntimeError, match=r"printed no 'Mean KLD' \(too few tokens scored\?\)"):
+        peers.parse_kld(cut, ctx=256)
+
+
+def test_an_option_that_changes_nothing_measures_exactly_zero() -> None:
+    """The lockstep paths each keep their own cache: the exact path measured against itself is 0,
+    as speculative decoding must measure."""
+    model = make_tiny_llama(0)
+    windows = [[1, 5, 9, 3, 7, 7, 2, 40, 11, 5, 6, 8, 9, 60, 1, 2, 3, 4, 5], [1, 10, 20, 30]]
+    [q] = bench_quality.measure(model, windows, [bench_quality.Option("again")]).values()
+    assert (q.tokens, q.windows) == (18 + 3, 2)
+    assert q.kl_mean == q.kl_max == 0.0 and q.top1_agreement == 1.0 and q.ppl_source == q.ppl_output
+
+
+def test_unreadable_text_is_one_clear_error(tiny_llama_folder: Path, tmp_path: Path, capsys) -> None:
+    assert bench_quality.main(["-m", str(tiny_llama_folder), "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "cannot read evaluation text" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_quality_smoke(smollm2_path: Path, tmp_path: Path) -> None:
+    """SmolLM2 end to end, 24 tokens: int8 activations differ from the exact path (the settings do
+    switch per path), and a missing llama.cpp is a skipped line, not a failure."""
+    out = tmp_path / "quality.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "-m", str(smollm2_path), "--tokens", "24", "--compare", "llama.cpp",
+         "--llama-dir", str(tmp_path), "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "quality against the exact path" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["machine"]["cpus"] >= 1 and data["skipped"][0].startswith("llama.cpp: ")
+    [row] = [r for r in data["results"] if r["option"] == "int8 activations (default)"]
+    assert row["tokens"] == 23 and row["kernel"].startswith("int8")
+    assert 0 < row["kl_mean"] < 1 and 0.5 < row["top1_agreement"] <= 1
