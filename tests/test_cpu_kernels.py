@@ -65,29 +65,26 @@ def int8_activations(native, request):
 
 
 def _np_int8_product(x: np.ndarray, w: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int):
-    """The int8 scheme in NumPy: x rounded to int8 per block of 32 (scale max|x|/127), exact integer
-    dot products with the unscaled weights per block, then the weight and x scales; the biases meet
-    the exact float sums of x over each group."""
+    """The int8 scheme in NumPy: x rounded per block of 32 to x^ = dx * qx (dx = max|x| / 127, qx int8),
+    then exactly w . x^ in float64: the weight and the bias terms both meet the quantized x, as
+    llama.cpp's Q4_1 x Q8_1 products do."""
     rows, k = x.shape
     blocks = x.reshape(rows, k // 32, 32).astype(np.float32)
     amax = np.abs(blocks).max(-1)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    xq = np.rint(blocks * inv[..., None]).astype(np.int64)
-    raw = _np_dequantize(w, mx.ones_like(scales), mx.zeros_like(biases), group, bits).astype(np.int64)
-    dots = np.einsum("mbk,nbk->mnb", xq, raw.reshape(raw.shape[0], k // 32, 32)).astype(np.float64)
-    per_block = np.repeat(np.array(scales, dtype=np.float64), group // 32, axis=1)
-    out = np.einsum("mnb,nb,mb->mn", dots, per_block, (amax / np.float32(127)).astype(np.float64))
-    group_sums = x.astype(np.float64).reshape(rows, k // group, group).sum(-1)
-    return out + group_sums @ np.array(biases, np.float64).T
+    qx = np.rint(blocks * inv[..., None])
+    x_hat = qx.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)[..., None]
+    return x_hat.reshape(rows, k) @ _np_dequantize(w, scales, biases, group, bits).T
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_int8_activation_matvec_equals_its_numpy_scheme(int8_activations, bits: int, group: int, rows: int):
-    """The integer kernels (4-row tiles, several of them and their remainder; 37 features: a tail of
-    the 8-feature chunks) compute exactly the int8 scheme, and stay within its rounding of the float
-    product."""
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 100, 512])
+def test_int8_activation_products_equal_their_numpy_scheme(int8_activations, bits: int, group: int,
+                                                           rows: int):
+    """Every row count, decode to prefill (4-row tiles and their remainder, several 64-row blocks;
+    37 features: a tail of the 8-feature chunks), computes exactly w . x^, and stays within x's 8-bit
+    rounding of the float product."""
     rng = np.random.default_rng(bits * 100 + group + rows)
     k, features = 640, 37
     weight = mx.array(rng.standard_normal((features, k)).astype(np.float32))
@@ -96,10 +93,31 @@ def test_int8_activation_matvec_equals_its_numpy_scheme(int8_activations, bits: 
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
     out = np.array(cpu_kernels.quantized_matmul(mx.array(x), w, scales, biases, group, bits))
     want = _np_int8_product(x, w, scales, biases, group, bits)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(out, want, rtol=0, atol=2e-6 * np.abs(want).max())
     exact = x.astype(np.float64) @ _np_dequantize(w, scales, biases, group, bits).T
     assert np.abs(out - exact).max() < 0.03 * np.abs(exact).max()
     assert not np.allclose(out, exact, rtol=1e-5, atol=1e-4)  # it really took the int8 path
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_product_rows_do_not_depend_on_the_other_rows(int8_activations, bits: int):
+    """A row's output is the same bits alone, in a decode-sized batch or in a prefill of hundreds of
+    rows, wherever it sits among them: what a prefix-cache hit, a chunked prefill or a busy batch
+    change is only which rows a product has."""
+    rng = np.random.default_rng(bits)
+    k, features = 576, 200
+    w, scales, biases = mx.quantize(mx.array(rng.standard_normal((features, k)).astype(np.float32)), 32, bits)
+    x = rng.standard_normal((512, k)).astype(np.float32)
+
+    def product(rows: np.ndarray) -> np.ndarray:
+        return np.array(cpu_kernels.quantized_matmul(mx.array(rows), w, scales, biases, 32, bits))
+
+    full = product(x)
+    for start, count in ((0, 1), (511, 1), (5, 3), (64, 16), (100, 17), (200, 100), (3, 509)):
+        np.testing.assert_array_equal(product(x[start:start + count]), full[start:start + count])
+    others = rng.standard_normal((40, k)).astype(np.float32)
+    mixed = product(np.concatenate([others[:21], x[7:8], others[21:]]))
+    np.testing.assert_array_equal(mixed[21], full[7])
 
 
 _MANY_THREADS_SCRIPT = """
@@ -138,11 +156,12 @@ def test_products_split_over_more_threads_than_cores_are_unchanged(native, tmp_p
 
 
 def test_int8_activations_leave_products_they_do_not_fit_exact(int8_activations):
-    """K not a multiple of 64, and batches of over 16 rows (the BLAS path), keep float32 activations."""
+    """K not a multiple of 64 keeps float32 activations, for a few rows (the fused matvec) and many
+    (the BLAS tiles)."""
     rng = np.random.default_rng(5)
-    for rows, k in ((1, 96), (17, 256)):
-        w, scales, biases = mx.quantize(mx.array(rng.standard_normal((40, k)).astype(np.float32)), 32, 4)
-        x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
+    for rows in (1, 17):
+        w, scales, biases = mx.quantize(mx.array(rng.standard_normal((40, 96)).astype(np.float32)), 32, 4)
+        x = mx.array(rng.standard_normal((rows, 96)).astype(np.float32))
         want = np.array(x, dtype=np.float64) @ _np_dequantize(w, scales, biases, 32, 4).T
         out = cpu_kernels.quantized_matmul(x, w, scales, biases, 32, 4)
         np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-4)
@@ -230,10 +249,9 @@ def _np_attention(q, keys, values, seq_of, positions, tables, context_lens, bloc
     return out
 
 
-def _check_attention(shapes, n_heads, n_kv, head_dim, window, softcap, seed):
-    """The kernel against _np_attention for sequences of (tokens already cached, new tokens), their
-    blocks permuted across the pool."""
-    rng = np.random.default_rng(seed)
+def _attention_step(shapes, n_heads, n_kv, head_dim, rng):
+    """Pools, block tables (permuted across the pool) and queries for sequences of (tokens already
+    cached, new tokens): (tables, keys, values, q)."""
     block = 16
     needed = [-(-(c + n) // block) for c, n in shapes]
     physical = rng.permutation(sum(needed) + 3)  # spare blocks stay unused
@@ -241,13 +259,19 @@ def _check_attention(shapes, n_heads, n_kv, head_dim, window, softcap, seed):
     for n in needed:
         tables.append(physical[at : at + n].tolist())
         at += n
-    slices = [SequenceSlice(table, c, n) for table, (c, n) in zip(tables, shapes)]
-    meta = build_metadata(slices, block)
     slots = (len(physical)) * block
     keys = mx.array(rng.standard_normal((slots, n_kv, head_dim)).astype(np.float32))
     values = mx.array(rng.standard_normal((slots, n_kv, head_dim)).astype(np.float32))
     n_tokens = sum(n for _, n in shapes)
     q = mx.array(rng.standard_normal((n_tokens, n_heads, head_dim)).astype(np.float32))
+    return tables, keys, values, q
+
+
+def _check_attention(shapes, n_heads, n_kv, head_dim, window, softcap, seed):
+    """The kernel against _np_attention."""
+    block = 16
+    tables, keys, values, q = _attention_step(shapes, n_heads, n_kv, head_dim, np.random.default_rng(seed))
+    meta = build_metadata([SequenceSlice(table, c, n) for table, (c, n) in zip(tables, shapes)], block)
     scale = head_dim**-0.5
     out = cpu_kernels.paged_attention(q, keys, values, meta, scale, window, softcap)
     seq_of = np.repeat(np.arange(len(shapes)), [n for _, n in shapes])
@@ -275,8 +299,34 @@ def test_paged_attention_equals_numpy(native, n_heads, n_kv, head_dim, window, s
 )
 def test_paged_attention_of_a_few_decodes_splits_keys_and_merges(native, shapes, window, softcap):
     """SmolLM2's heads (9 query, 3 KV) at batch 1-2: fewer tokens than the threads share evenly, so
-    each one's keys are split into chunks whose partial softmaxes are merged."""
+    each one's chunks of keys are separate tasks whose partial softmaxes are merged."""
     _check_attention(shapes, 9, 3, 64, window, softcap, seed=len(shapes) * 1000 + shapes[0][0])
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_paged_attention_of_a_query_does_not_depend_on_the_step(native, window):
+    """A query's output is the same bits computed alone (its key chunks spread over the threads) and
+    in a step of 100 tokens beside decodes and prefill chunks of other sequences (each token one
+    task): a request's attention does not change with the batch it lands in."""
+    shapes = [(599, 1), (40, 1), (130, 1), (200, 70), (0, 20), (63, 1), (64, 1), (1000, 1), (5, 4)]
+    tables, keys, values, q = _attention_step(shapes, 9, 3, 64, np.random.default_rng(7))
+    scale = 64**-0.5
+
+    def attend(indices: list[int], queries: mx.array) -> np.ndarray:
+        meta = build_metadata([SequenceSlice(tables[i], *shapes[i]) for i in indices], 16)
+        return np.array(cpu_kernels.paged_attention(queries, keys, values, meta, scale, window))
+
+    together = attend(list(range(len(shapes))), q)
+    first = np.cumsum([0] + [n for _, n in shapes])
+    for i in range(len(shapes)):
+        rows = slice(first[i], first[i + 1])
+        np.testing.assert_array_equal(attend([i], q[rows]), together[rows])
+        if shapes[i][1] > 1:  # its last query, alone: a decode step at the same position
+            last = slice(first[i + 1] - 1, first[i + 1])
+            meta_shape = (shapes[i][0] + shapes[i][1] - 1, 1)
+            meta = build_metadata([SequenceSlice(tables[i], *meta_shape)], 16)
+            alone = np.array(cpu_kernels.paged_attention(q[last], keys, values, meta, scale, window))
+            np.testing.assert_array_equal(alone, together[last])
 
 
 def test_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch):

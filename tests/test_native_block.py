@@ -150,5 +150,6 @@ def test_smollm2_int8_activations_stay_on_the_float32_tokens(smollm2_path):
     p, q = p / p.sum(-1, keepdims=True), q / q.sum(-1, keepdims=True)
     kl = (p * (np.log(p + 1e-30) - np.log(q + 1e-30))).sum(-1)
     print(f"int8 vs float32: top-1 agreement {agree:.3f}, KL mean {kl.mean():.4f} max {kl.max():.4f}")
-    assert agree >= 0.9 and kl.mean() < 0.03  # measured: 0.96 and 0.009
+    # Measured: 1.0 and 0.0018 (0.96 and 0.009 while the bias term took x's exact sums, issue 15).
+    assert agree >= 0.97 and kl.mean() < 0.005
     assert np.abs(int8 - exact).max() > 1e-3  # int8 activations really were used

@@ -1,11 +1,13 @@
 // Paged attention for MLX's CPU backend: reads K/V rows straight from the pool through the block
 // tables, so no per-layer gather copies the context into a contiguous tensor first.
 //
-// One task per token, split evenly over the thread pool: all its heads are computed together, so
-// each pool slot (every KV head's row) is read once, front to back. Scores go to a per-thread buffer,
-// then softmax in float32 and a weighted sum of the value rows. Where there are too few tokens to keep
-// the threads busy (decoding a few sequences), each token's keys are split into chunks whose partial
-// softmaxes are merged afterwards (flash-decoding).
+// All of a token's heads are computed together, so each pool slot (every KV head's row) is read once,
+// front to back. A token's keys are always taken in chunks of kChunkKeys from its first visible key:
+// each chunk's scores go to a per-thread buffer, then softmax in float32 and a weighted sum of the
+// value rows, and the chunks' partial softmaxes are merged in order (flash-decoding). The chunks depend
+// only on the token's own visible keys, so its output is the same bits whatever else the step holds
+// and however the work is shared: with enough tokens to keep the threads busy each token is one task
+// (its chunks in turn), with fewer (decoding a few sequences) each chunk is one.
 
 #include "paged_attention.h"
 
@@ -118,72 +120,71 @@ void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float
   });
 }
 
-// Token t's output rows [H, D].
-float* token_rows(const AttentionArgs& p, int t) { return p.out + static_cast<size_t>(t) * p.H * p.D; }
+// Keys a chunk: boundaries at multiples of this from the first visible key. Small enough that a
+// batch-1 decode at a few hundred keys splits across the threads; the merge adds ~1/kChunkKeys to
+// the value pass.
+constexpr int kChunkKeys = 64;
 
-// Each token as one task, its output normalized in place.
-void attend_whole(const AttentionArgs& p, ThreadPool& threads) {
+int chunks_of(KeyRange keys) { return keys.hi < keys.lo ? 0 : (keys.hi - keys.lo) / kChunkKeys + 1; }
+
+// One chunk's partial result: out rows [H, D] (unnormalized), then maxima [H], then totals [H].
+size_t partial_size(const AttentionArgs& p) { return static_cast<size_t>(p.H) * (p.D + 2); }
+
+void attend_chunk(const AttentionArgs& p, int t, KeyRange keys, int c, std::vector<float>& scores, float* at) {
+  const KeyRange mine{keys.lo + c * kChunkKeys, std::min(keys.hi, keys.lo + (c + 1) * kChunkKeys - 1)};
+  const size_t out_size = static_cast<size_t>(p.H) * p.D;
+  attend_keys(p, t, mine, scores, at, at + out_size, at + out_size + p.H);
+}
+
+// Token t's output rows [H, D] from its `chunks` partial results (consecutive at `first`), merged in
+// order: out = sum_c exp(max_c - max) out_c / sum_c exp(max_c - max) total_c. No visible keys: zeros.
+void merge(const AttentionArgs& p, int t, const float* first, int chunks) {
+  const size_t out_size = static_cast<size_t>(p.H) * p.D, stride = partial_size(p);
+  float* out = p.out + static_cast<size_t>(t) * out_size;
+  std::fill(out, out + out_size, 0.0f);
+  if (chunks == 0) return;
+  for (int h = 0; h < p.H; ++h) {
+    float m = -INFINITY;
+    for (int c = 0; c < chunks; ++c) m = std::max(m, first[c * stride + out_size + h]);
+    float total = 0.0f;
+    float* row = out + static_cast<size_t>(h) * p.D;
+    for (int c = 0; c < chunks; ++c) {
+      const float* chunk = first + c * stride;
+      const float w = std::exp(chunk[out_size + h] - m);
+      total += w * chunk[out_size + p.H + h];
+      add_scaled(row, chunk + static_cast<size_t>(h) * p.D, w, p.D);
+    }
+    for (int d = 0; d < p.D; ++d) row[d] /= total;  // >= 1: the chunk holding the maximum adds >= 1
+  }
+}
+
+// Each token one task: its chunks in turn into a per-thread buffer, then merged.
+void attend_by_token(const AttentionArgs& p, ThreadPool& threads) {
   threads.for_range(p.T, 1, [&](int begin, int end) {
-    std::vector<float> scores, max_score(p.H), total(p.H);
+    std::vector<float> scores, partial;
     for (int t = begin; t < end; ++t) {
-      float* out = token_rows(p, t);
       const KeyRange keys = visible(p, t);
-      if (keys.hi < keys.lo) {
-        std::fill(out, out + static_cast<size_t>(p.H) * p.D, 0.0f);
-        continue;
-      }
-      attend_keys(p, t, keys, scores, out, max_score.data(), total.data());
-      for (int h = 0; h < p.H; ++h) {
-        const float inv = 1.0f / total[h];
-        for (int d = 0; d < p.D; ++d) out[static_cast<size_t>(h) * p.D + d] *= inv;
-      }
+      const int chunks = chunks_of(keys);
+      partial.resize(chunks * partial_size(p));
+      for (int c = 0; c < chunks; ++c) attend_chunk(p, t, keys, c, scores, partial.data() + c * partial_size(p));
+      merge(p, t, partial.data(), chunks);
     }
   });
 }
 
-// Each token's keys split into `splits` chunks computed as separate tasks, then merged as in
-// flash-decoding: out = sum_c exp(max_c - max) out_c / sum_c exp(max_c - max) total_c. An empty
-// chunk keeps zero rows, maxima of -inf and totals of 0, so it weighs nothing in the merge.
-void attend_split(const AttentionArgs& p, ThreadPool& threads, int splits) {
-  const size_t out_size = static_cast<size_t>(p.H) * p.D;
-  const size_t stride = out_size + 2 * static_cast<size_t>(p.H);  // a chunk's out rows, then its maxima and totals
-  const int items = p.T * splits;
-  std::vector<float> partial(static_cast<size_t>(items) * stride, 0.0f);
-  for (int i = 0; i < items; ++i) {
-    float* max_score = partial.data() + static_cast<size_t>(i) * stride + out_size;
-    std::fill(max_score, max_score + p.H, -INFINITY);
-  }
-  threads.for_range(items, 1, [&](int begin, int end) {
+// Each chunk of each token one task, then each token's chunks merged.
+void attend_by_chunk(const AttentionArgs& p, ThreadPool& threads) {
+  std::vector<int> first(p.T + 1, 0);  // token t's chunks are items [first[t], first[t + 1])
+  for (int t = 0; t < p.T; ++t) first[t + 1] = first[t] + chunks_of(visible(p, t));
+  std::vector<float> partial(first[p.T] * partial_size(p));
+  threads.for_range(first[p.T], 1, [&](int begin, int end) {
     std::vector<float> scores;
     for (int i = begin; i < end; ++i) {
-      const int t = i / splits, c = i % splits;
-      const KeyRange keys = visible(p, t);
-      const int chunk = (keys.hi - keys.lo + splits) / splits;  // ceil(n / splits), n = hi - lo + 1
-      const KeyRange mine{keys.lo + c * chunk, std::min(keys.hi, keys.lo + (c + 1) * chunk - 1)};
-      if (mine.hi < mine.lo) continue;
-      float* at = partial.data() + static_cast<size_t>(i) * stride;
-      attend_keys(p, t, mine, scores, at, at + out_size, at + out_size + p.H);
+      const int t = static_cast<int>(std::upper_bound(first.begin(), first.end(), i) - first.begin()) - 1;
+      attend_chunk(p, t, visible(p, t), i - first[t], scores, partial.data() + i * partial_size(p));
     }
   });
-  for (int t = 0; t < p.T; ++t) {
-    float* out = token_rows(p, t);
-    std::fill(out, out + out_size, 0.0f);
-    const float* first = partial.data() + static_cast<size_t>(t) * splits * stride;
-    for (int h = 0; h < p.H; ++h) {
-      float m = -INFINITY;
-      for (int c = 0; c < splits; ++c) m = std::max(m, first[c * stride + out_size + h]);
-      if (m == -INFINITY) continue;  // no visible keys: zeros
-      float total = 0.0f;
-      float* row = out + static_cast<size_t>(h) * p.D;
-      for (int c = 0; c < splits; ++c) {
-        const float* chunk = first + c * stride;
-        const float w = std::exp(chunk[out_size + h] - m);
-        total += w * chunk[out_size + p.H + h];
-        add_scaled(row, chunk + static_cast<size_t>(h) * p.D, w, p.D);
-      }
-      for (int d = 0; d < p.D; ++d) row[d] /= total;  // >= 1: the chunk holding the maximum adds >= 1
-    }
-  }
+  for (int t = 0; t < p.T; ++t) merge(p, t, partial.data() + first[t] * partial_size(p), first[t + 1] - first[t]);
 }
 
 }  // namespace
@@ -191,22 +192,12 @@ void attend_split(const AttentionArgs& p, ThreadPool& threads, int splits) {
 void attend_all(const AttentionArgs& p) {
   ThreadPool& threads = pool();
   // A decode step of a few sequences has fewer tokens than the threads can share evenly (batch 1:
-  // one token on 2 threads): then each token's keys are split into chunks of at least kMinChunk keys.
-  constexpr int kTasksPerThread = 4, kMinChunk = 64;
-  const int want = kTasksPerThread * threads.size();
-  int splits = 1;
-  if (p.T < want) {
-    int longest = 0;
-    for (int t = 0; t < p.T; ++t) {
-      const KeyRange keys = visible(p, t);
-      longest = std::max(longest, keys.hi - keys.lo + 1);
-    }
-    splits = std::max(1, std::min((want + p.T - 1) / p.T, longest / kMinChunk));
-  }
-  if (splits == 1) {
-    attend_whole(p, threads);
+  // one token on 2 threads): then chunks are the tasks. Either way a token's result is the same.
+  constexpr int kTasksPerThread = 4;
+  if (p.T < kTasksPerThread * threads.size()) {
+    attend_by_chunk(p, threads);
   } else {
-    attend_split(p, threads, splits);
+    attend_by_token(p, threads);
   }
 }
 

@@ -1,8 +1,11 @@
-// Fused dequantize + matrix-vector product for decode on the CPU.
+// Products of activations with MLX affine 4/8-bit weights on the CPU, for decode and prefill.
 //
-// Decode reads every weight once per token, so the kernel reads the packed 4- or 8-bit words
-// directly (a quarter or half of the bytes of float16, an eighth or a quarter of float32) and
-// never writes a dequantized matrix. Per group of `group_size` weights:
+// With int8 activations (the default) every product, whatever its row count, goes to the integer
+// kernel of qmv_int8.cpp after x is quantized here (QuantizedX): the same arithmetic for each row of
+// a decode step, a batch or a prefill chunk, and no BLAS needed.
+//
+// With float32 activations (exact to float32 rounding) the kernel reads the packed 4- or 8-bit words
+// directly and never writes a dequantized matrix. Per group of `group_size` weights:
 //   sum_k x_k (s q_k + b) = s * sum_k x_k q_k + b * sum_k x_k,
 // so the inner loop is one FMA per weight and activation row, and the bias term uses per-group
 // sums of x computed once per call. Output features are split across the thread pool; up to
@@ -186,67 +189,78 @@ std::atomic<Int8Features> g_int8{best_int8()};
 // x [M, K] -> the int8 blocks, scales and sums of Int8Problem. For 4-bit weights, whose bytes hold
 // weights 2j (low nibble) and 2j + 1 (high nibble), each 64 values (blocks A, B) are stored as
 // A's even, B's even, A's odd, B's odd values, the order the kernel's nibble vectors come in.
+// Rows are independent: a prefill's rows are quantized on the thread pool.
 struct QuantizedX {
   std::vector<int8_t> q;
-  std::vector<float> dx, dx_lanes;
+  std::vector<float> dx, dx_lanes, xsum;
   std::vector<int32_t> qsum;
 
-  QuantizedX(const float* x, int M, int K, int bits)
+  QuantizedX(const float* x, int M, int K, int group, int bits)
       : q(static_cast<size_t>(M) * K), dx(static_cast<size_t>(M) * (K / 32)),
-        dx_lanes(static_cast<size_t>(M) * (K / 64) * 8), qsum(dx.size()) {
+        dx_lanes(static_cast<size_t>(M) * (K / 64) * 8), xsum(static_cast<size_t>(M) * (K / group)),
+        qsum(dx.size()) {
+    pool().for_range(M, kRowsPerQuantizeTask,
+                     [&](int m0, int m1) { for (int m = m0; m < m1; ++m) row(x, m, K, group, bits); });
+  }
+
+ private:
+  // Rows too few to be worth waking the pool for (a decode step's): a row of SmolLM2 takes ~1 us.
+  static constexpr int kRowsPerQuantizeTask = 8;
+
+  void row(const float* x, int m, int K, int group, int bits) {
     const int blocks = K / 32;
-    for (int m = 0; m < M; ++m) {
-      for (int b = 0; b < blocks; ++b) {
-        const float* xb = x + static_cast<size_t>(m) * K + static_cast<size_t>(b) * 32;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-        const float d = amax / 127.0f;
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const size_t at = static_cast<size_t>(m) * blocks + b;
-        dx[at] = d;
-        int8_t* qb = q.data() + static_cast<size_t>(m) * K + static_cast<size_t>(b / 2) * 64;
-        int32_t sum = 0;
-        for (int i = 0; i < 32; ++i) {
-          const auto v = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
-          sum += v;
-          if (bits == 8) {
-            qb[(b % 2) * 32 + i] = v;
-          } else {
-            qb[(i % 2) * 32 + (b % 2) * 16 + i / 2] = v;
-          }
+    for (int b = 0; b < blocks; ++b) {
+      const float* xb = x + static_cast<size_t>(m) * K + static_cast<size_t>(b) * 32;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.0f;
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const size_t at = static_cast<size_t>(m) * blocks + b;
+      dx[at] = d;
+      int8_t* qb = q.data() + static_cast<size_t>(m) * K + static_cast<size_t>(b / 2) * 64;
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const auto v = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+        sum += v;
+        if (bits == 8) {
+          qb[(b % 2) * 32 + i] = v;
+        } else {
+          qb[(i % 2) * 32 + (b % 2) * 16 + i / 2] = v;
         }
-        qsum[at] = sum;
-        float* lanes = dx_lanes.data() + (static_cast<size_t>(m) * (K / 64) + b / 2) * 8 + (b % 2) * 4;
-        for (int i = 0; i < 4; ++i) lanes[i] = d;
       }
+      qsum[at] = sum;
+      float* lanes = dx_lanes.data() + (static_cast<size_t>(m) * (K / 64) + b / 2) * 8 + (b % 2) * 4;
+      for (int i = 0; i < 4; ++i) lanes[i] = d;
+    }
+    // The sums of x^ = dx * qx over each weight group, block by block in order, for the bias term.
+    const int per_group = group / 32;
+    for (int g = 0; g < K / group; ++g) {
+      float total = 0.0f;
+      for (int b = g * per_group; b < (g + 1) * per_group; ++b) {
+        const size_t at = static_cast<size_t>(m) * blocks + b;
+        total += dx[at] * static_cast<float>(qsum[at]);
+      }
+      xsum[static_cast<size_t>(m) * (K / group) + g] = total;
     }
   }
 };
 
-// Rows up to which the int8 kernel beats dequantized tiles through the BLAS. Measured with SmolLM2's
-// 121 products of a decode step (4-bit layers, 8-bit head, 2 vCPUs, medians of 8): 8 rows 49 vs
-// 61 ms, 16 rows 105 vs 140 ms, 24 rows 199 vs 160 ms (the tiles' dequantization is a fixed cost,
-// the int8 products grow with the rows).
-constexpr int kInt8MaxRows = 16;
-
-bool use_int8(const Problem& p, int bits) {
-  return p.M <= kInt8MaxRows && p.K % 64 == 0 && p.group % 32 == 0 && (bits == 4 || bits == 8);
+// Whether the int8 kernel computes a product of these settings (any number of rows).
+bool fits_int8(int K, int group, int bits) {
+  return K % 64 == 0 && group % 32 == 0 && (bits == 4 || bits == 8);
 }
 
 template <int BITS>
-void run_int8(const Problem& p, Int8Features features) {
-  const QuantizedX xq(p.x, p.M, p.K, BITS);
-  const Int8Problem ip{xq.q.data(), xq.dx.data(), xq.dx_lanes.data(), xq.qsum.data(), p.xsum, p.w, p.scales,
-                       p.biases, p.out, p.M, p.N, p.K, p.group, BITS};
-  pool().for_range(p.N, 8, [&](int n0, int n1) { features(ip, n0, n1); });
+void run_int8(const float* x, const AffineView& w, int M, int K, float* out, Int8Features features) {
+  const QuantizedX xq(x, M, K, w.group, BITS);
+  const Int8Problem ip{xq.q.data(), xq.dx.data(), xq.dx_lanes.data(), xq.qsum.data(), xq.xsum.data(), w.w,
+                       w.scales, w.biases, out, M, w.rows, K, w.group, BITS};
+  pool().for_range(w.rows, 8, [&](int n0, int n1) { features(ip, n0, n1); });
 }
 
+// Float32 activations: the fused matvec kernel for a few rows, dequantized tiles through the BLAS for more.
 template <int BITS>
-void run(const Problem& p) {
-  if (const Int8Features features = g_int8.load(std::memory_order_relaxed); features && use_int8(p, BITS)) {
-    run_int8<BITS>(p, features);
-    return;
-  }
+void run_float(const Problem& p) {
   pool().for_range(p.N, 8, [&](int n0, int n1) {
     if (use_gemm(p.M, p.K)) {
       const SingleThreadedBlas one_thread;
@@ -331,6 +345,14 @@ AffineView AffineWeights::view(Scratch& scratch) const {
 }
 
 void affine_product(const float* x, int M, int K, const AffineView& w, float* out) {
+  if (const Int8Features features = g_int8.load(std::memory_order_relaxed); features && fits_int8(K, w.group, w.bits)) {
+    if (w.bits == 4) {
+      run_int8<4>(x, w, M, K, out, features);
+    } else {
+      run_int8<8>(x, w, M, K, out, features);
+    }
+    return;
+  }
   const int groups = K / w.group;
   std::vector<float> xsum(static_cast<size_t>(M) * groups);
   for (int m = 0; m < M; ++m) {
@@ -342,9 +364,9 @@ void affine_product(const float* x, int M, int K, const AffineView& w, float* ou
   }
   const Problem p{x, w.w, w.scales, w.biases, xsum.data(), out, M, w.rows, K, w.group, groups};
   if (w.bits == 4) {
-    run<4>(p);
+    run_float<4>(p);
   } else {
-    run<8>(p);
+    run_float<8>(p);
   }
 }
 
