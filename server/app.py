@@ -13,10 +13,11 @@ from typing import Any
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -24,6 +25,7 @@ from mlx_infer.engine.async_engine import AsyncEngine, RequestGroup
 from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
 from mlx_infer.server.errors import error_response, from_exception
 from mlx_infer.server.metrics import Metrics
+from mlx_infer.server.request_body import DEFAULT_MAX_REQUEST_BYTES, read_json
 from mlx_infer.server.responses import Choice, LogprobFormatter, new_id, now, usage
 from mlx_infer.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -37,6 +39,7 @@ class ServerConfig:
     model_name: str
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 class OpenAIServer:
@@ -45,7 +48,7 @@ class OpenAIServer:
         self.config = config
         self.tokenizer = engine.engine.tokenizer
         self.logprobs = LogprobFormatter(self.tokenizer)
-        self.metrics = Metrics(engine.engine)
+        self.metrics = Metrics(engine)
         self.created = now()
 
     # ---- plumbing -------------------------------------------------------------------------------
@@ -90,6 +93,9 @@ class OpenAIServer:
                     return error_response(401, "invalid or missing API key", "authentication_error")
             try:
                 return await handler(request)
+            except ClientDisconnect:
+                # The client left before its body arrived: no one to answer, nothing went wrong here.
+                return Response(status_code=499)
             except (MlxInferError, ValidationError) as e:
                 return from_exception(e)
             except Exception as e:  # noqa: BLE001 - an engine failure still answers in OpenAI's format
@@ -99,22 +105,23 @@ class OpenAIServer:
         return wrapped
 
     async def _body(self, request: Request, schema):
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise InvalidRequest("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise InvalidRequest("the request body must be a JSON object")
-        parsed = schema.model_validate(body)
+        parsed = await read_json(request, schema, self.config.max_request_bytes)
         if parsed.model != self.config.model_name:
             raise ModelNotFound(
-                f"the model {parsed.model!r} does not exist; this server has {self.config.model_name!r}"
+                f"the model {parsed.model!r} does not exist; this server has {self.config.model_name!r}",
+                param="model",
             )
         return parsed
 
     # ---- simple routes --------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
+        """200 while requests are served; 503 with the reason once the engine has stopped or the
+        server is shutting down, so a supervisor or load balancer stops sending work here."""
+        if self.engine.failure is not None:
+            reason = f"the engine has stopped: {self.engine.failure}"
+            return JSONResponse({"status": "error", "reason": reason}, status_code=503)
+        if self.engine.closed_reason is not None:
+            return JSONResponse({"status": "shutting_down", "reason": self.engine.closed_reason}, 503)
         return JSONResponse({"status": "ok"})
 
     async def render_metrics(self, request: Request) -> Response:
@@ -135,17 +142,20 @@ class OpenAIServer:
         try:
             messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
         except ValueError as e:
-            raise InvalidRequest(str(e)) from None
-        prompt_ids = self.tokenizer.encode_chat(messages, tools=body.tools)
+            raise InvalidRequest(str(e), param="messages") from None
+        # Templating and tokenizing a long prompt takes a while: off the loop that feeds every stream.
+        prompt_ids = await run_in_threadpool(self.tokenizer.encode_chat, messages, tools=body.tools)
         return await self._generate(request, body, prompt_ids, chat=True)
 
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = await self._body(request, CompletionRequest)
         if isinstance(body.prompt, str):
-            prompt_ids = self.tokenizer.encode(body.prompt)
+            prompt_ids = await run_in_threadpool(self.tokenizer.encode, body.prompt)
         else:
             if any(not 0 <= t < self.tokenizer.vocab_size for t in body.prompt):
-                raise InvalidRequest(f"prompt token ids must be in [0, {self.tokenizer.vocab_size})")
+                raise InvalidRequest(
+                    f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt"
+                )
             prompt_ids = list(body.prompt)
         return await self._generate(request, body, prompt_ids, chat=False)
 

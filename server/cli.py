@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import threading
+import time
 from pathlib import Path
 
 from mlx_infer import cli_options
+from mlx_infer.errors import EngineFailure, InvalidRequest
+from mlx_infer.server.request_body import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("mlx_infer")
+
+THREAD_EXIT_SECONDS = 0.2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +39,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="requests admitted but unfinished before new ones get 429 (default: 256)",
     )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="BYTES",
+        help=f"largest request body; larger ones get 413 unread (default: {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long running requests may finish before they are aborted (default: 30)",
+    )
+    g.add_argument(
+        "--exit-on-engine-failure",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exit (status 7) shortly after the engine thread stops, for a supervisor to restart the "
+        "server (default: on)",
+    )
     cli_options.add_engine_arguments(parser, max_num_seqs=32)
 
 
@@ -42,24 +70,72 @@ def served_name(model: str, explicit: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else (path.name if path.exists() else model)
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    cli_options.engine_config(args)  # bad engine flags fail before the port is bound
+    if args.max_request_bytes <= 0:
+        raise InvalidRequest(f"--max-request-bytes must be positive, not {args.max_request_bytes}")
+    if args.shutdown_timeout < 0:
+        raise InvalidRequest(f"--shutdown-timeout must be >= 0, not {args.shutdown_timeout}")
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mlx_infer.engine.async_engine import AsyncEngine
     from mlx_infer.server.app import OpenAIServer, ServerConfig
+    from mlx_infer.server.lifecycle import ServeServer, Supervisor
 
-    with cli_options.open_engine(args) as opened:
-        if opened is None:  # a follower rank under `mlx-infer launch`: rank 0 serves
+    _check_flags(args)
+    if os.environ.get("MLX_RANK", "0") != "0":
+        # A follower rank under `mlx-infer launch`: it runs its shard of rank 0's steps; rank 0 serves.
+        with cli_options.open_engine(args):
             return 0
-        loaded, engine = opened
-        log.info("%s: %s", loaded.source, loaded.weight_policy)
-        async_engine = AsyncEngine(engine, max_pending=args.max_pending)
-        origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-        server_config = ServerConfig(served_name(args.model, args.served_model_name), args.api_key, origins)
-        app = OpenAIServer(async_engine, server_config).app()
-        log.info("serving %r on http://%s:%d/v1", server_config.model_name, args.host, args.port)
+
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    server_config = ServerConfig(
+        served_name(args.model, args.served_model_name), args.api_key, origins, args.max_request_bytes
+    )
+    supervisor = Supervisor()
+    stopped = threading.Event()
+
+    def load_and_serve() -> None:
+        # The port answers (503) while this thread loads; the engine lives until the server stops.
         try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
-        finally:
-            async_engine.close()
+            with cli_options.open_engine(args) as (loaded, engine):
+                log.info("%s: %s", loaded.source, loaded.weight_policy)
+                async_engine = AsyncEngine(engine, max_pending=args.max_pending)
+                try:
+                    supervisor.ready(async_engine, OpenAIServer(async_engine, server_config).app())
+                    log.info("serving %r on http://%s:%d/v1", server_config.model_name, args.host, args.port)
+                    stopped.wait()
+                finally:
+                    async_engine.close()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which reports it
+            supervisor.load_failed(e)
+
+    # Daemon: a stop requested while the model still loads does not wait for the load to finish.
+    loader = threading.Thread(target=load_and_serve, name="mlx-infer-loader", daemon=True)
+    loader.start()
+    config = uvicorn.Config(
+        supervisor,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_keep_alive=30,
+        # A backstop: --shutdown-timeout already ends every request; this cuts off clients that stall.
+        timeout_graceful_shutdown=args.shutdown_timeout + 10,
+    )
+    server = ServeServer(config, supervisor, args.shutdown_timeout, args.exit_on_engine_failure)
+    server.run()
+    stopped.set()
+    if supervisor.engine is not None:
+        loader.join(timeout=30)  # closes the engine thread, then the engine
+        # A thread that used MLX runs MLX's thread-local destructors after join() returns, and they take
+        # the GIL: if the interpreter is finalizing by then, the process aborts (SIGABRT) instead of
+        # exiting. Sleeping hands them the GIL first.
+        time.sleep(THREAD_EXIT_SECONDS)
+    if supervisor.load_error is not None:
+        raise supervisor.load_error
+    if server.engine_failed:
+        raise EngineFailure(f"the engine has stopped: {supervisor.engine.failure}")
     return 0

@@ -23,7 +23,7 @@ def from_exception(error: Exception) -> JSONResponse:
     if isinstance(error, QueueFull):
         return error_response(429, str(error), error.openai_type, headers={"Retry-After": "1"})
     if isinstance(error, MlxInferError):
-        return error_response(error.http_status, str(error), error.openai_type)
+        return error_response(error.http_status, str(error), error.openai_type, param=error.param)
     if isinstance(error, ValidationError):
         first = error.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None

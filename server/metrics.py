@@ -6,14 +6,14 @@ import time
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from mlx_infer.engine.engine import Engine
+from mlx_infer.engine.async_engine import AsyncEngine
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
 
 class Metrics:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, async_engine: AsyncEngine):
+        engine = self.engine = async_engine.engine
         self.registry = CollectorRegistry()
         r = self.registry
         kv = engine.kv
@@ -47,6 +47,21 @@ class Metrics:
         Gauge("mlx_infer_preemptions_total", "Requests preempted for recompute", registry=r).set_function(
             lambda: engine.scheduler.num_preemptions
         )
+        Gauge(
+            "mlx_infer_requests_failed_total", "Requests that failed inside the engine", registry=r
+        ).set_function(lambda: engine.stats.failed_requests)
+        Gauge(
+            "mlx_infer_engine_steps_failed_total",
+            "Engine steps that failed and were recovered from",
+            registry=r,
+        ).set_function(lambda: engine.stats.failed_steps)
+        # Entries in the engine's request tables: back to 0 when idle, or something leaked.
+        Gauge(
+            "mlx_infer_engine_requests_tracked", "Requests in the engine's tables", registry=r
+        ).set_function(lambda: len(engine.requests) + async_engine.num_tracked)
+        Gauge(
+            "mlx_infer_requests_pending", "Requests admitted by the API and not yet finished", registry=r
+        ).set_function(lambda: async_engine.num_pending)
         self.ttft = Histogram(
             "mlx_infer_time_to_first_token_seconds",
             "Time to first token",

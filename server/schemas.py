@@ -8,6 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlx_infer.sampling import SamplingParams
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_STOP_LENGTH = 1024  # characters per stop string: the matcher holds back up to this much text
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -15,19 +19,21 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(BaseModel):
     # Unknown fields (user, service_tier, ...) are accepted and ignored, as OpenAI-compatible servers do.
-    model_config = ConfigDict(extra="ignore")
+    # Every number is range-checked here, at the edge: NaN and infinities are refused outright.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=INT32_MAX)  # k at or above the vocabulary keeps every token
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None
-    seed: int | None = None
+    # OpenAI's seed is any signed 64-bit integer; the sampler maps it into MLX's key range.
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
@@ -44,8 +50,11 @@ class _SamplingFields(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_count(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > 16:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 16:
             raise ValueError("at most 16 stop sequences")
+        if any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise ValueError(f"stop sequences are at most {MAX_STOP_LENGTH} characters long")
         return value
 
     def stop_list(self) -> list[str]:

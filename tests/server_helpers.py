@@ -28,7 +28,11 @@ def kv_gib_for_blocks(num_blocks: int, block_size: int = 16) -> float:
 
 
 class LiveServer:
-    """``mlx-infer serve -m MODEL ARGS`` on a free loopback port; ``stop()`` terminates it."""
+    """``mlx-infer serve -m MODEL ARGS`` on a free loopback port; ``stop()`` terminates it.
+
+    ``preamble``: Python run in the server process before the CLI (to slow or break a part for a test).
+    ``wait_healthy``: return only once /health answers 200.
+    """
 
     def __init__(
         self,
@@ -37,15 +41,20 @@ class LiveServer:
         name: str = "smollm2",
         startup_timeout: float = 180.0,
         launch_hosts: str | None = None,
+        preamble: str | None = None,
+        wait_healthy: bool = True,
     ):
         self.name = name
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile("w+", prefix="mlx-infer-serve-", suffix=".log", delete=False)
+        entry = ["-m", "mlx_infer.cli"]
+        if preamble is not None:
+            main = "import sys\nfrom mlx_infer.cli import main\nsys.exit(main(sys.argv[1:]))"
+            entry = ["-c", f"{preamble}\n{main}"]
         command = [
             sys.executable,
-            "-m",
-            "mlx_infer.cli",
+            *entry,
             # Under `launch`, one rank per host; rank 0 serves on the port.
             *(["launch", "--hosts", launch_hosts, "--"] if launch_hosts else []),
             "serve",
@@ -59,21 +68,28 @@ class LiveServer:
         ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy(startup_timeout)
+        if wait_healthy:
+            self._wait_healthy(startup_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
+        self.wait_for_health(200, timeout)
+
+    def wait_for_health(self, status: int, timeout: float) -> httpx.Response:
+        """Poll /health until it answers ``status``; returns that answer."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
-                    return
+                response = httpx.get(f"{self.base_url}/health", timeout=1.0)
+                if response.status_code == status:
+                    return response
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
+        log = self.log()
         self.stop()
-        raise RuntimeError(f"the server did not become healthy in {timeout:.0f} s:\n{self.log()}")
+        raise RuntimeError(f"/health did not answer {status} in {timeout:.0f} s:\n{log}")
 
     def log(self) -> str:
         return Path(self._log.name).read_text(errors="replace")[-4000:]

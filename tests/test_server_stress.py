@@ -1,11 +1,16 @@
-"""Server error paths, authentication and back-pressure (in process, tiny random model), and preemption
-under a KV pool too small for the running requests (a live server on SmolLM2)."""
+"""Server error paths, authentication and back-pressure (in process, tiny random model), failures inside
+the engine, the serve process's life (503 while loading, graceful shutdown, exit when the engine stops;
+live servers on the tiny model), and preemption under a KV pool too small for the running requests (a
+live server on SmolLM2)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import signal
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -18,9 +23,11 @@ from starlette.testclient import TestClient
 
 from mlx_infer.engine.async_engine import AsyncEngine
 from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.errors import EngineFailure
 from mlx_infer.loading import load
 from mlx_infer.sampling import SamplingParams
 from mlx_infer.server.app import OpenAIServer, ServerConfig
+from mlx_infer.server.request_body import MAX_NESTING_DEPTH
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -106,6 +113,29 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
     ("POST", CHAT, _chat(min_p=2), 400),
     ("POST", CHAT, _chat(presence_penalty=3), 400),
     ("POST", CHAT, _chat(repetition_penalty=0), 400),
+    ("POST", CHAT, _chat(repetition_penalty=1e300), 400),
+    ("POST", CHAT, _chat(top_k=-1), 400),
+    ("POST", CHAT, _chat(top_k=10**30), 400),
+    ("POST", CHAT, _chat(seed=2**63), 400),
+    ("POST", CHAT, _chat(seed=-(2**63) - 1), 400),
+    ("POST", CHAT, _chat(seed=2**70), 400),
+    ("POST", CHAT, _chat(seed=1.5), 400),
+    ("POST", CHAT, _chat(stop=["w" * 1025]), 400),
+    ("POST", CHAT, json.dumps(GOOD_CHAT).encode()[:-1] + b', "logit_bias": {"5": 1e400}}', 400),
+    (
+        "POST",
+        CHAT,
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "top_p": Infinity}',
+        400,
+    ),
+    ("POST", COMPLETIONS, _completion(prompt=[10**30]), 400),
+    # nesting and size: refused before parsing
+    ("POST", CHAT, b"[" * 10_000 + b"]" * 10_000, 400),
+    ("POST", CHAT, _chat(tools=[{"a": json.loads("[" * 70 + "]" * 70)}]), 400),
+    ("POST", CHAT, _chat(messages=[{"role": "user", "content": "w1 " * 3_000_000}]), 413),
+    # truncated and non-UTF-8 bodies
+    ("POST", CHAT, json.dumps(GOOD_CHAT).encode()[:-9], 400),
+    ("POST", CHAT, json.dumps(GOOD_CHAT).encode().replace(b"w1", b"\xc3\x28"), 400),
     # logit_bias: not a map, a non-integer key, a value out of range, a token outside the vocabulary
     ("POST", CHAT, _chat(logit_bias=[1, 2]), 400),
     ("POST", CHAT, _chat(logit_bias={"abc": 1}), 400),
@@ -301,3 +331,215 @@ def test_engine_failure_fails_the_requests_in_flight_and_server_keeps_serving(
 
 def _raise_runtime_error(*_: object) -> None:
     raise RuntimeError("simulated device failure")
+
+
+def fresh_engine(tiny_engine: Engine) -> AsyncEngine:
+    """An engine thread of its own over a fresh Engine (the test may break it)."""
+    return AsyncEngine(Engine(tiny_engine.model, tiny_engine.tokenizer, CONTEXT, EngineConfig(num_blocks=64)))
+
+
+# ---- validation at the edge -----------------------------------------------------------------------
+def _post_within(app, path: str, body: object, seconds: float = 30.0) -> httpx.Response:
+    """POST through the app in process, failing (not hanging) if no answer comes within ``seconds``."""
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await asyncio.wait_for(client.post(path, json=body), seconds)
+
+    return asyncio.run(post())
+
+
+def test_any_64_bit_seed_is_served_and_the_engine_survives(tiny_engine: Engine):
+    # Seeds outside MLX's key range used to kill the engine thread: every later request then hung.
+    engine = fresh_engine(tiny_engine)
+    try:
+        app = make_app(engine)
+        texts = {}
+        for seed in (-1, 2**64 - 1 - 2**63, 2**63 - 1, -(2**63), 0):
+            r = _post_within(app, CHAT, _chat(seed=seed, temperature=1.0, max_tokens=6))
+            assert r.status_code == 200, r.text
+            texts[seed] = r.json()["choices"][0]["message"]["content"]
+        # OpenAI's range is signed 64-bit: beyond it, a 400 that names the field.
+        error = assert_openai_error(_post_within(app, CHAT, _chat(seed=2**70)), 400)
+        assert error["param"] == "seed" and "seed" in error["message"]
+        assert _post_within(app, CHAT, GOOD_CHAT).status_code == 200
+        assert engine.failure is None and engine.num_pending == 0
+    finally:
+        engine.close()
+
+
+def test_deeply_nested_body_is_refused_before_parsing(http: TestClient):
+    body = b'{"model": "tiny", "messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+    error = assert_openai_error(send(http, "POST", CHAT, body), 400)
+    assert "10001 levels" in error["message"] and str(MAX_NESTING_DEPTH) in error["message"]
+    # Brackets inside strings are text, not nesting.
+    deep_text = _chat(messages=[{"role": "user", "content": "[" * 10_000}], max_tokens=1)
+    assert http.post(CHAT, json=deep_text).status_code == 200
+
+
+def test_body_over_the_limit_gets_413_with_or_without_content_length(async_engine: AsyncEngine):
+    app = OpenAIServer(async_engine, ServerConfig("tiny", max_request_bytes=1000)).app()
+    big = json.dumps(_chat(messages=[{"role": "user", "content": "w1 " * 400}])).encode()
+    with TestClient(app) as client:
+        error = assert_openai_error(client.post(CHAT, content=big), 413)
+        assert "1000" in error["message"]
+        # Sent in chunks without a Content-Length: counted as it arrives.
+        assert_openai_error(client.post(CHAT, content=iter([big[:600], big[600:]])), 413)
+        assert client.post(CHAT, json=GOOD_CHAT).status_code == 200
+
+
+# ---- failures inside the engine -------------------------------------------------------------------
+class _FailingDetokenizer:
+    def add(self, token: int) -> str:
+        raise ValueError("injected detokenizer failure")
+
+    def flush(self) -> str:
+        return ""
+
+
+def test_a_request_failing_in_the_engine_fails_alone(tiny_engine: Engine, monkeypatch):
+    engine = fresh_engine(tiny_engine)
+    real = engine.engine.tokenizer.detokenizer
+    try:
+        with TestClient(make_app(engine)) as client:
+            healthy = _chat(max_tokens=200, ignore_eos=True)
+            results = {}
+            thread = threading.Thread(target=lambda: results.update(ok=client.post(CHAT, json=healthy)))
+            thread.start()
+            while not engine.engine.requests:  # its detokenizer is made when the engine adds it
+                time.sleep(0.001)
+            monkeypatch.setattr(engine.engine.tokenizer, "detokenizer", _FailingDetokenizer)
+            error = assert_openai_error(client.post(CHAT, json=GOOD_CHAT), 500)
+            assert error["type"] == "server_error" and "ValueError" in error["message"]
+            lines = client.post(CHAT, json=_chat(stream=True)).text.splitlines()
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            assert events[-1]["error"]["type"] == "server_error"
+            monkeypatch.setattr(engine.engine.tokenizer, "detokenizer", real)
+            thread.join(timeout=60)
+            assert results["ok"].status_code == 200
+            assert results["ok"].json()["usage"]["completion_tokens"] == 200
+            assert client.get("/health").json() == {"status": "ok"}
+        assert engine.num_pending == 0 and engine.num_tracked == 0
+        assert engine.engine.kv.pool.num_used == 0 and not engine.engine.requests
+    finally:
+        engine.close()
+
+
+def test_stopped_engine_thread_answers_503_at_once(tiny_engine: Engine):
+    engine = fresh_engine(tiny_engine)
+    engine.engine.step = _raise_runtime_error  # escapes the engine's own isolation: the thread stops
+    try:
+        with TestClient(make_app(engine)) as client:
+            error = assert_openai_error(client.post(CHAT, json=GOOD_CHAT), 503)
+            assert "simulated device failure" in error["message"]
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "error"
+            assert "simulated device failure" in health.json()["reason"]
+            start = time.monotonic()
+            assert_openai_error(client.post(CHAT, json=_chat(stream=True)), 503)
+            assert_openai_error(client.post(COMPLETIONS, json=GOOD_COMPLETION), 503)
+            assert time.monotonic() - start < 5
+        assert engine.num_pending == 0
+        with pytest.raises(EngineFailure):
+            asyncio.run(_submit(engine))
+    finally:
+        engine.close()
+
+
+async def _submit(engine: AsyncEngine) -> None:
+    engine.submit([([4, 5, 6], SamplingParams(max_tokens=2))])
+
+
+# ---- the serve process: loading, shutdown, engine failure (live servers on the tiny model) --------
+SLOW_LOAD = """
+import time
+import mlx_infer.loading as loading
+_load = loading.load
+def slow_load(*args, **kwargs):
+    time.sleep(4)
+    return _load(*args, **kwargs)
+loading.load = slow_load
+"""
+SLOW_STEPS = """
+import time
+from mlx_infer.engine.engine import Engine
+_step = Engine.step
+def slow_step(self):
+    time.sleep(0.02)
+    return _step(self)
+Engine.step = slow_step
+"""
+BROKEN_ENGINE = """
+from mlx_infer.engine.engine import Engine
+def broken_step(self):
+    raise SystemError("injected engine crash")
+Engine.step = broken_step
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("serve") / "tiny"
+    return write_hf_folder(folder, dict(tree_flatten(make_tiny_llama(0).parameters())), TINY_LLAMA_CONFIG)
+
+
+def _stream_lines(base_url: str, body: dict, lines: list[str], started: threading.Event) -> None:
+    with httpx.stream("POST", f"{base_url}{CHAT}", json={**body, "stream": True}, timeout=60) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            started.set()
+
+
+def test_health_is_503_while_the_model_loads(tiny_folder: Path):
+    server = LiveServer(tiny_folder, name="tiny", preamble=SLOW_LOAD, wait_healthy=False)
+    try:
+        assert server.wait_for_health(503, 60).json() == {"status": "loading"}
+        refused = httpx.post(f"{server.base_url}{CHAT}", json=GOOD_CHAT, timeout=10)
+        assert assert_openai_error(refused, 503)["type"] == "server_error"
+        assert server.wait_for_health(200, 60).json() == {"status": "ok"}
+        assert httpx.post(f"{server.base_url}{CHAT}", json=GOOD_CHAT, timeout=30).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_sigterm_lets_short_requests_finish_aborts_the_rest_and_exits_0(tiny_folder: Path):
+    server = LiveServer(tiny_folder, "--shutdown-timeout", "1.5", name="tiny", preamble=SLOW_STEPS)
+    try:
+        streams = {}
+        for name, tokens in (("short", 20), ("long", 240)):
+            lines, started = [], threading.Event()
+            body = _chat(max_tokens=tokens, ignore_eos=True)
+            thread = threading.Thread(target=_stream_lines, args=(server.base_url, body, lines, started))
+            thread.start()
+            assert started.wait(30)
+            streams[name] = (thread, lines)
+        server.process.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        for thread, _ in streams.values():
+            thread.join(timeout=30)
+        assert server.process.wait(timeout=30) == 0
+        # The long stream was cut at --shutdown-timeout, not run to its end (240 x 20 ms).
+        assert time.monotonic() - start < 4.5
+        short, long = streams["short"][1], streams["long"][1]
+        assert short[-2:] == ["data: [DONE]", ""] or short[-1] == "data: [DONE]"
+        events = [json.loads(line[6:]) for line in long if line.startswith("data: {")]
+        assert events[-1]["error"]["message"] == "the server shut down before this request finished"
+        assert 1 < len(events) < 240
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{server.base_url}/health", timeout=2)
+    finally:
+        server.stop()
+
+
+def test_serve_exits_7_soon_after_the_engine_stops(tiny_folder: Path):
+    server = LiveServer(tiny_folder, name="tiny", preamble=BROKEN_ENGINE)
+    try:
+        error = assert_openai_error(httpx.post(f"{server.base_url}{CHAT}", json=GOOD_CHAT, timeout=10), 503)
+        assert "injected engine crash" in error["message"]
+        health = httpx.get(f"{server.base_url}/health", timeout=5)
+        assert health.status_code == 503 and "injected engine crash" in health.json()["reason"]
+        assert server.process.wait(timeout=20) == EngineFailure.exit_code
+        assert "the engine has stopped" in server.log()
+    finally:
+        server.stop()

@@ -1,0 +1,121 @@
+"""The serve process around the app: 503 while the model loads, a graceful stop on SIGTERM/SIGINT,
+and an exit with EngineFailure's status once the engine has stopped, so a supervisor restarts it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from types import FrameType
+
+import uvicorn
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mlx_infer.engine.async_engine import AsyncEngine
+from mlx_infer.errors import ServiceUnavailable
+from mlx_infer.server.errors import error_response
+
+log = logging.getLogger("mlx_infer")
+
+ENGINE_FAILURE_GRACE_SECONDS = 3.0  # /health reports the failure this long before the process exits
+
+
+class Supervisor:
+    """The ASGI app uvicorn serves: 503 for everything while the model loads, then the real app."""
+
+    def __init__(self) -> None:
+        self.app: ASGIApp | None = None
+        self.engine: AsyncEngine | None = None
+        self.load_error: BaseException | None = None
+
+    def ready(self, engine: AsyncEngine, app: ASGIApp) -> None:
+        self.engine, self.app = engine, app
+
+    def load_failed(self, error: BaseException) -> None:
+        self.load_error = error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            # Nothing to set up or tear down here: the loader thread owns the engine.
+            while True:
+                message = await receive()
+                await send({"type": message["type"] + ".complete"})
+                if message["type"] == "lifespan.shutdown":
+                    return
+        if self.app is not None:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/health":
+            response = JSONResponse({"status": "loading"}, status_code=503)
+        else:
+            response = error_response(
+                503, "the model is loading; retry shortly", "server_error", headers={"Retry-After": "5"}
+            )
+        await response(scope, receive, send)
+
+
+class ServeServer(uvicorn.Server):
+    """uvicorn's server with mlx-infer's stop rules.
+
+    SIGTERM/SIGINT: new requests get 503, running ones may finish for ``shutdown_timeout`` seconds,
+    then the rest end with a final error (a chunk for streams), and the process exits 0 (uvicorn would
+    re-raise the signal). A second SIGINT stops at once. An engine that stopped makes ``serve`` exit
+    after a short grace period, when ``exit_on_engine_failure``.
+    """
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        supervisor: Supervisor,
+        shutdown_timeout: float,
+        exit_on_engine_failure: bool,
+    ):
+        super().__init__(config)
+        self.supervisor = supervisor
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_on_engine_failure = exit_on_engine_failure
+        self.engine_failed = False  # the reason the server stopped, for run()'s exit status
+        self._failure_seen_at: float | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            if sig == signal.SIGINT:
+                self.force_exit = True
+            return
+        self.should_exit = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        engine = self.supervisor.engine
+        if engine is None:
+            return
+        engine.close_admission("the server is shutting down")
+        pending, timeout = engine.num_pending, self.shutdown_timeout
+        log.info("shutting down: %d requests may finish for up to %.0f s", pending, timeout)
+        error = ServiceUnavailable("the server shut down before this request finished")
+        self._loop.call_later(self.shutdown_timeout, engine.abort_all, error)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.supervisor.load_error is not None:
+            return True
+        engine = self.supervisor.engine
+        if self.exit_on_engine_failure and engine is not None and engine.failure is not None:
+            now = time.monotonic()
+            if self._failure_seen_at is None:
+                self._failure_seen_at = now
+                grace = ENGINE_FAILURE_GRACE_SECONDS
+                log.error("the engine has stopped (%s); exiting in %.0f s", engine.failure, grace)
+            elif now - self._failure_seen_at >= ENGINE_FAILURE_GRACE_SECONDS:
+                self.engine_failed = True
+                return True
+        return await super().on_tick(counter)

@@ -1,0 +1,102 @@
+"""A JSON request body read safely, for every API surface.
+
+Size and nesting depth are bounded before anything is parsed (``json.loads`` recurses: a body nested
+10,000 deep raises RecursionError), then one pydantic schema validates the fields. Every failure is a
+typed error naming the field where there is one (400, 408 or 413); each surface renders it in its own
+error shape, so the OpenAI routes and any later ones (Anthropic Messages, Responses, embeddings) refuse
+a hostile body the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from mlx_infer.errors import InvalidRequest, RequestTimeout, RequestTooLarge
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+MAX_NESTING_DEPTH = 64  # arrays and objects; a JSON schema of tools nests well under this
+BODY_TIMEOUT_SECONDS = 60.0  # for the whole body to arrive once the headers have
+PARSE_INLINE_BYTES = 64 * 2**10  # larger bodies are parsed on a worker thread, off the event loop
+
+Schema = TypeVar("Schema", bound=BaseModel)
+
+# A JSON string, escapes included; what remains once strings are cut out is structure and scalars.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_STEP = np.zeros(256, dtype=np.int8)  # depth change per byte value
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The raw body, refused (413) as soon as it is known to exceed ``max_bytes``: from its
+    Content-Length before reading, or while reading a body sent without one."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise RequestTooLarge(
+            f"the request body has {int(declared)} bytes; this server takes at most {max_bytes}"
+        )
+
+    async def receive() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise RequestTooLarge(f"the request body exceeds {max_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(receive(), BODY_TIMEOUT_SECONDS)
+    except asyncio.TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {BODY_TIMEOUT_SECONDS:.0f} s") from None
+
+
+def nesting_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in ``raw`` (brackets inside strings do not count), exactly when
+    it could exceed MAX_NESTING_DEPTH; below that, an upper bound (the number of opening brackets)."""
+    bound = raw.count(b"[") + raw.count(b"{")
+    if bound <= MAX_NESTING_DEPTH:
+        return bound
+    steps = _STEP[np.frombuffer(_STRING.sub(b"", raw), dtype=np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
+
+
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object from raw bytes (UTF-8/16/32), depth-checked before parsing."""
+    depth = nesting_depth(raw)
+    if depth > MAX_NESTING_DEPTH:
+        raise InvalidRequest(
+            f"the request body nests {depth} levels deep; at most {MAX_NESTING_DEPTH} are allowed"
+        )
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InvalidRequest("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+def validate(schema: type[Schema], body: dict[str, Any]) -> Schema:
+    """``body`` as ``schema``; the first invalid field becomes an InvalidRequest that names it."""
+    try:
+        return schema.model_validate(body)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise InvalidRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+
+
+async def read_json(request: Request, schema: type[Schema], max_bytes: int) -> Schema:
+    raw = await read_body(request, max_bytes)
+    # A body of megabytes takes a second to check and parse: not on the loop that feeds every stream.
+    body = parse_object(raw) if len(raw) <= PARSE_INLINE_BYTES else await run_in_threadpool(parse_object, raw)
+    return validate(schema, body)
