@@ -1,12 +1,15 @@
 """What each lossy runtime option costs in accuracy, against the exact path, in decode mode.
 
-    python benchmarks/bench_quality.py -m MODEL [--text FILE] [--tokens 400]
+    python benchmarks/bench_quality.py -m MODEL [--text FILE] [--tokens 400] [--chunk C]
         [--compare llama.cpp] [--llama-dir DIR] [--json FILE]
 
-The text's first ``--tokens`` tokens are fed one a step (teacher-forced) through the engine's runner
-and paged KV cache, as generation runs them, once on the exact path (float32 activations) and once per
-lossy option, in lockstep. Per predicted position: KL(exact || option), whether the argmax tokens
-agree, and each path's negative log-likelihood of the actual next token (perplexity).
+The text's tokens are fed one a step (teacher-forced) through the engine's runner and paged KV cache,
+as generation runs them, once on the exact path (float32 activations) and once per lossy option, in
+lockstep. Per predicted position: KL(exact || option), whether the argmax tokens agree, and each path's
+negative log-likelihood of the actual next token (perplexity). By default the first ``--tokens`` tokens
+are one sequence and every position is scored; ``--chunk C`` scores as ``llama-perplexity -c C`` does:
+chunks of C tokens, each from an empty cache, only the second half of each scored, until about
+``--tokens`` positions are.
 ``--compare llama.cpp`` runs ``llama-perplexity --kl-divergence`` of the same GGUF against an F32 GGUF
 of its weights on the same text, llama.cpp's own measure of its 8-bit activations. See README.md.
 """
@@ -39,10 +42,11 @@ import numpy as np  # noqa: E402
 
 from mlx_infer import blas, cpu_kernels  # noqa: E402
 from mlx_infer.convert.evaluate import DEFAULT_EVAL_FILE, Quality, eval_windows  # noqa: E402
-from mlx_infer.errors import MlxInferError  # noqa: E402
+from mlx_infer.errors import InvalidRequest, MlxInferError  # noqa: E402
 from mlx_infer.loading import load  # noqa: E402
 
 PEERS = ("llama.cpp",)
+LLAMA_CTX = 256  # llama-perplexity's -c without --chunk
 
 
 @dataclass(frozen=True)
@@ -107,8 +111,9 @@ class _Rows:
         )
 
 
-def measure(model, windows: list[list[int]], options: list[Option]) -> dict[str, Quality]:
-    """Each option's :class:`Quality` against the exact path, every window decoded a token a step.
+def measure(model, windows: list[list[int]], options: list[Option], skip: int = 0) -> dict[str, Quality]:
+    """Each option's :class:`Quality` against the exact path, every window decoded a token a step and
+    scored from its position ``skip`` on.
 
     Each path has its own KV cache; the paths step in lockstep, each step evaluated under its own
     settings (kernel settings apply to the products evaluated while they hold), so the exact
@@ -124,14 +129,19 @@ def measure(model, windows: list[list[int]], options: list[Option]) -> dict[str,
             path.reset()
         steps: list[list[tuple[mx.array, ...]]] = [[] for _ in options]
         exact_nll = []
-        for token, target in zip(window[:-1], window[1:]):
+        for position, (token, target) in enumerate(zip(window[:-1], window[1:])):
+            scored = position >= skip  # an unscored position still goes through: its K/V is context
             with applied(EXACT):
                 lp_exact = exact.step(token)
-                exact_nll.append(-lp_exact[target])
-                mx.eval(lp_exact, exact_nll[-1])
+                if scored:
+                    exact_nll.append(-lp_exact[target])
+                mx.eval(lp_exact, exact_nll)
             for option, path, figures in zip(options, paths, steps):
                 with applied(option):
                     lp = path.step(token)
+                    if not scored:
+                        mx.eval(lp)
+                        continue
                     # Clamped at 0: identical distributions can round to -1e-9; KL is never negative.
                     kl = mx.maximum(mx.sum(mx.exp(lp_exact) * (lp_exact - lp)), 0.0)
                     step = (kl, mx.argmax(lp_exact) == mx.argmax(lp), -lp[target])
@@ -152,13 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     try:
         lm = load(args.model)
-        windows = eval_windows(lm.tokenizer, args.text, args.tokens)
+        if args.chunk:
+            windows = llama_chunks(lm.tokenizer, args.text, args.chunk, args.tokens)
+        else:
+            windows = eval_windows(lm.tokenizer, args.text, args.tokens)
     except MlxInferError as e:
         console.print(f"[red]error: {e}[/red]")
         return e.exit_code
     options = runnable(OPTIONS)
     console.print(f"{lm.weight_policy}; BLAS: {blas.active()}")
-    results = measure(lm.model, windows, options)
+    results = measure(lm.model, windows, options, skip=args.chunk // 2 if args.chunk else 0)
     kernels = {o.name: _kernel(o) for o in options}
 
     llama, skipped = None, []
@@ -187,18 +200,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("-m", "--model", required=True, help="GGUF file, HF/MLX folder or Hub repo id")
     parser.add_argument("--text", type=Path, default=DEFAULT_EVAL_FILE,
                         help="evaluation text (default: convert/eval_text.txt)")
-    parser.add_argument("--tokens", type=int, default=400, help="text tokens decoded (default 400)")
+    parser.add_argument("--tokens", type=int, default=400, help="positions scored (default 400)")
+    parser.add_argument("--chunk", type=int, default=0,
+                        help="score as llama-perplexity -c CHUNK does (and run it so with --compare)")
     parser.add_argument("--compare", type=_peer_list, default=[], help="peers: llama.cpp")
     parser.add_argument("--llama-dir", help="folder of llama-perplexity and llama-quantize (default: PATH)")
-    parser.add_argument("--llama-ctx", type=int, default=256,
-                        help="llama-perplexity context (-c); it scores the second half of each chunk")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.tokens < 2:
         parser.error("--tokens must be at least 2")
-    if args.llama_ctx < 8:
-        parser.error("--llama-ctx must be at least 8")
+    if args.chunk and args.chunk < 8:
+        parser.error("--chunk must be at least 8")
     return args
 
 
@@ -208,6 +221,28 @@ def _peer_list(text: str) -> list[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown peer {', '.join(unknown)} (known: {', '.join(PEERS)})")
     return names
+
+
+def llama_chunks(tokenizer, path: Path, ctx: int, scored: int) -> list[list[int]]:
+    """The text cut as ``llama-perplexity -c ctx`` cuts it: the token stream (led by BOS if the model
+    adds one) in chunks of ``ctx`` tokens, each chunk's first token replaced by BOS where there is one;
+    as many chunks as score about ``scored`` positions, and as the text holds."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"cannot read evaluation text {path}: {e}") from None
+    bos = tokenizer.encode("", add_special_tokens=True)
+    stream = bos + tokenizer.encode(text, add_special_tokens=False)
+    count = min(_chunk_count(ctx, scored), len(stream) // ctx)
+    if count == 0:
+        raise InvalidRequest(f"evaluation text {path} has fewer than --chunk {ctx} tokens")
+    chunks = [stream[i * ctx : (i + 1) * ctx] for i in range(count)]
+    return [bos + chunk[len(bos) :] for chunk in chunks]
+
+
+def _chunk_count(ctx: int, scored: int) -> int:
+    """Chunks of ``ctx`` tokens that score at least ``scored`` positions (the second half of each)."""
+    return math.ceil(scored / (ctx - 1 - ctx // 2))
 
 
 def _kernel(option: Option) -> str:
@@ -221,10 +256,10 @@ def _run_llama(gguf: str, args: argparse.Namespace) -> tuple[peers.LlamaQuality 
     tools = [peers.find_llama_tool(name, args.llama_dir) for name in ("llama-perplexity", "llama-quantize")]
     if None in tools:
         return None, "llama-perplexity/llama-quantize not found (put them on PATH or pass --llama-dir DIR)"
-    # About as many scored tokens as ours: llama.cpp scores the second half of each chunk.
-    chunks = math.ceil(args.tokens / (args.llama_ctx - 1 - args.llama_ctx // 2))
+    ctx = args.chunk or LLAMA_CTX
+    chunks = _chunk_count(ctx, args.tokens)
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
-        result = peers.run_llama_kld(*tools, gguf, args.text, args.llama_ctx, chunks, args.threads, Path(tmp))
+        result = peers.run_llama_kld(*tools, gguf, args.text, ctx, chunks, args.threads, Path(tmp))
     return result, ""
 
 
@@ -240,7 +275,7 @@ def _print_table(
                       f"{q.kl_p99:.4f}", f"{q.kl_max:.4f}", f"{q.top1_agreement:.1%}", f"{q.ppl_source:.3f}",
                       f"{q.ppl_output:.3f}")
     if llama is not None:
-        table.add_row("llama.cpp", "8-bit activations (vs F32 GGUF)", f"-c {llama.ctx}", str(llama.tokens),
+        table.add_row("llama.cpp", f"8-bit activations (vs F32 GGUF, -c {llama.ctx})", "", str(llama.tokens),
                       f"{llama.kl_mean:.4f}", f"{llama.kl_p99:.4f}", f"{llama.kl_max:.4f}",
                       f"{llama.same_top:.1%}", f"{llama.ppl_base:.3f}", f"{llama.ppl:.3f}")
     console.print(table)
@@ -253,7 +288,7 @@ def _write_json(path: Path, args, results, kernels, llama, skipped: list[str]) -
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "blas": blas.active(),
                     "mlx": mx.__version__},
         "args": {"model": args.model, "text": str(args.text), "tokens": args.tokens, "compare": args.compare,
-                 "llama_ctx": args.llama_ctx},
+                 "chunk": args.chunk},
         "results": [dict(q.as_dict(), engine="mlx-infer", option=name, kernel=kernels[name])
                     for name, q in results.items()],
         "skipped": skipped,

@@ -73,6 +73,31 @@ def test_an_option_that_changes_nothing_measures_exactly_zero() -> None:
     assert q.kl_mean == q.kl_max == 0.0 and q.top1_agreement == 1.0 and q.ppl_source == q.ppl_output
 
 
+class _WordTokenizer:
+    """Token i for the word "w{i}"; BOS (id 1) in front when asked for special tokens."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [int(w[1:]) for w in text.split()]
+
+
+def test_chunks_are_cut_as_llama_perplexity_cuts_them(tmp_path: Path) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i}" for i in range(10, 40)))
+    # -c 8 scores 3 positions a chunk: 7 wanted -> 3 chunks; the stream is BOS + 30 tokens.
+    chunks = bench_quality.llama_chunks(_WordTokenizer(), text, 8, 7)
+    assert chunks == [[1, *range(10, 17)], [1, *range(18, 25)], [1, *range(26, 33)]]
+    # Only as many chunks as the text holds; none at all is one clear error.
+    assert len(bench_quality.llama_chunks(_WordTokenizer(), text, 8, 1000)) == 31 // 8
+    with pytest.raises(bench_quality.InvalidRequest, match="fewer than --chunk 64 tokens"):
+        bench_quality.llama_chunks(_WordTokenizer(), text, 64, 10)
+
+
+def test_only_the_positions_from_skip_on_are_scored() -> None:
+    windows = [[1, *range(10, 17)], [1, *range(18, 25)]]
+    [q] = bench_quality.measure(make_tiny_llama(0), windows, [bench_quality.Option("again")], skip=4).values()
+    assert q.tokens == 2 * (8 - 1 - 4)
+
+
 def test_unreadable_text_is_one_clear_error(tiny_llama_folder: Path, tmp_path: Path, capsys) -> None:
     assert bench_quality.main(["-m", str(tiny_llama_folder), "--text", str(tmp_path / "missing.txt")]) == 2
     assert "cannot read evaluation text" in capsys.readouterr().out
