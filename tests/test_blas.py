@@ -116,6 +116,73 @@ def test_mlx_imported_first_is_reported(tmp_path: Path, inputs: np.ndarray) -> N
     assert _is_reference(library), library
 
 
+# Every CBLAS function libmlx imports, through MLX, against NumPy in float64/complex128; then the thread
+# count numpy's OpenBLAS really has (asked from the library, not from blas.active()).
+SHIM_SCRIPT = """
+import ctypes, glob, json, os
+import numpy as np
+from mlx_infer import blas
+import mlx.core as mx
+rng = np.random.default_rng(0)
+errors = {}
+for name, dtype, mx_dtype in (("sgemm", np.float32, mx.float32), ("dgemm", np.float64, mx.float64),
+                              ("cgemm", np.complex64, mx.complex64)):
+    a, b = (rng.standard_normal(s) + (1j * rng.standard_normal(s) if name == "cgemm" else 0) for s in
+            ((64, 96), (96, 48)))
+    for x, w in ((a, b), (a[:1], b), (a, b[:, :1])):  # a matrix, one row, one column
+        x_, w_ = (mx.array(v.astype(dtype), dtype=mx_dtype) for v in (x, w))  # float64 needs asking for
+        out = np.array(mx.matmul(x_, w_, stream=mx.cpu))
+        exact = x.astype(dtype).astype(np.complex128) @ w.astype(dtype).astype(np.complex128)
+        errors[name] = max(errors.get(name, 0.0), float(np.abs(out - exact).max() / np.abs(exact).max()))
+libs = os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs")
+lib = ctypes.CDLL(glob.glob(os.path.join(libs, "*openblas64_*"))[0])
+get = getattr(lib, "scipy_openblas_get_num_threads64_", None) or lib.openblas_get_num_threads64_
+print(json.dumps({"active": blas.active(), "errors": errors, "threads": get()}))
+"""
+
+
+def _run_shim(tmp_path: Path, **env_overrides: str) -> tuple[dict, str, dict[str, str]]:
+    """SHIM_SCRIPT with MLX_INFER_BLAS=numpy and an empty cache: (its json, stderr, symbol -> library)."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    env.update(MLX_INFER_BLAS="numpy", MLX_INFER_CACHE=str(tmp_path / "cache"), LD_DEBUG="bindings",
+               LD_DEBUG_OUTPUT=str(tmp_path / "ld"), **env_overrides)
+    proc = subprocess.run([sys.executable, "-c", SHIM_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    bound = {}
+    for f in tmp_path.glob("ld.*"):
+        for line in f.read_text().splitlines():
+            for name in ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm"):
+                if "libmlx.so [" in line and f"`{name}'" in line:
+                    bound[name] = line.split(" to ")[1].split(" [")[0]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr, bound
+
+
+@pytest.mark.skipif(not list((Path(np.__file__).parent.parent / "numpy.libs").glob("*openblas64_*")),
+                    reason="this numpy bundles no OpenBLAS")
+def test_numpy_openblas_through_the_shim(tmp_path: Path) -> None:
+    """What a plain install (no MKL, no system OpenBLAS) binds: numpy's own OpenBLAS, through the shim
+    compiled on first use; every product MLX hands to BLAS, in one thread unless OPENBLAS_NUM_THREADS."""
+    info, stderr, bound = _run_shim(tmp_path)
+    assert info["active"].startswith("numpy's OpenBLAS") and "OPENBLAS_NUM_THREADS=1" in info["active"], info
+    shims = list((tmp_path / "cache" / "blas").glob("libmlx_infer_cblas-*.so"))
+    assert len(shims) == 1 and bound == dict.fromkeys(bound, str(shims[0])) and len(bound) == 3, bound
+    # Relative to the largest entry: float32/complex64 rounding over 96 terms, float64 far below.
+    assert info["errors"]["sgemm"] < 1e-5 and info["errors"]["cgemm"] < 1e-5, info["errors"]
+    assert info["errors"]["dgemm"] < 1e-12, info["errors"]
+    assert info["threads"] == 1 and stderr == ""
+
+    info, _, _ = _run_shim(tmp_path, OPENBLAS_NUM_THREADS="2")  # the user's setting wins; shim cached
+    assert info["threads"] == 2 and "OPENBLAS_NUM_THREADS=2" in info["active"]
+
+
+def test_numpy_openblas_without_a_compiler_falls_back(tmp_path: Path) -> None:
+    info, stderr, bound = _run_shim(tmp_path, PATH=str(tmp_path), CC="")
+    assert info["active"].startswith("reference BLAS (MLX_INFER_BLAS=numpy unusable: cannot compile"), info
+    assert "no C compiler" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert all(_is_reference(library) for library in bound.values()), bound
+
+
 def test_nothing_is_loaded_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
     import ctypes
 
