@@ -80,6 +80,8 @@ def parse_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise InvalidRequest("the request body is not valid JSON") from None
+    except ValueError:  # Python refuses to convert integers of over 4300 digits
+        raise InvalidRequest("the request body has a number with too many digits") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return body

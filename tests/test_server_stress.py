@@ -129,6 +129,7 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
         400,
     ),
     ("POST", COMPLETIONS, _completion(prompt=[10**30]), 400),
+    ("POST", CHAT, json.dumps(GOOD_CHAT).encode()[:-1] + b', "seed": 1' + b"0" * 5000 + b"}", 400),
     # nesting and size: refused before parsing
     ("POST", CHAT, b"[" * 10_000 + b"]" * 10_000, 400),
     ("POST", CHAT, _chat(tools=[{"a": json.loads("[" * 70 + "]" * 70)}]), 400),
