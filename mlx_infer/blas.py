@@ -11,8 +11,8 @@ imported wins; no LD_PRELOAD or re-exec is needed. Python loads extensions with 
 ``MLX_INFER_BLAS=numpy`` (the last candidate below, forced), PyPI's ``mkl`` (``libmkl_rt.so.*`` in
 ``sys.prefix/lib``, the ``[blas]`` extra), the system's OpenBLAS (Debian's ``libopenblas0``), and numpy's
 own OpenBLAS, which every install has: numpy's Linux wheels bundle an ILP64 OpenBLAS whose symbols are
-renamed (``scipy_cblas_sgemm64_``), so a three-function shim (``cblas_shim.c``, compiled once with the
-C compiler the native kernels need anyway, cached) forwards MLX's CBLAS calls to it.
+renamed (``scipy_cblas_sgemm64_``), so a small shim (``cblas_shim.c``, compiled once with the C
+compiler the native kernels need anyway, cached) forwards MLX's three CBLAS calls to it.
 Nothing is done off Linux: macOS builds of MLX use Accelerate.
 """
 
@@ -132,7 +132,7 @@ def _bind(path: str) -> str | None:
 
 def _bind_numpy() -> tuple[str, str | None]:
     """Bind numpy's bundled OpenBLAS through the shim: (description, None), or ("", the reason not)."""
-    found = _numpy_openblas()
+    found = numpy_openblas()
     if found is None:
         return "", "numpy bundles no OpenBLAS here"
     try:
@@ -143,14 +143,10 @@ def _bind_numpy() -> tuple[str, str | None]:
     if prefix is None:
         return "", f"{found} exports no cblas_sgemm64_"
     try:
-        shim_path = _shim()
+        shim_path = load_shim(library, prefix)[1]
     except (OSError, subprocess.SubprocessError) as exc:
         return "", f"cannot compile the CBLAS shim ({_first_line(exc)})"
-    shim = ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_LOCAL)
-    for kind in "sdc":  # point the shim at the library before any of its functions can be called
-        target = ctypes.cast(getattr(library, f"{prefix}cblas_{kind}gemm64_"), ctypes.c_void_p)
-        ctypes.c_void_p.in_dll(shim, f"mlx_infer_{kind}gemm").value = target.value
-    ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL)
+    ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL)  # the same object, now in the global scope
     threads = os.environ.get(OPENBLAS_THREADS_VAR)
     if threads is None:
         # Its pthreads spin-wait inside each call: beside MLX's own CPU thread and the native kernels'
@@ -161,7 +157,17 @@ def _bind_numpy() -> tuple[str, str | None]:
     return f"numpy's OpenBLAS ({found}, via {shim_path}; {OPENBLAS_THREADS_VAR}={threads or 1})", None
 
 
-def _numpy_openblas() -> str | None:
+def load_shim(library: ctypes.CDLL, prefix: str) -> tuple[ctypes.CDLL, Path]:
+    """The shim (compiled if needed), loaded locally, its pointers set to ``library``'s functions."""
+    path = _shim()
+    shim = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+    for name in ("sgemm", "sgemv", "dgemm", "cgemm"):  # set before any of its functions can be called
+        target = ctypes.cast(getattr(library, f"{prefix}cblas_{name}64_"), ctypes.c_void_p)
+        ctypes.c_void_p.in_dll(shim, f"mlx_infer_{name}").value = target.value
+    return shim, path
+
+
+def numpy_openblas() -> str | None:
     """The OpenBLAS numpy's wheel bundles in ``numpy.libs`` (found without importing numpy)."""
     spec = importlib.util.find_spec("numpy")
     if spec is None or spec.origin is None:

@@ -7,6 +7,7 @@ imported. Which library MLX really calls is read from the dynamic linker's own t
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -129,11 +130,14 @@ for name, dtype, mx_dtype in (("sgemm", np.float32, mx.float32), ("dgemm", np.fl
                               ("cgemm", np.complex64, mx.complex64)):
     a, b = (rng.standard_normal(s) + (1j * rng.standard_normal(s) if name == "cgemm" else 0) for s in
             ((64, 96), (96, 48)))
-    for x, w in ((a, b), (a[:1], b), (a, b[:, :1])):  # a matrix, one row, one column
+    for x, w in ((a, b), (a[:1], b), (a, b[:, :1])):  # a matrix, one row, one column (sgemv in the shim)
         x_, w_ = (mx.array(v.astype(dtype), dtype=mx_dtype) for v in (x, w))  # float64 needs asking for
-        out = np.array(mx.matmul(x_, w_, stream=mx.cpu))
+        xt, wt = (mx.array(v.T.astype(dtype), dtype=mx_dtype) for v in (x, w))
         exact = x.astype(dtype).astype(np.complex128) @ w.astype(dtype).astype(np.complex128)
-        errors[name] = max(errors.get(name, 0.0), float(np.abs(out - exact).max() / np.abs(exact).max()))
+        for left, right in ((x_, w_), (xt.T, w_), (x_, wt.T), (xt.T, wt.T)):  # each operand transposed
+            out = np.array(mx.matmul(left, right, stream=mx.cpu))
+            error = float(np.abs(out - exact).max() / np.abs(exact).max())
+            errors[name] = max(errors.get(name, 0.0), error)
 libs = os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs")
 lib = ctypes.CDLL(glob.glob(os.path.join(libs, "*openblas64_*"))[0])
 get = getattr(lib, "scipy_openblas_get_num_threads64_", None) or lib.openblas_get_num_threads64_
@@ -174,6 +178,45 @@ def test_numpy_openblas_through_the_shim(tmp_path: Path) -> None:
 
     info, _, _ = _run_shim(tmp_path, OPENBLAS_NUM_THREADS="2")  # the user's setting wins; shim cached
     assert info["threads"] == 2 and "OPENBLAS_NUM_THREADS=2" in info["active"]
+
+
+@pytest.mark.skipif(not list((Path(np.__file__).parent.parent / "numpy.libs").glob("*openblas64_*")),
+                    reason="this numpy bundles no OpenBLAS")
+def test_shim_sgemm_every_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shim's sgemm (its sgemv shortcuts for one row or column included) against NumPy, called
+    directly: row- and column-major, each operand transposed or not, padded leading dimensions, beta."""
+    import ctypes
+
+    from mlx_infer import blas
+
+    monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path))
+    library = ctypes.CDLL(blas.numpy_openblas())  # loaded locally here: MLX in this process is untouched
+    prefix = "scipy_" if hasattr(library, "scipy_cblas_sgemm64_") else ""
+    shim = blas.load_shim(library, prefix)[0]
+    f32p = np.ctypeslib.ndpointer(np.float32)
+    shim.cblas_sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, f32p, ctypes.c_int, f32p, ctypes.c_int,
+                                                      ctypes.c_float, f32p, ctypes.c_int]
+    rng = np.random.default_rng(0)
+
+    def stored(logical: np.ndarray, row_major: bool) -> tuple[np.ndarray, int]:
+        """``logical`` laid out in memory as BLAS reads it, with 3 unused values after each row/column."""
+        mat = logical if row_major else logical.T
+        buf = np.zeros((mat.shape[0], mat.shape[1] + 3), np.float32)
+        buf[:, : mat.shape[1]] = mat
+        return buf, buf.shape[1]
+
+    for order, ta, tb, (m, n, k) in itertools.product((101, 102), (111, 112), (111, 112),
+                                                       ((1, 7, 5), (6, 1, 5), (1, 1, 5), (4, 3, 5))):
+        row_major = order == 101
+        op_a, op_b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+        c0 = rng.standard_normal((m, n))
+        a, lda = stored(op_a if ta == 111 else op_a.T, row_major)
+        b, ldb = stored(op_b if tb == 111 else op_b.T, row_major)
+        c, ldc = stored(c0, row_major)
+        shim.cblas_sgemm(order, ta, tb, m, n, k, 1.5, a, lda, b, ldb, 0.5, c, ldc)
+        out = c[:, :n] if row_major else c[:, :m].T
+        np.testing.assert_allclose(out, 1.5 * op_a @ op_b + 0.5 * c0, rtol=1e-5, atol=1e-5,
+                                   err_msg=str((order, ta, tb, m, n, k)))
 
 
 def test_numpy_openblas_without_a_compiler_falls_back(tmp_path: Path) -> None:
