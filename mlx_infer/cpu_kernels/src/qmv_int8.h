@@ -7,13 +7,14 @@
 namespace mlx_infer {
 
 // One product: M rows of x quantized by QuantizedX (quantized_matvec.cpp), N features of affine 4/8-bit
-// weights.
+// weights. x is quantized per block of 32 values with one float scale dx: to int8 for 4-bit weights,
+// to int16 for 8-bit ones (see qmv_int8.cpp).
 struct Int8Problem {
-  const int8_t* xq;       // [M, K]; for 4-bit weights, each 64 values reordered (see QuantizedX)
+  const int8_t* xq;       // 4-bit weights: [M, K] int8, each 64 values reordered (see QuantizedX)
+  const int16_t* xq16;    // 8-bit weights: [M, K] int16
   const float* dx;        // [M, K / 32] scale of each block of 32 values
   const float* dx_lanes;  // [M, K / 64, 8]: dx of blocks 2q, 2q + 1, each repeated 4 times (4-bit kernel)
-  const int32_t* qsum;    // [M, K / 32] sum of each block's int8 values
-  const float* xsum;      // [M, K / group] sum of the quantized x over each weight group: sum_b dx_b * qsum_b
+  const float* xsum;      // [M, K / group] sum of the quantized x over each weight group: sum_b dx_b * sum(qx_b)
   const uint32_t* w;
   const float* scales;
   const float* biases;

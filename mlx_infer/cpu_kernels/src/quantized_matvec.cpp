@@ -1,8 +1,8 @@
 // Products of activations with MLX affine 4/8-bit weights on the CPU, for decode and prefill.
 //
 // With int8 activations (the default) every product, whatever its row count, goes to the integer
-// kernel of qmv_int8.cpp after x is quantized here (QuantizedX): the same arithmetic for each row of
-// a decode step, a batch or a prefill chunk, and no BLAS needed.
+// kernel of qmv_int8.cpp after x is quantized here (QuantizedX; to int16 for 8-bit weights): the same
+// arithmetic for each row of a decode step, a batch or a prefill chunk, and no BLAS needed.
 //
 // With float32 activations (exact to float32 rounding) the kernel reads the packed 4- or 8-bit words
 // directly and never writes a dequantized matrix. Per group of `group_size` weights:
@@ -186,19 +186,20 @@ Int8Features best_int8() {
 // nullptr: float32 activations.
 std::atomic<Int8Features> g_int8{best_int8()};
 
-// x [M, K] -> the int8 blocks, scales and sums of Int8Problem. For 4-bit weights, whose bytes hold
-// weights 2j (low nibble) and 2j + 1 (high nibble), each 64 values (blocks A, B) are stored as
-// A's even, B's even, A's odd, B's odd values, the order the kernel's nibble vectors come in.
-// Rows are independent: a prefill's rows are quantized on the thread pool.
+// x [M, K] -> the quantized blocks, scales and sums of Int8Problem: int8 for 4-bit weights, int16 for
+// 8-bit ones. For 4-bit weights, whose bytes hold weights 2j (low nibble) and 2j + 1 (high nibble),
+// each 64 values (blocks A, B) are stored as A's even, B's even, A's odd, B's odd values, the order
+// the kernel's nibble vectors come in. Rows are independent: a prefill's rows are quantized on the
+// thread pool.
 struct QuantizedX {
   std::vector<int8_t> q;
+  std::vector<int16_t> q16;
   std::vector<float> dx, dx_lanes, xsum;
-  std::vector<int32_t> qsum;
 
   QuantizedX(const float* x, int M, int K, int group, int bits)
-      : q(static_cast<size_t>(M) * K), dx(static_cast<size_t>(M) * (K / 32)),
-        dx_lanes(static_cast<size_t>(M) * (K / 64) * 8), xsum(static_cast<size_t>(M) * (K / group)),
-        qsum(dx.size()) {
+      : q(bits == 4 ? static_cast<size_t>(M) * K : 0), q16(bits == 8 ? static_cast<size_t>(M) * K : 0),
+        dx(static_cast<size_t>(M) * (K / 32)), dx_lanes(bits == 4 ? static_cast<size_t>(M) * (K / 64) * 8 : 0),
+        xsum(static_cast<size_t>(M) * (K / group)) {
     pool().for_range(M, kRowsPerQuantizeTask,
                      [&](int m0, int m1) { for (int m = m0; m < m1; ++m) row(x, m, K, group, bits); });
   }
@@ -209,36 +210,38 @@ struct QuantizedX {
 
   void row(const float* x, int m, int K, int group, int bits) {
     const int blocks = K / 32;
+    const float levels = bits == 8 ? 32767.0f : 127.0f;
+    std::vector<int32_t> qsum(blocks);
     for (int b = 0; b < blocks; ++b) {
       const float* xb = x + static_cast<size_t>(m) * K + static_cast<size_t>(b) * 32;
       float amax = 0.0f;
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.0f;
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const size_t at = static_cast<size_t>(m) * blocks + b;
-      dx[at] = d;
-      int8_t* qb = q.data() + static_cast<size_t>(m) * K + static_cast<size_t>(b / 2) * 64;
+      const float d = amax / levels;
+      const float inv = amax > 0.0f ? levels / amax : 0.0f;
+      dx[static_cast<size_t>(m) * blocks + b] = d;
       int32_t sum = 0;
       for (int i = 0; i < 32; ++i) {
-        const auto v = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+        const auto v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
         sum += v;
         if (bits == 8) {
-          qb[(b % 2) * 32 + i] = v;
+          q16[static_cast<size_t>(m) * K + static_cast<size_t>(b) * 32 + i] = static_cast<int16_t>(v);
         } else {
-          qb[(i % 2) * 32 + (b % 2) * 16 + i / 2] = v;
+          q[static_cast<size_t>(m) * K + static_cast<size_t>(b / 2) * 64 + (i % 2) * 32 + (b % 2) * 16 + i / 2] =
+              static_cast<int8_t>(v);
         }
       }
-      qsum[at] = sum;
-      float* lanes = dx_lanes.data() + (static_cast<size_t>(m) * (K / 64) + b / 2) * 8 + (b % 2) * 4;
-      for (int i = 0; i < 4; ++i) lanes[i] = d;
+      qsum[b] = sum;
+      if (bits == 4) {
+        float* lanes = dx_lanes.data() + (static_cast<size_t>(m) * (K / 64) + b / 2) * 8 + (b % 2) * 4;
+        for (int i = 0; i < 4; ++i) lanes[i] = d;
+      }
     }
     // The sums of x^ = dx * qx over each weight group, block by block in order, for the bias term.
     const int per_group = group / 32;
     for (int g = 0; g < K / group; ++g) {
       float total = 0.0f;
       for (int b = g * per_group; b < (g + 1) * per_group; ++b) {
-        const size_t at = static_cast<size_t>(m) * blocks + b;
-        total += dx[at] * static_cast<float>(qsum[at]);
+        total += dx[static_cast<size_t>(m) * blocks + b] * static_cast<float>(qsum[b]);
       }
       xsum[static_cast<size_t>(m) * (K / group) + g] = total;
     }
@@ -253,7 +256,7 @@ bool fits_int8(int K, int group, int bits) {
 template <int BITS>
 void run_int8(const float* x, const AffineView& w, int M, int K, float* out, Int8Features features) {
   const QuantizedX xq(x, M, K, w.group, BITS);
-  const Int8Problem ip{xq.q.data(), xq.dx.data(), xq.dx_lanes.data(), xq.qsum.data(), xq.xsum.data(), w.w,
+  const Int8Problem ip{xq.q.data(), xq.q16.data(), xq.dx.data(), xq.dx_lanes.data(), xq.xsum.data(), w.w,
                        w.scales, w.biases, out, M, w.rows, K, w.group, BITS};
   pool().for_range(w.rows, 8, [&](int n0, int n1) { features(ip, n0, n1); });
 }
