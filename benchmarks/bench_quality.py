@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         if llama is None:
             skipped.append(f"llama.cpp: {why}")
 
-    _print_table(console, results, kernels, llama)
+    _print_table(console, results, kernels, llama, same_positions=bool(args.chunk))
     for line in skipped:
         console.print(f"[yellow]skipped {line}[/yellow]")
     if not options:
@@ -264,7 +264,8 @@ def _run_llama(gguf: str, args: argparse.Namespace) -> tuple[peers.LlamaQuality 
 
 
 def _print_table(
-    console: Console, results: dict[str, Quality], kernels: dict[str, str], llama: peers.LlamaQuality | None
+    console: Console, results: dict[str, Quality], kernels: dict[str, str], llama: peers.LlamaQuality | None,
+    same_positions: bool,
 ) -> None:
     table = Table(title="quality against the exact path, teacher-forced, one token a step")
     for name in ("engine", "option", "kernel", "tokens", "mean KL", "p99 KL", "max KL", "top-1", "PPL exact",
@@ -280,7 +281,10 @@ def _print_table(
                       f"{llama.same_top:.1%}", f"{llama.ppl_base:.3f}", f"{llama.ppl:.3f}")
     console.print(table)
     console.print("KL(exact || option) in nats per position; top-1: the argmax tokens agree (llama.cpp: "
-                  "'Same top p'); llama.cpp scores the second half of each chunk, so its positions differ")
+                  "'Same top p')")
+    if llama is not None and not same_positions:
+        console.print("llama.cpp scored the second half of each chunk, mlx-infer every position from the "
+                      "start: pass --chunk to score the same positions")
 
 
 def _write_json(path: Path, args, results, kernels, llama, skipped: list[str]) -> None:

@@ -16,44 +16,45 @@ sys.path.insert(0, str(BENCH.parent))
 import bench_quality  # noqa: E402
 import peers  # noqa: E402
 
-# The end of a real `llama-perplexity --kl-divergence` run (SmolLM2 Q4_1 against its F32 GGUF), cut.
+# A real `llama-perplexity --kl-divergence` run (SmolLM2 Q4_1 against its F32 GGUF, -c 256 --chunks 4), its
+# per-chunk table and the Δp percentiles cut.
 KLD_OUTPUT = """\
-kl_divergence: computing over 4 chunks, n_ctx=256, batch_size=2048, n_seq=8
-kl_divergence: 0.40 seconds per pass - ETA 0.02 minutes
-
-chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS
-   1     13.1181 ±    1.6071       0.00386 ±    0.00610       0.00370 ±    0.00049    1.914 ±  0.181 %
+0.00.335.907 I kl_divergence: computing over 4 chunks, n_ctx=256, batch_size=2048, n_seq=8
 
 ====== Perplexity statistics ======
-Mean PPL(Q)                   :  12.930466 ±   0.780251
-Mean PPL(base)                :  12.886318 ±   0.776944
-Cor(ln(PPL(Q)), ln(PPL(base))):  99.89%
-Mean ln(PPL(Q)/PPL(base))     :   0.003420 ±   0.002851
-Mean PPL(Q)/PPL(base)         :   1.003426 ±   0.002861
-Mean PPL(Q)-PPL(base)         :   0.044148 ±   0.036910
+Mean PPL(Q)                   :  21.133798 ±   2.730273
+Mean PPL(base)                :  20.982065 ±   2.708205
+Cor(ln(PPL(Q)), ln(PPL(base))):  99.95%
+Mean ln(PPL(Q)/PPL(base))     :   0.007206 ±   0.003971
+Mean PPL(Q)/PPL(base)         :   1.007232 ±   0.004000
+Mean PPL(Q)-PPL(base)         :   0.151733 ±   0.086450
 
 ====== KL divergence statistics ======
-Mean    KLD:   0.003817 ±   0.000354
-Maximum KLD:   0.079231
-99.9%   KLD:   0.074433
-99.0%   KLD:   0.036115
-95.0%   KLD:   0.013742
-Median  KLD:   0.001667
-Minimum KLD:  -0.000002
+Mean    KLD:   0.004245 ±   0.000405
+Maximum KLD:   0.127810
+99.9%   KLD:   0.107160
+99.0%   KLD:   0.046719
+95.0%   KLD:   0.012581
+90.0%   KLD:   0.007611
+Median  KLD:   0.002352
+10.0%   KLD:   0.000708
+ 5.0%   KLD:   0.000407
+ 1.0%   KLD:   0.000060
+ 0.1%   KLD:   0.000014
+Minimum KLD:   0.000002
 
 ====== Token probability statistics ======
-Mean    Δp:  0.073 ± 0.075 %
-Maximum Δp: 11.012%
-Same top p: 95.866 ± 0.509 %
+Same top p: 96.457 ± 0.821 %
+
 """
 
 
 def test_parse_kld_reads_llama_perplexity_statistics() -> None:
     q = peers.parse_kld(KLD_OUTPUT, ctx=256)
     assert (q.chunks, q.tokens, q.ctx) == (4, 4 * 127, 256)
-    assert (q.kl_mean, q.kl_p99, q.kl_max) == (0.003817, 0.036115, 0.079231)
-    assert q.same_top == pytest.approx(0.95866)
-    assert (q.ppl_base, q.ppl) == (12.886318, 12.930466)
+    assert (q.kl_mean, q.kl_p99, q.kl_max) == (0.004245, 0.046719, 0.127810)
+    assert q.same_top == pytest.approx(0.96457)
+    assert (q.ppl_base, q.ppl) == (20.982065, 21.133798)
 
 
 def test_parse_kld_without_statistics_says_why() -> None:
