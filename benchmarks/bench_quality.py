@@ -25,7 +25,7 @@ import platform
 import sys
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,15 +79,19 @@ def applied(option: Option):
 
 
 def runnable(options: tuple[Option, ...]) -> list[Option]:
-    """The options that compute differently from the exact path and from each other here (the int8
-    kernel picked at run time may be the AVX2 one already; without the native kernels there are no
-    int8 activations at all)."""
-    seen, out = set(), []
-    for option in options:
+    """The options that would compute differently from the exact path and from each other here: the
+    int8 kernel picked at run time may be the AVX2 one already, and without the native kernels there
+    are no int8 activations at all."""
+
+    def effect(option: Option) -> Option:
         with applied(option):
-            kernel = cpu_kernels.activations()
-        if kernel != "float32" and kernel not in seen:
-            seen.add(kernel)
+            return replace(option, name="", activations=cpu_kernels.activations())
+
+    seen, out = {effect(EXACT)}, []
+    for option in options:
+        key = effect(option)
+        if key not in seen:
+            seen.add(key)
             out.append(option)
     return out
 
@@ -188,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]skipped {line}[/yellow]")
     if not options:
         console.print(f"[yellow]no lossy option runs here: {cpu_kernels.unavailable_reason()}[/yellow]")
+    for name in (name for name, q in results.items() if q.kl_max == 0.0):
+        console.print(f"{name}: identical to the exact path (lossless, or nothing in this model's weight "
+                      "policy computes with it)")
     if args.json:
         _write_json(Path(args.json), args, results, kernels, llama, skipped)
     return 0
