@@ -98,7 +98,7 @@ def _choose() -> str:
     active, error = _bind_numpy()
     if error is None:
         return active
-    logger.warning("no optimized BLAS for MLX (numpy's OpenBLAS: %s); float32 matmuls will be slow", error)
+    # Not a warning: the load line that prints the BLAS says so, and says why.
     return f"reference BLAS (no optimized BLAS found; numpy's OpenBLAS: {error})"
 
 
