@@ -9,12 +9,17 @@ lie. They are MLX primitives, so they sit in the lazy graph like any op.
 :func:`available` says whether they can be used here (built on first use, see ``build.py``); callers
 fall back to MLX ops when not, and ``MLX_INFER_CPU_KERNELS=off`` forces that.
 
-Decode matvecs quantize their activations to int8 per 32 values (as llama.cpp does for its Q4/Q8
-weights) so the inner loop is integer multiply-adds (AVX-VNNI where the CPU has it) over weights
-prefetched ahead: SmolLM2's products of a decode step took about half the time of float32
-activations on an AVX2-only AMD VM, with ~1% relative error per product.
+Products quantize their activations per 32 values (as llama.cpp does for its Q4/Q8 weights): to int8
+for 4-bit weights, to int16 for 8-bit ones (the output head, where int8 cost accuracy and int16 costs
+no time), so the inner loop is integer multiply-adds (AVX-VNNI where the CPU has it) over weights
+prefetched ahead, and each product is exactly ``w . x^`` for the quantized ``x^``. The same kernel
+serves every row count, decode to prefill, so a row's result is the same bits whatever else the
+product holds: a request's answer does not depend on the batch, the prefix cache or prefill chunking
+(attention's key chunks are fixed per query for the same reason), and prefill needs no BLAS. On
+SmolLM2, 400 teacher-forced decode steps against float32 activations: mean KL 0.0034, top-1 97.2%
+(llama.cpp's 8-bit activations on the same weights: 0.0038, 95.8%).
 ``MLX_INFER_CPU_ACTIVATIONS=float32`` (or :func:`set_activations`) keeps them float32, exact to
-float32 rounding.
+float32 rounding (dequantized tiles through the BLAS for 8 rows and more).
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ def _apply_activations_env() -> None:
 
 
 def set_activations(kind: str) -> None:
-    """The activations the decode matvecs multiply with: one of :data:`ACTIVATIONS`; takes effect
+    """The activations the quantized products multiply with: one of :data:`ACTIVATIONS`; takes effect
     for products evaluated from then on."""
     if kind not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {'|'.join(ACTIVATIONS)}, not {kind!r}")
@@ -103,8 +108,8 @@ def quantized_matmul(
 ) -> mx.array:
     """``x @ dequantize(w).T`` in float32 for MLX affine 4/8-bit ``w`` with float32 ``scales``/``biases``.
 
-    The kernel picks by row count: fused matvecs for decode, tiles dequantized into the BLAS for
-    batches and prefill chunks.
+    With int8 activations one integer kernel computes any number of rows, each row the same way; with
+    float32 activations the fused matvec computes a few rows, tiles dequantized into the BLAS more.
     """
     return _native.affine_qmv(x.astype(mx.float32), w, scales, biases, group_size, bits)
 
