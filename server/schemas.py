@@ -8,7 +8,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlx_infer.sampling import SamplingParams
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_STOP_LENGTH = 1024  # characters per stop string: the matcher holds back up to this much text
 
@@ -32,8 +31,9 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None
-    # OpenAI's seed is any signed 64-bit integer; the sampler maps it into MLX's key range.
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    # Any integer, as llama-server takes it (OpenAI documents signed 64-bit; clients send -1 or 2**64 - 1
+    # alike): the sampler reduces it mod 2**64 into MLX's key range. JSON integers are bounded in length.
+    seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
