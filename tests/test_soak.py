@@ -18,7 +18,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROUNDS, CONCURRENCY, HOSTILE = 3, 16, 7
 
 
-def test_short_soak(smollm2_path: Path):
+def test_short_soak(smollm2_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # The path users run (conftest pins float32 for the exact oracles): int8 activations, whose answers
+    # must not depend on what else is in the batch either.
+    monkeypatch.setenv("MLX_INFER_CPU_ACTIVATIONS", "int8")
     server = LiveServer(smollm2_path, "--kv-memory", "0.3", "--max-num-seqs", str(CONCURRENCY))
     try:
         argv = ["--rounds", str(ROUNDS), "--concurrency", str(CONCURRENCY), "--hostile", str(HOSTILE)]
