@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 $(BIN)/mlx-infer: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[blas,test]"
+	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
 setup: $(BIN)/mlx-infer
