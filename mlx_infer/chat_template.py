@@ -132,8 +132,25 @@ def _normalize_messages(messages: Any) -> list[dict]:
         reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [_call_with_object_arguments(c) for c in message["tool_calls"]]
         out.append(message)
     return out
+
+
+def _call_with_object_arguments(call: Any) -> Any:
+    """OpenAI clients send a call's ``arguments`` as JSON text; templates expect the object (transformers
+    documents a dict, and templates ``tojson`` it), so the text is parsed as vLLM does."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def select_template(templates: str | Mapping[str, str] | None, tools: list | None) -> str:

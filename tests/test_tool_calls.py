@@ -1,0 +1,381 @@
+"""Tool-call parsers on captured outputs of each family, whole and streamed at every split point.
+
+Tiny random models cannot produce real calls, so the outputs below are written as the families' models
+write them (model cards, vendors' docs); each is parsed whole, then fed in two pieces split at every
+character boundary and one character at a time: every way must reassemble to the whole-text parse.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlx_infer.chat_template import render_chat
+from mlx_infer.errors import InvalidRequest
+from mlx_infer.tool_calls import (
+    FAMILIES,
+    OutputParser,
+    ParsedOutput,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+    ToolChoice,
+    detect,
+    forced_call_grammar,
+    parse_output,
+)
+from mlx_infer.tool_calls.gemma3 import parse_calls
+from mlx_infer.tool_calls.prompt import written_for_template
+
+TOOLS = [
+    "get_weather",
+    "get_time",
+    "get_current_temperature",
+    "get_temperature_date",
+    "get_current_conditions",
+]
+PARIS = {"city": "Paris"}
+
+# (family, captured output, expected content, expected [(name, arguments object)])
+CASES = [
+    # Qwen2.5's function-calling guide, two parallel calls.
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_current_temperature", "arguments": '
+        '{"location": "San Francisco, CA, USA", "unit": "celsius"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_temperature_date", "arguments": '
+        '{"location": "San Francisco, CA, USA", "date": "2024-10-01", "unit": "celsius"}}\n</tool_call>',
+        "",
+        [
+            ("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"}),
+            (
+                "get_temperature_date",
+                {"location": "San Francisco, CA, USA", "date": "2024-10-01", "unit": "celsius"},
+            ),
+        ],
+    ),
+    # Text before the call, braces and escaped quotes inside strings, keys in the other order.
+    (
+        "hermes",
+        'Let me look that up.\n<tool_call>\n{"arguments": {"city": "Par}is \\"{x\\"", "days": [1, 2]}, '
+        '"name": "get_weather"}\n</tool_call>',
+        "Let me look that up.",
+        [("get_weather", {"city": 'Par}is "{x"', "days": [1, 2]})],
+    ),
+    # Arguments sent as a JSON string, and a call without arguments.
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time"}\n</tool_call>',
+        "",
+        [("get_weather", PARIS), ("get_time", {})],
+    ),
+    # Plain answers: a lone '<', an unfinished marker, no call at all.
+    ("hermes", "If a < b then <tool is not a call.", "If a < b then <tool is not a call.", []),
+    ("hermes", "<tool_call>\nnot json\n</tool_call> ok", "<tool_call>\nnot json\n</tool_call> ok", []),
+    # SmolLM2's list in one block.
+    (
+        "smollm2",
+        '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {"timezone": "Europe/Paris"}}]</tool_call>',
+        "",
+        [("get_weather", PARIS), ("get_time", {"timezone": "Europe/Paris"})],
+    ),
+    # "No call needed", as SmolLM2's prompt asks it to say: an empty block is neither call nor text.
+    ("smollm2", "<tool_call>[]</tool_call>", "", []),
+    # Llama 3.1: bare JSON as the answer; with <|python_tag|>; 3.2's several calls with ';'.
+    (
+        "llama3_json",
+        '{"name": "get_current_conditions", "parameters": '
+        '{"location": "San Francisco, CA", "unit": "Fahrenheit"}}',
+        "",
+        [("get_current_conditions", {"location": "San Francisco, CA", "unit": "Fahrenheit"})],
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "llama3_json",
+        '\n{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
+        "",
+        [("get_weather", PARIS), ("get_time", {})],
+    ),
+    # JSON the user asked for is no call: its name is no tool.
+    ("llama3_json", '{"name": "Bob", "age": 3}', '{"name": "Bob", "age": 3}', []),
+    # Mistral v3 tokenizers, then v11's name[ARGS] form.
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France", '
+        '"format": "celsius"}}]',
+        "",
+        [("get_current_weather", {"location": "Paris, France", "format": "celsius"})],
+    ),
+    (
+        "mistral",
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+        "Sure.",
+        [("get_weather", PARIS), ("get_time", {})],
+    ),
+    # Gemma 3: Python-style list, a tool_code fence, and a list that is no call.
+    (
+        "gemma3",
+        '[get_weather(city="Paris"), get_time(timezone="Europe/Paris", utc=true)]',
+        "",
+        [("get_weather", PARIS), ("get_time", {"timezone": "Europe/Paris", "utc": True})],
+    ),
+    (
+        "gemma3",
+        "I will check.\n```tool_code\nprint(get_weather(city='Paris', days=[1, 2]))\n```",
+        "I will check.\n",
+        [("get_weather", {"city": "Paris", "days": [1, 2]})],
+    ),
+    ("gemma3", "[1, 2, 3] are numbers.", "[1, 2, 3] are numbers.", []),
+    # The generic fallback: bare JSON, a list, a ```json fence, and JSON that names no tool.
+    ("generic", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [("get_weather", PARIS)]),
+    (
+        "generic",
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
+        "",
+        [("get_weather", PARIS), ("get_time", {})],
+    ),
+    (
+        "generic",
+        'Calling:\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+        "Calling:",
+        [("get_weather", PARIS)],
+    ),
+    ("generic", '```json\n{"name": "Bob"}\n```', '```json\n{"name": "Bob"}\n```', []),
+]
+
+
+def _stripped(parsed: ParsedOutput) -> tuple:
+    """The parse without call ids (random per call)."""
+    return parsed.reasoning, parsed.content, [(c.name, c.arguments) for c in parsed.tool_calls]
+
+
+def _streamed(text: str, pieces: list[str], **kwargs) -> ParsedOutput:
+    parser = OutputParser(**kwargs)
+    events = []
+    for piece in pieces:
+        events += parser.feed(piece)
+    events += parser.finish()
+    # OpenAI's order: a call's start (id, name) comes before any of its argument fragments.
+    started = set()
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            started.add(e.index)
+        elif isinstance(e, ToolCallArgumentsDelta):
+            assert e.index in started
+    return parser.result
+
+
+def _check_every_split(text: str, **kwargs) -> ParsedOutput:
+    whole = parse_output(text, **kwargs)
+    for k in range(len(text) + 1):
+        assert _stripped(_streamed(text, [text[:k], text[k:]], **kwargs)) == _stripped(whole), k
+    assert _stripped(_streamed(text, list(text), **kwargs)) == _stripped(whole)
+    return whole
+
+
+@pytest.mark.parametrize("family, text, content, calls", CASES)
+def test_family_parses_captured_output_whole_and_streamed(family, text, content, calls):
+    parsed = _check_every_split(text, family=FAMILIES[family], tool_names=TOOLS)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
+    assert len({c.id for c in parsed.tool_calls}) == len(calls)
+
+
+def test_arguments_stream_as_they_arrive():
+    parser = OutputParser(family=FAMILIES["hermes"], tool_names=TOOLS)
+    events = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArgumentsDelta]
+    assert events[0].name == "get_weather" and events[1].arguments == '{"city": "Pa'
+    assert parser.feed('ris"}}\n</tool_call>') == [ToolCallArgumentsDelta(0, 'ris"}')]
+
+
+def test_truncated_call_keeps_what_arrived():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    parsed = _check_every_split(text, family=FAMILIES["hermes"], tool_names=TOOLS)
+    assert _stripped(parsed) == ("", "", [("get_weather", '{"city": "Par')])
+
+
+def test_parallel_false_keeps_the_first_call():
+    text = CASES[0][1]
+    parsed = _check_every_split(text, family=FAMILIES["hermes"], tool_names=TOOLS, parallel=False)
+    assert [c.name for c in parsed.tool_calls] == ["get_current_temperature"]
+
+
+def test_reasoning_then_call():
+    text = (
+        "<think>\nThe user wants the weather in Paris; I should call get_weather.\n</think>\n\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
+    parsed = _check_every_split(text, family=FAMILIES["hermes"], tool_names=TOOLS, reasoning="think")
+    assert parsed.reasoning == "The user wants the weather in Paris; I should call get_weather."
+    assert _stripped(parsed)[1:] == ("", [("get_weather", '{"city": "Paris"}')])
+
+
+def test_no_family_means_plain_text():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    assert _stripped(_check_every_split(text)) == ("", text, [])
+
+
+QWEN_TEMPLATE_PART = "{%- if tools %}<tools>{{ tools }}</tools>{% endif %}<tool_call>"
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>"
+    "system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template, tokens, family",
+    [
+        (QWEN_TEMPLATE_PART, (), "hermes"),
+        ("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}", (), "mistral"),
+        ("{{ '[INST]' }}", ("[TOOL_CALLS]",), "mistral"),
+        ("<|start_header_id|>ipython<|end_header_id|>{{ '<|python_tag|>' }}", (), "llama3_json"),
+        ("<|start_header_id|>", ("<|python_tag|>",), "llama3_json"),
+        ("{{ '<start_of_turn>' + role }}", (), "gemma3"),
+        (SMOLLM2_TEMPLATE, (), "smollm2"),
+        ("{{ messages }}", (), "generic"),
+    ],
+)
+def test_detect_family_from_template_and_tokens(template, tokens, family):
+    assert detect(template, lambda t: t in tokens).name == family
+
+
+def test_smollm2_template_gets_tools_calls_and_results_written_in():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ]
+    written = written_for_template(FAMILIES["smollm2"], SMOLLM2_TEMPLATE, messages, tools)
+    prompt = render_chat(SMOLLM2_TEMPLATE, written, special_tokens={})
+    assert prompt.startswith("<|im_start|>system\nYou are an expert in composing functions.")
+    assert '<tools>[{"type": "function", "function": {"name": "get_weather"' in prompt
+    assert (
+        '<|im_start|>assistant\n<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+        in prompt
+    )
+    assert "<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>" in prompt
+
+
+def test_template_sees_call_arguments_as_an_object():
+    template = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}"
+        "{% endfor %}{% endfor %}"
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    assert (
+        render_chat(template, [{"role": "assistant", "tool_calls": [call]}], special_tokens={}) == '{"a": 1}'
+    )
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (None, ToolChoice("auto")),
+        ("none", ToolChoice("none")),
+        ("required", ToolChoice("required")),
+        ({"type": "function", "function": {"name": "f"}}, ToolChoice("required", "f")),
+    ],
+)
+def test_tool_choice_forms(value, expected):
+    assert ToolChoice.parse(value) == expected
+
+
+@pytest.mark.parametrize("value", ["sometimes", {"type": "function"}, 3])
+def test_bad_tool_choice_is_a_clear_error(value):
+    with pytest.raises(InvalidRequest, match="tool_choice"):
+        ToolChoice.parse(value)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_forced_grammar_names_only_the_chosen_function():
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    grammar = forced_call_grammar(FAMILIES["hermes"], [WEATHER_TOOL, other], name="get_time")
+    assert '"const": "get_time"' in grammar and "get_weather" not in grammar
+    with pytest.raises(InvalidRequest, match="not among the tools"):
+        forced_call_grammar(FAMILIES["hermes"], [WEATHER_TOOL], name="nope")
+
+
+def test_gemma_call_rule_orders_required_then_optional():
+    rule = FAMILIES["gemma3"].call_rule("get_weather", WEATHER_TOOL["function"]["parameters"])
+    assert rule.startswith('"get_weather(" "city=" %json{"x-guidance"')
+    assert ', "type": "string"} (", " ("unit=" %json{' in rule
+
+
+def test_gemma_parse_calls_reads_literals_only():
+    assert parse_calls('[f(a="x", b=null, c={"k": [1, 2.5]})]') == [
+        ("f", {"a": "x", "b": None, "c": {"k": [1, 2.5]}})
+    ]
+    assert parse_calls("f(x)") is None  # positional arguments name nothing
+    assert parse_calls("f(a=__import__('os'))") is None  # never evaluated
+
+
+def _byte_matcher(grammar: str):
+    """An llguidance matcher over a byte-level vocabulary (one token per byte), to try texts on a grammar."""
+    import llguidance
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["</s>"])
+    ll = llguidance.LLTokenizer(
+        tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=[tok.token_to_id("</s>")]
+    )
+    matcher = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return lambda text: matcher.consume_tokens(tok.encode(text).ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_forced_grammar_admits_the_family_call_and_its_parser_reads_it(family):
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {**WEATHER_TOOL["function"]["parameters"]}},
+    }
+    tool["function"]["parameters"]["properties"] = {
+        **tool["function"]["parameters"]["properties"],
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
+    }
+    grammar = forced_call_grammar(FAMILIES[family], [tool])
+    arguments = {"city": "Paris", "unit": "C", "days": 3, "tags": ["a", "b"]}
+    text = FAMILIES[family].render_calls([("get_weather", arguments)])
+    assert _byte_matcher(grammar)(text), text
+    assert not _byte_matcher(grammar)(FAMILIES[family].render_calls([("get_weather", {"city": 3})]))
+    parsed = _check_every_split(text, family=FAMILIES[family], tool_names=["get_weather"])
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", arguments)]
+    assert parsed.content == ""
