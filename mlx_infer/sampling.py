@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from mlx_infer.constraints.spec import ConstraintSpec
 from mlx_infer.errors import InvalidRequest
 
 SEED_MODULUS = 2**64  # mx.random.key takes an unsigned 64-bit seed
@@ -40,6 +41,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
+    constraint: ConstraintSpec | None = None  # structured output: what the text must match
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest for the first bad field (token ids only once the vocabulary is known)."""
@@ -166,10 +168,15 @@ def _draw(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
     return mx.where(mx.array([t == 0.0 for t in temps]), greedy, sampled)
 
 
-def sample(logits: mx.array, rows: list[SamplerRow]) -> SampleResult:
-    """Sample one token per row of ``logits`` ([B, V]); lazy, nothing is evaluated here."""
+def sample(logits: mx.array, rows: list[SamplerRow], allowed: mx.array | None = None) -> SampleResult:
+    """Sample one token per row of ``logits`` ([B, V]); lazy, nothing is evaluated here.
+
+    ``allowed``: a [B, V] boolean mask of the tokens each row may take (structured output); rows that
+    allow every token sample exactly as without it."""
     logits = logits.astype(mx.float32)
     processed = _apply_penalties(logits, rows)
+    if allowed is not None:
+        processed = mx.where(allowed, processed, -mx.inf)
     processed = _truncate(processed, rows)
     tokens = _draw(processed, rows).astype(mx.int32)
     result = SampleResult(tokens=tokens)

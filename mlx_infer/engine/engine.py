@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_infer.constraints import ConstraintState, batch_mask, compile_constraint
 from mlx_infer.engine.request import PENDING_TOKEN, Request, RequestOutput, Status, TokenLogprob
 from mlx_infer.engine.runner import InFlight, ModelRunner, activation_dtype, kv_bytes_per_token
 from mlx_infer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from mlx_infer.engine.stop import StopMatcher
-from mlx_infer.errors import ContextTooLong, EngineFailure, InvalidRequest
+from mlx_infer.errors import ContextTooLong, EngineFailure, InvalidRequest, RequestFailed
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.memory import kv_budget_bytes
 from mlx_infer.models.base import LayerKV
@@ -100,6 +101,8 @@ class Engine:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         params.validate(self.tokenizer.vocab_size)
+        if params.constraint is not None:
+            compile_constraint(params.constraint, self.tokenizer)  # an uncompilable one fails here
         if len(prompt_ids) >= self.max_context:
             raise ContextTooLong(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_context}"
@@ -124,6 +127,8 @@ class Engine:
             raise InvalidRequest(f"duplicate request id {request_id!r}")
         # Build everything before registering anything: a failure here leaves no trace in the engine.
         request = Request(request_id, list(prompt_ids), params, StopMatcher(params.stop))
+        if params.constraint is not None:
+            request.constraint = ConstraintState(compile_constraint(params.constraint, self.tokenizer))
         detokenizer = self.tokenizer.detokenizer()
         self.requests[request_id] = request
         self._detokenizers[request_id] = detokenizer
@@ -185,7 +190,17 @@ class Engine:
         batch = progress.batch = self.scheduler.schedule()
         outputs += [self._fail(r, e, finish=False) for r, e in self.scheduler.failed]
         self.scheduler.failed = []
-        result, rows = self.runner.execute(batch, previous) if batch else (None, [])
+
+        def masks(requests: list[Request], width: int) -> mx.array | None:
+            # Called once this step's forward pass runs: the previous samples advance the matchers first.
+            nonlocal previous
+            if previous is not None:
+                outputs.extend(self._read(previous))
+                previous = None
+            return self._constraint_masks(requests, width, outputs)
+
+        hook = masks if any(s.request.constraint is not None for s in batch) else None
+        result, rows = self.runner.execute(batch, previous, hook) if batch else (None, [])
         if previous is not None:
             outputs += self._read(previous)
         if batch:
@@ -202,6 +217,16 @@ class Engine:
                     request.token_ids.append(PENDING_TOKEN)
         if result is not None:
             self._in_flight = InFlight(sampled, result)
+
+    def _constraint_masks(self, requests: list[Request], width: int, outputs: list) -> mx.array | None:
+        """The sampled requests' mask rows (None: no row constrained); a request whose matcher fails
+        while masking fails alone."""
+        states = [r.constraint if r.status is not Status.FINISHED else None for r in requests]
+        allowed, failed = batch_mask(states, width)
+        for i in failed:
+            error = RequestFailed(f"the output constraint failed: {states[i].error}")
+            outputs.append(self._fail(requests[i], error))
+        return allowed
 
     def _recover(self, error: Exception, held: list[Request]) -> list[RequestOutput]:
         """After a step failed as a whole: fail its requests, make the KV state trustworthy again, and
@@ -297,7 +322,7 @@ class Engine:
 
     def _emit(self, request: Request, token: int, logprobs: list[TokenLogprob] | None) -> RequestOutput:
         params = request.params
-        finish = None
+        finish, complete = None, False
         is_stop_token = not params.ignore_eos and token in self.tokenizer.eos_token_ids
         if is_stop_token or token in params.stop_token_ids:
             text, finish = "", "stop"
@@ -305,10 +330,12 @@ class Engine:
             text, hit_stop = request.stop.feed(self._detokenizers[request.request_id].add(token))
             if hit_stop:
                 finish = "stop"
+            elif request.constraint is not None and request.constraint.advance(token):
+                finish, complete = "stop", True  # the grammar is complete: only end-of-sequence could follow
             elif request.num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.max_context:
                 finish = "length"
         if finish is not None:
-            if finish == "length":
+            if finish == "length" or complete:
                 text += request.stop.feed(self._detokenizers[request.request_id].flush())[0]
                 text += request.stop.flush()
             self._finish(request, finish)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mlx_infer.constraints import ConstraintState
 from mlx_infer.engine.stop import StopMatcher
 from mlx_infer.sampling import SamplingParams, rng_key
 
@@ -41,6 +42,7 @@ class Request:
     finish_reason: str | None = None
     rng_key: mx.array | None = None
     admitted: bool = False
+    constraint: ConstraintState | None = None  # structured output: the matcher its tokens advance
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

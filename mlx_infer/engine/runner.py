@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -71,12 +72,17 @@ class ModelRunner:
         mx.eval([c for layer in self.cache for c in layer.state()])
 
     def execute(
-        self, batch: list[ScheduledRequest], pending: InFlight | None = None
+        self,
+        batch: list[ScheduledRequest],
+        pending: InFlight | None = None,
+        masks: Callable[[list[Request], int], mx.array | None] | None = None,
     ) -> tuple[SampleResult | None, list[int]]:
         """Run one step; returns the lazy sample result and the batch rows it covers (sampling ones).
 
         A request whose last token is still pending takes it from ``pending``'s lazy samples, so this
-        step's graph is built while the previous one computes.
+        step's graph is built while the previous one computes. ``masks(requests, vocab)``, when given,
+        returns the sampled requests' allowed-token masks (structured output): it is called once the
+        forward pass is running, so the host fills them while the model computes.
         """
         slices, tokens, pending_at, pending_rows = [], [], [], []
         rows_of = pending.rows_by_request() if pending is not None else {}
@@ -99,12 +105,16 @@ class ModelRunner:
             return None, rows
         if len(rows) < len(batch):
             logits = logits[mx.array(rows)]
+        allowed = None
+        if masks is not None:
+            mx.async_eval(logits)
+            allowed = masks([batch[i].request for i in rows], logits.shape[-1])
         sampler_rows = []
         for i in rows:
             r = batch[i].request
             output_ids = r.output_ids[: r.num_known_tokens - r.num_prompt_tokens]
             sampler_rows.append(SamplerRow(r.params, r.prompt_ids, output_ids, r.next_rng_key()))
-        result = sample(logits, sampler_rows)
+        result = sample(logits, sampler_rows, allowed)
         mx.async_eval(
             [
                 a
