@@ -13,6 +13,7 @@ from mlx_infer.errors import MlxInferError
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("mlx_infer.generate_cli", "chat with a model in the terminal, or answer one prompt"),
+    "embed": ("mlx_infer.embed_cli", "print embedding vectors of texts (an embedding model)"),
     "serve": ("mlx_infer.server.cli", "serve an OpenAI-compatible API with continuous batching"),
     "convert": ("mlx_infer.convert.cli", "convert and quantize a checkpoint, with a quality report"),
     "launch": ("mlx_infer.distributed.launch", "run generate or serve across hosts, one rank each"),

@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from mlx_infer.engine.async_engine import AsyncEngine, RequestGroup
 from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
+from mlx_infer.server.embeddings import EmbeddingRoutes
 from mlx_infer.server.errors import error_response, from_exception
 from mlx_infer.server.metrics import Metrics
 from mlx_infer.server.request_body import DEFAULT_MAX_REQUEST_BYTES, read_json
@@ -69,6 +70,7 @@ class OpenAIServer:
             Route("/v1/models", self.guarded(self.models), methods=["GET"]),
             Route("/v1/chat/completions", self.guarded(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self.guarded(self.completions), methods=["POST"]),
+            *EmbeddingRoutes(self).routes(),  # a 400 here; server/embedding_server.py serves embeddings
         ]
         return Starlette(
             routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error}

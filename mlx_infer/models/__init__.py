@@ -20,6 +20,9 @@ MODEL_TYPES: dict[str, str] = {
     "phi3": "phi3",
 }
 
+# Encoders (bidirectional, no KV cache): embedding models only, built by mlx_infer.embedding.
+ENCODER_TYPES: dict[str, str] = {"bert": "bert"}
+
 
 def supported_model_types() -> list[str]:
     return sorted(MODEL_TYPES)
@@ -27,6 +30,11 @@ def supported_model_types() -> list[str]:
 
 def model_module(model_type: str) -> ModuleType:
     """The module (with ``Model`` and ``ModelArgs``) implementing ``model_type``."""
+    if model_type in ENCODER_TYPES:
+        raise UnsupportedArchitecture(
+            f"{model_type!r} is an encoder: it computes embeddings (mlx-infer embed, or serve's "
+            "/v1/embeddings), not text"
+        )
     try:
         name = MODEL_TYPES[model_type]
     except KeyError:
@@ -34,3 +42,8 @@ def model_module(model_type: str) -> ModuleType:
             f"unsupported architecture {model_type!r}; supported: {', '.join(supported_model_types())}"
         ) from None
     return importlib.import_module(f"mlx_infer.models.{name}")
+
+
+def encoder_module(model_type: str) -> ModuleType:
+    """The module implementing the encoder ``model_type`` (see ENCODER_TYPES)."""
+    return importlib.import_module(f"mlx_infer.models.{ENCODER_TYPES[model_type]}")
