@@ -379,3 +379,25 @@ def test_forced_grammar_admits_the_family_call_and_its_parser_reads_it(family):
     parsed = _check_every_split(text, family=FAMILIES[family], tool_names=["get_weather"])
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", arguments)]
     assert parsed.content == ""
+
+
+class _TextTokenizer:
+    """Token ids are characters: enough of a tokenizer for a ChatPlan's parser."""
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+@pytest.mark.parametrize("forced", [None, "a grammar"])
+def test_prompt_opened_think_block_unless_a_call_is_forced(forced):
+    from mlx_infer.tool_calls import ChatPlan
+
+    plan = ChatPlan(_TextTokenizer(), FAMILIES["hermes"], [WEATHER_TOOL], "think", True, forced, {})
+    parser = plan.parser([ord(c) for c in "<|im_start|>assistant\n<think>\n"])
+    text = 'The call:<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    parser.feed(text)
+    parser.finish()
+    if forced is None:  # still thinking: all of it is reasoning
+        assert _stripped(parser.result) == (text, "", [])
+    else:
+        assert _stripped(parser.result) == ("", "The call:", [("get_weather", "{}")])

@@ -72,8 +72,11 @@ class ChatPlan:
     def parser(self, prompt_ids: Sequence[int] = ()) -> OutputParser:
         """A fresh parser for one choice's output; ``prompt_ids`` tell whether the answer starts inside
         a reasoning block the template opened."""
-        in_reasoning = self.reasoning is not None and starts_in_reasoning(
-            self.tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL_TOKENS:]))
+        # A forced call starts at once (the grammar admits no reasoning first), whatever the prompt opened.
+        in_reasoning = (
+            self.reasoning is not None
+            and self.constraint is None
+            and starts_in_reasoning(self.tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL_TOKENS:])))
         )
         family = self.family if self.tools else None
         names = [function_of(t)["name"] for t in self.tools]
