@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from mlx_infer.constraints import compile_constraint
 from mlx_infer.engine.async_engine import AsyncEngine, RequestGroup
 from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
 from mlx_infer.server.embeddings import EmbeddingRoutes
@@ -166,6 +167,10 @@ class OpenAIServer:
         room = min(engine.max_context, engine.pool_tokens) - len(prompt_ids)
         max_tokens = body.max_new_tokens() or max(room, 1)
         logprobs = body.logprobs_count()
+        constraint = body.constraint()
+        if constraint is not None:
+            # A large schema compiles for a while: off the event loop (the engine then finds it cached).
+            await run_in_threadpool(compile_constraint, constraint, self.tokenizer)
         group = self.engine.submit(
             [(prompt_ids, body.sampling_params(max_tokens, logprobs, i)) for i in range(body.n)]
         )

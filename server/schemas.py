@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlx_infer.sampling import SamplingParams
+from mlx_infer.server.structured import StructuredOutputFields
 
 INT32_MAX = 2**31 - 1
 MAX_STOP_LENGTH = 1024  # characters per stop string: the matcher holds back up to this much text
@@ -16,7 +17,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(StructuredOutputFields):
     # Unknown fields (user, service_tier, ...) are accepted and ignored, as OpenAI-compatible servers do.
     # Every number is range-checked here, at the edge: NaN and infinities are refused outright.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -78,6 +79,7 @@ class _SamplingFields(BaseModel):
             stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            constraint=self.constraint(),
         )
 
 

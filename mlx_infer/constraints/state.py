@@ -32,7 +32,11 @@ class ConstraintState:
 
     @property
     def error(self) -> str:
-        return self._matcher.get_error() if self._matcher.is_error() else ""
+        """Why the matcher failed (its first line: llguidance appends its whole state), or ""."""
+        if not self._matcher.is_error():
+            return ""
+        lines = self._matcher.get_error().strip().splitlines()
+        return lines[0][:500] if lines else "unknown error"
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         fill_next_token_bitmask(self._matcher, bitmask, row)
