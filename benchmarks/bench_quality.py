@@ -65,6 +65,7 @@ EXACT = Option("exact (float32 activations)")
 OPTIONS = (
     Option("int8 activations (default)", activations="int8"),
     Option("int8 activations, AVX2 kernel", activations="int8-avx2"),
+    Option("int16 activations (--cpu-activations int16)", activations="int16"),
 )
 
 

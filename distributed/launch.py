@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlx_infer.cli_options import CPU_ACTIVATIONS
+from mlx_infer.cpu_kernels import ACTIVATIONS_ENV_VAR
 from mlx_infer.errors import DistributedError
 
 from . import hostfile as hf
@@ -65,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, default=DEFAULT_PORT, help=f"first ring port (default: {DEFAULT_PORT})"
     )
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="set on every rank")
+    parser.add_argument(
+        "--cpu-activations",
+        choices=CPU_ACTIVATIONS,
+        default=None,
+        help=f"{ACTIVATIONS_ENV_VAR} on every rank: int8, int16 or float32 (default: this one's, else int8)",
+    )
     parser.add_argument("--verbose", action="store_true", help="MLX_RING_VERBOSE=1 on every rank")
     parser.add_argument(
         "program", nargs=argparse.REMAINDER, help="-- generate|serve ARGS, or -- PROGRAM ARGS"
@@ -103,6 +111,8 @@ def plan_ranks(table: hf.HostFile, args: argparse.Namespace) -> list[RankPlan]:
         raise DistributedError("no command: add -- generate|serve ARGS (or -- PROGRAM ARGS)")
     argv = rank_command(command, args.python)
     env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
+    if args.cpu_activations is not None:
+        env[ACTIVATIONS_ENV_VAR] = args.cpu_activations
     env["PYTHONUNBUFFERED"] = "1"  # output reaches the prefixer as it is written
     files: dict[str, str] = {}
     distributed = len(table.hosts) > 1  # one host: a plain process (mlx.launch crashes on a one-rank ring)

@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     config = replace(cli_options.engine_config(args), num_blocks=args.num_blocks)
+    cli_options.apply_cpu_activations(args)
     keep = args.keep_quantized
     group = init_group()
     if group is None:

@@ -6,11 +6,15 @@ import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from mlx_infer import cpu_kernels
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.errors import DistributedError, InvalidRequest
 from mlx_infer.loading import LoadedModel
 from mlx_infer.sampling import SamplingParams
+
+# The choices users are offered of cpu_kernels.ACTIVATIONS (int8-avx2 is a test/benchmark setting).
+CPU_ACTIVATIONS = ("int8", "int16", "float32")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,8 +47,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int) -> 
         type=float,
         default=None,
         metavar="GIB",
-        help="memory for the KV pool in GiB (default: 25%% of free device memory, at most 8 GiB "
-        "and at most max-num-seqs full contexts)",
+        help="most memory the KV pool may grow to, in GiB (default: 25%% of free device memory, at "
+        "most 8 GiB and at most max-num-seqs full contexts)",
     )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument(
@@ -65,6 +69,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int) -> 
     g.add_argument(
         "--no-prefix-caching", action="store_true", help="do not reuse KV blocks of earlier prompts"
     )
+    g.add_argument(
+        "--cpu-activations",
+        choices=CPU_ACTIVATIONS,
+        default=None,
+        help="what the native CPU kernels quantize activations to: int8 is fastest, int16 is as "
+        "accurate as float32 and a little slower, float32 is exact and slowest (default: "
+        f"${cpu_kernels.ACTIVATIONS_ENV_VAR}, else int8)",
+    )
+
+
+def apply_cpu_activations(args: argparse.Namespace) -> None:
+    """``--cpu-activations`` for the products this process computes from now on (it overrides
+    $MLX_INFER_CPU_ACTIVATIONS); nothing where the native CPU kernels do not run."""
+    if args.cpu_activations is not None and cpu_kernels.applies():
+        cpu_kernels.set_activations(args.cpu_activations)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -82,6 +101,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         kv_memory=args.kv_memory,
         enable_prefix_caching=not args.no_prefix_caching,
+        # serve's flag; one-shot commands never idle with a request pending
+        kv_idle_release=getattr(args, "kv_idle_release", EngineConfig.kv_idle_release),
         max_context=args.max_context,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
@@ -136,6 +157,7 @@ def open_engine(args: argparse.Namespace) -> Iterator[tuple[LoadedModel, Engine]
     from mlx_infer.loading import load
 
     config = engine_config(args)  # bad flags fail before the model loads
+    apply_cpu_activations(args)
     keep_quantized = args.keep_quantized
     group = init_group()
     if group is None:

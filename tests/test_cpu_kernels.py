@@ -11,8 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_infer import cpu_kernels
+from mlx_infer import cli, cli_options, cpu_kernels
 from mlx_infer.cpu_kernels import build
+from mlx_infer.distributed import launch
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.loading import load
@@ -55,22 +56,38 @@ def test_quantized_matmul_equals_numpy(native, bits: int, group: int, rows: int)
         np.testing.assert_allclose(np.array(out), want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.fixture(params=["int8", "int8-avx2"])
-def int8_activations(native, request):
-    """Each int8 build (VNNI where this CPU has it, and AVX2) for one test; the suite otherwise runs
-    float32 activations (see conftest.py)."""
-    cpu_kernels.set_activations(request.param)
+def _switched_activations(kind: str):
+    """``kind`` for one test; the suite otherwise runs float32 activations (see conftest.py)."""
+    cpu_kernels.set_activations(kind)
     yield cpu_kernels.activations()
     cpu_kernels.set_activations("float32")
 
 
-def _np_int8_product(x: np.ndarray, w: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int):
+@pytest.fixture(params=["int8", "int8-avx2"])
+def int8_activations(native, request):
+    """Each int8 build (VNNI where this CPU has it, and AVX2)."""
+    yield from _switched_activations(request.param)
+
+
+@pytest.fixture
+def int16_activations(native):
+    yield from _switched_activations("int16")
+
+
+@pytest.fixture(params=["int8", "int8-avx2", "int16"])
+def integer_activations(native, request):
+    """Each kind that quantizes x (every product's rows must be independent of each other)."""
+    yield from _switched_activations(request.param)
+
+
+def _np_int8_product(x: np.ndarray, w: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int,
+                     wide: bool = False):
     """The int8 scheme in NumPy: x rounded per block of 32 to x^ = dx * qx (dx = max|x| / L, qx
-    integers in [-L, L]: L = 127 (int8) for 4-bit weights, 32767 (int16) for 8-bit ones), then
-    exactly w . x^ in float64: the weight and the bias terms both meet the quantized x, as llama.cpp's
-    Q4_1 x Q8_1 products do."""
+    integers in [-L, L]: L = 127 (int8) for 4-bit weights, 32767 (int16) for 8-bit ones and, when
+    ``wide`` (the int16 activations), for 4-bit ones too), then exactly w . x^ in float64: the weight
+    and the bias terms both meet the quantized x, as llama.cpp's Q4_1 x Q8_1 products do."""
     rows, k = x.shape
-    levels = np.float32(32767 if bits == 8 else 127)
+    levels = np.float32(32767 if bits == 8 or wide else 127)
     blocks = x.reshape(rows, k // 32, 32).astype(np.float32)
     amax = np.abs(blocks).max(-1)
     inv = np.where(amax > 0, levels / np.where(amax > 0, amax, 1), 0).astype(np.float32)
@@ -105,8 +122,29 @@ def test_int8_activation_products_equal_their_numpy_scheme(int8_activations, bit
     assert np.abs(out - want).max() < rounding / 10
 
 
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 17, 100])
+def test_int16_activation_products_equal_their_numpy_scheme(int16_activations, group: int, rows: int):
+    """The opt-in int16 activations: 4-bit weights meet x quantized to int16 (one row, 4-row tiles
+    and their remainder, two 64-row blocks) and each product is exactly w . x^ for that x^, which
+    int8 x (~1e-2 of the product away) and float32 x (~1e-4) are not."""
+    rng = np.random.default_rng(group + rows)
+    k, features = 640, 37
+    weight = mx.array(rng.standard_normal((features, k)).astype(np.float32))
+    w, scales, biases = mx.quantize(weight, group, 4)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[0, 32:64] = 0.0  # an all-zero block (the second of a pair): scale 0, no division by it
+    out = np.array(cpu_kernels.quantized_matmul(mx.array(x), w, scales, biases, group, 4))
+    want = _np_int8_product(x, w, scales, biases, group, 4, wide=True)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(out, want, rtol=0, atol=2e-6 * scale)
+    rounding = np.abs(want - x.astype(np.float64) @ _np_dequantize(w, scales, biases, group, 4).T).max()
+    assert rounding < 2e-4 * scale
+    assert np.abs(out - want).max() < rounding / 10  # not float32 activations either
+
+
 @pytest.mark.parametrize("bits", [4, 8])
-def test_int8_product_rows_do_not_depend_on_the_other_rows(int8_activations, bits: int):
+def test_int8_product_rows_do_not_depend_on_the_other_rows(integer_activations, bits: int):
     """A row's output is the same bits alone, in a decode-sized batch or in a prefill of hundreds of
     rows, wherever it sits among them: what a prefix-cache hit, a chunked prefill or a busy batch
     change is only which rows a product has."""
@@ -181,9 +219,49 @@ def test_activation_kinds_are_checked(native, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv(cpu_kernels.ACTIVATIONS_ENV_VAR, "bogus")
     cpu_kernels._apply_activations_env()  # a warning, then the default
     assert cpu_kernels.activations().startswith("int8")
+    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_ENV_VAR, "int16")
+    cpu_kernels._apply_activations_env()
+    assert cpu_kernels.activations() == "int16"
     monkeypatch.setenv(cpu_kernels.ACTIVATIONS_ENV_VAR, "float32")
     cpu_kernels._apply_activations_env()
     assert cpu_kernels.activations() == "float32"
+
+
+def test_cpu_activations_flag_of_generate_serve_and_launch(native, capsys, monkeypatch: pytest.MonkeyPatch):
+    """``--cpu-activations`` sets the kind before the model loads, is checked by argparse, and launch
+    passes it to every rank as the environment variable."""
+    parser = cli.build_parser()
+    for command in ("generate", "serve"):
+        args = parser.parse_args([command, "-m", "M", "--cpu-activations", "int16"])
+        try:
+            cli_options.apply_cpu_activations(args)
+            assert cpu_kernels.activations() == "int16"
+        finally:
+            cpu_kernels.set_activations("float32")
+        cli_options.apply_cpu_activations(parser.parse_args([command, "-m", "M"]))  # unset: unchanged
+        assert cpu_kernels.activations() == "float32"
+    with pytest.raises(SystemExit) as bad:
+        parser.parse_args(["generate", "-m", "M", "--cpu-activations", "int4"])
+    assert bad.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+    monkeypatch.delenv(cpu_kernels.ACTIVATIONS_ENV_VAR, raising=False)
+    hosts = ["--hosts", "127.0.0.1,127.0.0.1", "--dry-run"]
+    assert launch.main([*hosts, "--cpu-activations", "int16", "--", "generate", "-m", "M"]) == 0
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("bash -c")]
+    assert len(commands) == 2 and all("export MLX_INFER_CPU_ACTIVATIONS=int16;" in c for c in commands)
+    assert launch.main([*hosts, "--", "generate", "-m", "M"]) == 0
+    assert "MLX_INFER_CPU_ACTIVATIONS" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_generate_with_int16_activations_answers_the_readme_prompt_as_float32_does(smollm2_path, capsys):
+    """The README's France prompt, whose first token's margin (0.08 nats) int8 activations overturn
+    ("L'Étoile..."), gets float32's answer with ``--cpu-activations int16``."""
+    argv = ["generate", "-m", str(smollm2_path), "-p", "What is the capital of France?", "--max-tokens", "8"]
+    try:
+        assert cli.main([*argv, "--cpu-activations", "int16"]) == 0
+    finally:
+        cpu_kernels.set_activations("float32")
+    assert "The capital of France is Paris" in capsys.readouterr().out
 
 
 def test_bad_arguments_raise_one_clear_error(native):

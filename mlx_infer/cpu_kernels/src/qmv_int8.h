@@ -20,6 +20,7 @@ struct Int8Problem {
   const float* biases;
   float* out;
   int M, N, K, group, bits;
+  bool x16;  // 4-bit weights: x in xq16 (int16, QuantizedX's x16 layout) instead of xq
 };
 
 // Output features [n0, n1) of every row, written to p.out. A row's outputs do not depend on M, on the

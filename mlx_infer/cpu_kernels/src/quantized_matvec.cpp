@@ -2,7 +2,8 @@
 //
 // With int8 activations (the default) every product, whatever its row count, goes to the integer
 // kernel of qmv_int8.cpp after x is quantized here (QuantizedX; to int16 for 8-bit weights): the same
-// arithmetic for each row of a decode step, a batch or a prefill chunk, and no BLAS needed.
+// arithmetic for each row of a decode step, a batch or a prefill chunk, and no BLAS needed. The opt-in
+// int16 activations quantize x to int16 for the 4-bit weights too, through the same kernel.
 //
 // With float32 activations (exact to float32 rounding) the kernel reads the packed 4- or 8-bit words
 // directly and never writes a dequantized matrix. Per group of `group_size` weights:
@@ -185,32 +186,35 @@ Int8Features best_int8() {
 
 // nullptr: float32 activations.
 std::atomic<Int8Features> g_int8{best_int8()};
+// With int8 features: 4-bit weights meet int16 x instead of int8 (the "int16" activations).
+std::atomic<bool> g_x16{false};
 
 // x [M, K] -> the quantized blocks, scales and sums of Int8Problem: int8 for 4-bit weights, int16 for
-// 8-bit ones. For 4-bit weights, whose bytes hold weights 2j (low nibble) and 2j + 1 (high nibble),
-// each 64 values (blocks A, B) are stored as A's even, B's even, A's odd, B's odd values, the order
-// the kernel's nibble vectors come in. Rows are independent: a prefill's rows are quantized on the
-// thread pool.
+// 8-bit ones and, when `wide`, for 4-bit ones too. For 4-bit weights, whose bytes hold weights 2j (low
+// nibble) and 2j + 1 (high nibble), each 64 values (blocks A, B) are stored as A's even, B's even, A's
+// odd, B's odd values in int8, the order the kernel's nibble vectors come in; in int16, as four vectors,
+// vector j holding values 4l + j of A (l = 0..7), then the same of B (tile4x16's 16-bit lanes). Rows
+// are independent: a prefill's rows are quantized on the thread pool.
 struct QuantizedX {
   std::vector<int8_t> q;
   std::vector<int16_t> q16;
   std::vector<float> dx, dx_lanes, xsum;
 
-  QuantizedX(const float* x, int M, int K, int group, int bits)
-      : q(bits == 4 ? static_cast<size_t>(M) * K : 0), q16(bits == 8 ? static_cast<size_t>(M) * K : 0),
+  QuantizedX(const float* x, int M, int K, int group, int bits, bool wide)
+      : q(wide ? 0 : static_cast<size_t>(M) * K), q16(wide ? static_cast<size_t>(M) * K : 0),
         dx(static_cast<size_t>(M) * (K / 32)), dx_lanes(bits == 4 ? static_cast<size_t>(M) * (K / 64) * 8 : 0),
         xsum(static_cast<size_t>(M) * (K / group)) {
     pool().for_range(M, kRowsPerQuantizeTask,
-                     [&](int m0, int m1) { for (int m = m0; m < m1; ++m) row(x, m, K, group, bits); });
+                     [&](int m0, int m1) { for (int m = m0; m < m1; ++m) row(x, m, K, group, bits, wide); });
   }
 
  private:
   // Rows too few to be worth waking the pool for (a decode step's): a row of SmolLM2 takes ~1 us.
   static constexpr int kRowsPerQuantizeTask = 8;
 
-  void row(const float* x, int m, int K, int group, int bits) {
+  void row(const float* x, int m, int K, int group, int bits, bool wide) {
     const int blocks = K / 32;
-    const float levels = bits == 8 ? 32767.0f : 127.0f;
+    const float levels = wide ? 32767.0f : 127.0f;
     std::vector<int32_t> qsum(blocks);
     for (int b = 0; b < blocks; ++b) {
       const float* xb = x + static_cast<size_t>(m) * K + static_cast<size_t>(b) * 32;
@@ -225,6 +229,11 @@ struct QuantizedX {
         sum += v;
         if (bits == 8) {
           q16[static_cast<size_t>(m) * K + static_cast<size_t>(b) * 32 + i] = static_cast<int16_t>(v);
+        } else if (wide) {
+          // Vector (parity, half of the pair index) holds 8 values of block A, then the same 8 of B.
+          const int at = (b % 2) * 32 + i;
+          q16[static_cast<size_t>(m) * K + static_cast<size_t>(b / 2) * 64 + (at % 4) * 16 + at / 4] =
+              static_cast<int16_t>(v);
         } else {
           q[static_cast<size_t>(m) * K + static_cast<size_t>(b / 2) * 64 + (i % 2) * 32 + (b % 2) * 16 + i / 2] =
               static_cast<int8_t>(v);
@@ -254,10 +263,11 @@ bool fits_int8(int K, int group, int bits) {
 }
 
 template <int BITS>
-void run_int8(const float* x, const AffineView& w, int M, int K, float* out, Int8Features features) {
-  const QuantizedX xq(x, M, K, w.group, BITS);
+void run_int8(const float* x, const AffineView& w, int M, int K, float* out, Int8Features features, bool x16) {
+  const bool wide = BITS == 8 || x16;
+  const QuantizedX xq(x, M, K, w.group, BITS, wide);
   const Int8Problem ip{xq.q.data(), xq.q16.data(), xq.dx.data(), xq.dx_lanes.data(), xq.xsum.data(), w.w,
-                       w.scales, w.biases, out, M, w.rows, K, w.group, BITS};
+                       w.scales, w.biases, out, M, w.rows, K, w.group, BITS, BITS == 4 && wide};
   pool().for_range(w.rows, 8, [&](int n0, int n1) { features(ip, n0, n1); });
 }
 
@@ -324,18 +334,20 @@ class AffineQMV : public mx::UnaryPrimitive {
 void set_activations(const std::string& kind) {
   if (kind == "float32") {
     g_int8.store(nullptr);
-  } else if (kind == "int8") {
+  } else if (kind == "int8" || kind == "int16") {
     g_int8.store(best_int8());
   } else if (kind == "int8-avx2") {
     g_int8.store(int8_avx2::features);
   } else {
-    throw std::invalid_argument("activations must be float32, int8 or int8-avx2, not " + kind);
+    throw std::invalid_argument("activations must be float32, int8, int8-avx2 or int16, not " + kind);
   }
+  g_x16.store(kind == "int16");
 }
 
 std::string activations() {
   const Int8Features features = g_int8.load();
   if (features == nullptr) return "float32";
+  if (g_x16.load()) return "int16";
   return features == int8_avx2::features ? "int8-avx2" : "int8-vnni";
 }
 
@@ -350,9 +362,9 @@ AffineView AffineWeights::view(Scratch& scratch) const {
 void affine_product(const float* x, int M, int K, const AffineView& w, float* out) {
   if (const Int8Features features = g_int8.load(std::memory_order_relaxed); features && fits_int8(K, w.group, w.bits)) {
     if (w.bits == 4) {
-      run_int8<4>(x, w, M, K, out, features);
+      run_int8<4>(x, w, M, K, out, features, g_x16.load(std::memory_order_relaxed));
     } else {
-      run_int8<8>(x, w, M, K, out, features);
+      run_int8<8>(x, w, M, K, out, features, true);
     }
     return;
   }
