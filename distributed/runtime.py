@@ -24,6 +24,7 @@ from mlx_infer.engine.engine import Engine, EngineConfig, pool_num_blocks
 from mlx_infer.engine.runner import kv_bytes_per_token, prepare_for_cpu
 from mlx_infer.errors import DistributedError
 from mlx_infer.kv.memory import device_memory_bytes
+from mlx_infer.kv.pages import allocate_pools
 from mlx_infer.loading import LoadedModel, load
 from mlx_infer.models.base import BatchMetadata, LayerKV
 
@@ -104,10 +105,11 @@ class Session:
         # pipeline computes what one process computes.
         prepare_for_cpu(model)
         n_kv_heads, head_dim = model.kv_shape()
-        cache = [
-            LayerKV(self.config.num_blocks, self.config.block_size, n_kv_heads, head_dim, self.shard.dtype)
-            for _ in model.layers
-        ]
+        # Resident only where written, as rank 0's pools (kv/pages.py); a follower never releases.
+        config = self.config
+        cache = allocate_pools(
+            len(model.layers), config.num_blocks, config.block_size, n_kv_heads, head_dim, self.shard.dtype
+        )
         try:
             while (step := self.channel.receive()) is not None:
                 tokens, meta = step

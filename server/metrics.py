@@ -30,6 +30,17 @@ class Metrics:
         Gauge(
             "mlx_infer_kv_blocks_cached", "KV blocks findable in the prefix cache", registry=r
         ).set_function(lambda: kv.pool.num_cached)
+        Gauge("mlx_infer_kv_bytes_budget", "Bytes the KV pool may grow to (--kv-memory)", registry=r).set(
+            engine.kv_memory().budget
+        )
+        Gauge(
+            "mlx_infer_kv_bytes_reserved",
+            "Bytes of the KV pool's reserved chunks (it grows with load and shrinks when idle)",
+            registry=r,
+        ).set_function(lambda: engine.kv_memory().reserved)
+        Gauge(
+            "mlx_infer_kv_bytes_used", "Bytes of KV blocks referenced by requests", registry=r
+        ).set_function(lambda: engine.kv_memory().used)
         Gauge(
             "mlx_infer_prefix_cache_hit_rate", "Prefix-cache block hits / lookups", registry=r
         ).set_function(kv.hit_rate)

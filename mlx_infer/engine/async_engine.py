@@ -2,7 +2,8 @@
 
 One thread owns every MLX call: it drains a thread-safe inbox of adds and aborts, runs a step,
 and hands each output to its request's asyncio queue through ``call_soon_threadsafe``. When no
-request is pending it blocks on the inbox, so an idle server costs nothing.
+request is pending it blocks on the inbox, so an idle server costs nothing; once idle for
+``--kv-idle-release`` seconds it gives the KV pool's extra memory back first.
 
 A request that fails inside the engine gets its error alone (the engine isolates it). If the thread
 stops anyway, ``failure`` says why, every request in flight gets EngineFailure and every later
@@ -142,15 +143,18 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             block = not self.engine.has_unfinished()
+            # Idle, the wait is bounded while the KV pool has memory to give back after that long.
+            timeout = self.engine.kv_idle_timeout() if block else None
             try:
                 while True:
-                    command = self._inbox.get(block=block)
+                    command = self._inbox.get(block=block, timeout=timeout)
                     block = False
                     if command is None:
                         return
                     self._apply(command)
             except queue.Empty:
-                pass
+                if block:  # idle for the whole timeout
+                    self.engine.release_idle_kv()
             if not self.engine.has_unfinished():
                 continue
             # The engine fails requests (or a whole step) on its own; what escapes is fatal.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -20,8 +21,7 @@ from mlx_infer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerCon
 from mlx_infer.engine.stop import StopMatcher
 from mlx_infer.errors import ContextTooLong, EngineFailure, InvalidRequest, RequestFailed
 from mlx_infer.kv.manager import KVCacheManager
-from mlx_infer.kv.memory import kv_budget_bytes
-from mlx_infer.models.base import LayerKV
+from mlx_infer.kv.memory import PoolMemory, describe_pool, kv_budget_bytes
 from mlx_infer.sampling import SamplingParams
 
 log = logging.getLogger("mlx_infer")
@@ -33,6 +33,8 @@ class EngineConfig:
     kv_memory: float | None = None  # GiB for the KV pool; None: a fraction of what the device has
     num_blocks: int | None = None  # exact pool size (tests); overrides kv_memory
     enable_prefix_caching: bool = True
+    kv_chunk_tokens: int = 1024  # the pool grows and shrinks by this many tokens' blocks
+    kv_idle_release: float = 300.0  # seconds idle before the pool's memory is given back (Ollama's 5 min)
     max_context: int | None = None  # None: the model's own
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -74,7 +76,10 @@ class Engine:
         dtype = activation_dtype(model)
         per_token = kv_bytes_per_token(model, dtype)
         num_blocks = self.config.num_blocks or pool_num_blocks(self.config, self.max_context, per_token)
-        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        bs = self.config.block_size
+        chunk_blocks = max(1, self.config.kv_chunk_tokens // bs)
+        self.kv = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching, chunk_blocks)
+        self.kv_block_bytes = bs * per_token
         self.runner = ModelRunner(model, self.kv, dtype)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}
@@ -83,14 +88,8 @@ class Engine:
         self._ids = itertools.count()
         self._in_flight: InFlight | None = None
         self.pool_tokens = num_blocks * self.config.block_size
-        log.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)",
-            num_blocks,
-            self.config.block_size,
-            self.pool_tokens,
-            num_blocks * self.config.block_size * per_token / 2**20,
-            dtype,
-        )
+        self.sequence_limit = min(self.max_context, self.pool_tokens)  # most tokens one sequence holds
+        log.info(describe_pool(self.kv.pool, bs, self.kv_block_bytes, dtype, self.config.kv_idle_release))
 
     # ---- requests in -------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -103,19 +102,15 @@ class Engine:
         params.validate(self.tokenizer.vocab_size)
         if params.constraint is not None:
             compile_constraint(params.constraint, self.tokenizer)  # an uncompilable one fails here
+        # Only the prompt must fit, with room for one token: max_tokens is a cap, and an answer that
+        # reaches the end of the context (or of the KV pool) finishes there with "length".
         if len(prompt_ids) >= self.max_context:
             raise ContextTooLong(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_context}"
             )
-        if len(prompt_ids) + params.max_tokens > self.max_context:
+        if len(prompt_ids) >= self.pool_tokens:
             raise ContextTooLong(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {self.max_context} tokens"
-            )
-        if len(prompt_ids) + params.max_tokens > self.pool_tokens:
-            raise ContextTooLong(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV "
-                f"pool of {self.pool_tokens} tokens"
+                f"the prompt has {len(prompt_ids)} tokens but the KV pool holds {self.pool_tokens}"
             )
 
     def add_request(
@@ -141,6 +136,31 @@ class Engine:
         if request is not None and request.status is not Status.FINISHED:
             self.scheduler.finish(request, "abort")
         self._detokenizers.pop(request_id, None)
+
+    # ---- KV memory ---------------------------------------------------------------------------
+    def kv_memory(self) -> PoolMemory:
+        return PoolMemory.of(self.kv.pool, self.kv_block_bytes)
+
+    def kv_idle_timeout(self) -> float | None:
+        """Seconds idle after which ``release_idle_kv`` would give memory back; None: nothing to give."""
+        pool = self.kv.pool
+        idle = self.config.kv_idle_release
+        holding = pool.num_reserved_chunks > pool.min_chunks or pool.allocated_since_release
+        return idle if holding and math.isfinite(idle) else None
+
+    def release_idle_kv(self) -> int:
+        """While no request is unfinished: give back the memory of every KV block (the chunks above the
+        first are unreserved; the prefix cache is forgotten) and MLX's cached buffers, so an idle server
+        holds what it held at start; returns the pool bytes given back."""
+        if self.has_unfinished():
+            return 0
+        reserved = self.kv_memory().reserved
+        dropped = self.runner.release_idle_memory()
+        mx.clear_cache()
+        log.info(
+            "idle: KV pool reserved %.1f -> %.1f MiB", reserved / 2**20, self.kv_memory().reserved / 2**20
+        )
+        return dropped
 
     def has_unfinished(self) -> bool:
         if self.scheduler.has_unfinished():
@@ -267,13 +287,7 @@ class Engine:
         return True
 
     def _reset_kv_pools(self) -> None:
-        dtype = activation_dtype(self.model)
-        n_kv_heads, head_dim = self.model.kv_shape()
-        pool = self.kv.pool.num_blocks
-        self.runner.cache = [
-            LayerKV(pool, self.config.block_size, n_kv_heads, head_dim, dtype) for _ in self.model.layers
-        ]
-        mx.eval([a for layer in self.runner.cache for a in layer.state()])
+        self.runner.allocate_pools()
 
     def _fail(self, request: Request, error: Exception, finish: bool = True) -> RequestOutput:
         """Finish one request with finish_reason "error"; its blocks return to the pool."""
@@ -332,7 +346,10 @@ class Engine:
                 finish = "stop"
             elif request.constraint is not None and request.constraint.advance(token):
                 finish, complete = "stop", True  # the grammar is complete: only end-of-sequence could follow
-            elif request.num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.max_context:
+            elif (
+                request.num_output_tokens >= params.max_tokens
+                or len(request.token_ids) >= self.sequence_limit
+            ):
                 finish = "length"
         if finish is not None:
             if finish == "length" or complete:

@@ -15,8 +15,8 @@ from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.request import Request
 from mlx_infer.engine.scheduler import ScheduledRequest
 from mlx_infer.kv.manager import KVCacheManager
+from mlx_infer.kv.pages import allocate_pools, drop_blocks
 from mlx_infer.loading.policy import cpu_backend
-from mlx_infer.models.base import LayerKV
 from mlx_infer.models.fused import fuse_projections
 from mlx_infer.models.native_block import native_blocks
 from mlx_infer.sampling import SampleResult, SamplerRow, sample
@@ -64,12 +64,23 @@ class ModelRunner:
         prepare_for_cpu(model)
         self.model = model
         self.kv = kv
-        n_kv_heads, head_dim = model.kv_shape()
-        self.cache = [
-            LayerKV(kv.pool.num_blocks, kv.block_size, n_kv_heads, head_dim, dtype) for _ in model.layers
-        ]
-        # Allocate now, on this thread: the pool is touched by every step, whichever thread runs it.
-        mx.eval([c for layer in self.cache for c in layer.state()])
+        self.dtype = dtype
+        self.allocate_pools()
+
+    def allocate_pools(self) -> None:
+        """(Re)allocate every layer's pools at the full budget, resident only once written (see
+        kv/pages.py). Called on the constructing thread: the pools are touched by every step,
+        whichever thread runs it."""
+        n_kv_heads, head_dim = self.model.kv_shape()
+        layers, blocks, block_size = len(self.model.layers), self.kv.pool.num_blocks, self.kv.block_size
+        self.cache = allocate_pools(layers, blocks, block_size, n_kv_heads, head_dim, self.dtype)
+
+    def release_idle_memory(self) -> int:
+        """Unreserve the pool's unreferenced top chunks, forget the free blocks of the others, and give
+        back the memory of both; returns the bytes."""
+        pool = self.kv.pool
+        released = pool.release_idle_chunks() + pool.forget_free_blocks()
+        return drop_blocks(self.cache, released) if released else 0
 
     def execute(
         self,

@@ -3,6 +3,14 @@
 A free block may still hold a cached prefix: it stays findable by its hash until it is
 handed out again. Free blocks leave in LRU order (least recently released first), so cached
 prefixes are evicted only when unreferenced, and the oldest first.
+
+The blocks are grouped in chunks of consecutive ids, and only *reserved* chunks (always the lowest
+ones) hand out blocks: the pool's memory follows what the scheduler needs. A chunk is reserved when the
+free blocks of the reserved ones run out (cached prefixes are reused before the pool grows), and the
+top chunks are unreserved again (``release_idle_chunks``) once none of their blocks is referenced.
+Idle, the free blocks of the chunks that stay reserved are forgotten too
+(``forget_free_blocks``), so their memory can go back as well. ``num_free`` counts every block the budget still allows, so callers see the budget, not the
+reservation: an allocation fails (and the scheduler preempts) only when the budget is exhausted.
 """
 
 from __future__ import annotations
@@ -25,25 +33,47 @@ def hash_block(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, chunk_blocks: int | None = None, min_chunks: int = 1):
+        """``chunk_blocks``: blocks per chunk (None: one chunk, the whole pool reserved at once);
+        ``min_chunks``: chunks reserved from the start and never released."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
+        if chunk_blocks is not None and chunk_blocks < 1:
+            raise ValueError("a KV chunk needs at least one block")
         self.num_blocks = num_blocks
+        self.chunk_blocks = min(chunk_blocks or num_blocks, num_blocks)
+        self.num_chunks = -(-num_blocks // self.chunk_blocks)
+        self.min_chunks = max(1, min(min_chunks, self.num_chunks))
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict()  # free blocks of reserved chunks, LRU first
+        self.num_reserved_chunks = 0
+        self.allocated_since_release = False  # blocks handed out since forget_free_blocks last ran
+        for _ in range(self.min_chunks):
+            self._reserve_chunk()
         self._cached: dict[BlockHash, int] = {}
         self.queries = 0  # prefix-cache lookups (in blocks) and hits, for metrics
         self.hits = 0
 
+    def chunk(self, index: int) -> range:
+        """The block ids of chunk ``index`` (the last chunk may be shorter)."""
+        return range(index * self.chunk_blocks, min((index + 1) * self.chunk_blocks, self.num_blocks))
+
+    @property
+    def num_reserved(self) -> int:
+        """Blocks of the reserved chunks: the pool's current size."""
+        return min(self.num_reserved_chunks * self.chunk_blocks, self.num_blocks)
+
     @property
     def num_free(self) -> int:
-        """Blocks that can be handed out (cached-but-unreferenced ones included)."""
-        return len(self._free)
+        """Blocks that can be handed out within the budget (cached-but-unreferenced ones and those of
+        chunks not reserved yet included)."""
+        return len(self._free) + self.num_blocks - self.num_reserved
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks referenced by sequences."""
+        return self.num_blocks - self.num_free
 
     @property
     def num_cached(self) -> int:
@@ -54,8 +84,11 @@ class BlockPool:
 
     def allocate(self, count: int) -> list[int] | None:
         """``count`` fresh blocks with one reference each, or None (nothing taken) if too few are free."""
-        if count > len(self._free):
+        if count > self.num_free:
             return None
+        while len(self._free) < count:
+            self._reserve_chunk()
+        self.allocated_since_release = True
         blocks = []
         for _ in range(count):
             block, _ = self._free.popitem(last=False)
@@ -94,6 +127,41 @@ class BlockPool:
         if block_hash is not None:
             del self._cached[block_hash]
             self.block_hashes[block] = None
+
+    def _reserve_chunk(self) -> None:
+        """Reserve the next chunk; its blocks, holding no prefix, are handed out before cached ones."""
+        for block in reversed(self.chunk(self.num_reserved_chunks)):
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+        self.num_reserved_chunks += 1
+
+    def release_idle_chunks(self) -> list[range]:
+        """Unreserve the top chunks above ``min_chunks`` while none of their blocks is referenced (their
+        cached prefixes are forgotten); returns their block ranges, whose memory the caller gives back."""
+        released = []
+        while self.num_reserved_chunks > self.min_chunks:
+            blocks = self.chunk(self.num_reserved_chunks - 1)
+            if any(self.ref_counts[b] for b in blocks):
+                break
+            for block in blocks:
+                self._evict(block)
+                del self._free[block]
+            self.num_reserved_chunks -= 1
+            released.append(blocks)
+        return released
+
+    def forget_free_blocks(self) -> list[range]:
+        """Forget the cached prefixes of every free block of the reserved chunks; returns those blocks as
+        runs of consecutive ids, whose memory the caller may give back (their contents are not needed)."""
+        runs: list[range] = []
+        for block in sorted(self._free):
+            self._evict(block)
+            if runs and runs[-1].stop == block:
+                runs[-1] = range(runs[-1].start, block + 1)
+            else:
+                runs.append(range(block, block + 1))
+        self.allocated_since_release = False
+        return runs
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._free):

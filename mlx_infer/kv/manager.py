@@ -8,8 +8,15 @@ from mlx_infer.kv.block_pool import BlockHash, BlockPool, hash_block
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.pool = BlockPool(num_blocks)
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        chunk_blocks: int | None = None,
+        min_chunks: int = 1,
+    ):
+        self.pool = BlockPool(num_blocks, chunk_blocks, min_chunks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[str, list[int]] = {}

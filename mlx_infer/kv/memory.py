@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import mlx.core as mx
+
+from mlx_infer.kv.block_pool import BlockPool
+from mlx_infer.kv.pages import pages_droppable
 
 # Without --kv-memory the pool takes this fraction of what is left for it: a server on a Mac
 # should leave room for the OS and other apps.
@@ -28,3 +32,37 @@ def kv_budget_bytes(kv_memory_gib: float | None) -> int:
         return int(kv_memory_gib * 2**30)
     free = max(device_memory_bytes() - mx.get_active_memory(), 0)
     return int(min(free * DEFAULT_FRACTION, MAX_DEFAULT_BYTES))
+
+
+@dataclass(frozen=True)
+class PoolMemory:
+    """The KV pool's memory in bytes: what it may take, what its reserved chunks span (at most what is
+    resident, see kv/pages.py) and what the blocks referenced by sequences hold."""
+
+    budget: int
+    reserved: int
+    used: int
+
+    @classmethod
+    def of(cls, pool: BlockPool, block_bytes: int) -> PoolMemory:
+        return cls(
+            pool.num_blocks * block_bytes, pool.num_reserved * block_bytes, pool.num_used * block_bytes
+        )
+
+
+def describe_pool(
+    pool: BlockPool, block_size: int, block_bytes: int, dtype: mx.Dtype, idle_release: float
+) -> str:
+    """The startup line: the budget, what is reserved now, how the pool grows and when it shrinks."""
+    mib = 2**20
+    memory = PoolMemory.of(pool, block_bytes)
+    chunk = pool.chunk_blocks
+    line = (
+        f"KV cache: budget {memory.budget / mib:.1f} MiB = {pool.num_blocks} blocks of {block_size} tokens "
+        f"= {pool.num_blocks * block_size} tokens ({dtype}); reserved {memory.reserved / mib:.1f} MiB, "
+        f"grows in chunks of {chunk * block_size} tokens ({chunk * block_bytes / mib:.1f} MiB), "
+        f"memory given back after {idle_release:g} s idle"
+    )
+    if not pages_droppable():
+        line += "; resident at once (pages cannot be dropped on this backend)"
+    return line

@@ -1,0 +1,95 @@
+"""Physical memory of the KV pools: allocated without staying resident, handed back per chunk.
+
+Why a fresh server held 6 GB of zeros: ``mx.zeros`` is evaluated by writing every byte, and a page
+once written stays resident, so the whole budget was resident before the first request. On Linux,
+``madvise(MADV_DONTNEED)`` on private anonymous memory (what MLX's CPU allocator gets from malloc)
+drops pages at once; they read back as zeros and take memory again only when written. So each
+layer's K and V pool is allocated at the full budget (one MLX array each: kernels and block tables
+are unchanged), its pages are dropped right away, and only the blocks the scheduler hands out become
+resident, page by page, as their K/V is written. Growing copies nothing. Chunks the block pool
+releases after an idle period are dropped the same way. A slot still reads either zeros or K/V
+written earlier, as with a zeroed pool.
+
+Where pages cannot be dropped this way (Metal or CUDA buffers, other systems) the pools stay resident
+as allocated, and releasing a chunk only returns its blocks to the budget's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_infer.models.base import LayerKV
+
+MADV_DONTNEED = 4  # Linux
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise where dropping pages of MLX arrays is known to work: Linux, CPU memory."""
+    cuda = getattr(mx, "cuda", None)
+    if not sys.platform.startswith("linux") or mx.metal.is_available() or (cuda and cuda.is_available()):
+        return None
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def pages_droppable() -> bool:
+    return _madvise() is not None
+
+
+def drop_pages(array: mx.array, start: int, stop: int) -> int:
+    """Give back the whole pages inside bytes [start, stop) of an evaluated, contiguous ``array``; the
+    bytes read as zeros afterwards. Returns the bytes given back (0 where pages cannot be dropped)."""
+    madvise = _madvise()
+    if madvise is None or stop <= start:
+        return 0
+    # The address through a NumPy view of the buffer (no copy); the view is gone before this returns,
+    # so the pool stays donatable (no second reference) for the next step's in-place KV write.
+    base = np.asarray(array.view(mx.uint8) if array.dtype == mx.bfloat16 else array).ctypes.data
+    page = mmap.PAGESIZE
+    low = -(-(base + start) // page) * page
+    high = (base + stop) // page * page
+    if high <= low:
+        return 0
+    if madvise(low, high - low, MADV_DONTNEED) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise: {os.strerror(err)}")
+    return high - low
+
+
+def allocate_pools(
+    num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype
+) -> list[LayerKV]:
+    """Every layer's K/V pools at ``num_blocks`` blocks, evaluated one layer at a time and dropped
+    (where pages can be dropped) so that at most one layer's pools are ever resident here."""
+    cache = []
+    for _ in range(num_layers):
+        layer = LayerKV(num_blocks, block_size, n_kv_heads, head_dim, dtype)
+        mx.eval(layer.state())
+        for pool in layer.state():
+            drop_pages(pool, 0, pool.nbytes)
+        cache.append(layer)
+    return cache
+
+
+def drop_blocks(cache: list[LayerKV], blocks: Sequence[range]) -> int:
+    """Give back the memory of block ranges in every layer's pools (their K/V is no longer needed);
+    returns the bytes given back."""
+    mx.eval([a for layer in cache for a in layer.state()])  # no step may still be writing them
+    dropped = 0
+    for layer in cache:
+        for pool in layer.state():
+            block_bytes = pool.nbytes // layer.num_blocks
+            for r in blocks:
+                dropped += drop_pages(pool, r.start * block_bytes, r.stop * block_bytes)
+    return dropped
