@@ -9,8 +9,9 @@ ones) hand out blocks: the pool's memory follows what the scheduler needs. A chu
 free blocks of the reserved ones run out (cached prefixes are reused before the pool grows), and the
 top chunks are unreserved again (``release_idle_chunks``) once none of their blocks is referenced.
 Idle, the free blocks of the chunks that stay reserved are forgotten too
-(``forget_free_blocks``), so their memory can go back as well. ``num_free`` counts every block the budget still allows, so callers see the budget, not the
-reservation: an allocation fails (and the scheduler preempts) only when the budget is exhausted.
+(``forget_free_blocks``), so their memory can go back as well. ``num_free`` counts every block
+the budget still allows, so callers see the budget, not the reservation: an allocation fails
+(and the scheduler preempts) only when the budget is exhausted.
 """
 
 from __future__ import annotations
