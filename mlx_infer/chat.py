@@ -2,22 +2,29 @@
 
 Each turn sends the whole conversation; the engine's prefix cache finds the blocks of earlier
 turns (prompt and answer alike), so only the new message and the tail of the last block are
-prefilled.
+prefilled. A conversation longer than the context is sent without its oldest turns (per the
+``context_policy``), and a turn enters the history only once it is answered.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
+from mlx_infer.context_policy import fit_for_engine
 from mlx_infer.engine.engine import Engine
 from mlx_infer.engine.request import RequestOutput
+from mlx_infer.errors import InvalidRequest, RequestFailed
 from mlx_infer.sampling import SamplingParams
+
+CONVERSATION_ROLES = ("user", "assistant")
 
 
 @dataclass
@@ -29,6 +36,8 @@ class TurnStats:
     decode_time: float = 0.0  # seconds from the first token to the last
     peak_memory: int = 0  # bytes
     finish_reason: str | None = None
+    dropped_turns: int = 0  # earlier turns left out of the prompt to fit the context
+    context: int = 0  # tokens one sequence can hold (0: unknown)
 
     @property
     def prompt_tps(self) -> float:
@@ -39,23 +48,43 @@ class TurnStats:
     def generation_tps(self) -> float:
         return (self.generated_tokens - 1) / self.decode_time if self.decode_time > 0 else 0.0
 
+    @property
+    def context_full(self) -> bool:
+        return self.context > 0 and self.prompt_tokens + self.generated_tokens >= self.context
+
     def line(self) -> str:
+        finish = self.finish_reason or "none"
+        if finish == "length" and self.context_full:
+            finish += f" (context of {self.context} tokens full)"
         return (
             f"prompt: {self.prompt_tokens} tokens ({self.cached_tokens} cached), "
             f"{self.prompt_tps:.1f} tok/s | "
             f"generation: {self.generated_tokens} tokens, {self.generation_tps:.1f} tok/s | "
-            f"TTFT {self.ttft * 1000:.0f} ms | peak memory {self.peak_memory / 2**30:.2f} GiB"
+            f"TTFT {self.ttft * 1000:.0f} ms | peak memory {self.peak_memory / 2**30:.2f} GiB | "
+            f"finish: {finish}"
         )
 
 
-def stream(engine: Engine, prompt_ids: list[int], params: SamplingParams, stats: TurnStats) -> Iterator[str]:
-    """Run one request alone on ``engine``, yielding text deltas; closing the iterator aborts it."""
+def stream(
+    engine: Engine,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stats: TurnStats,
+    cancel: threading.Event | None = None,
+) -> Iterator[str]:
+    """Run one request alone on ``engine``, yielding text deltas; closing the iterator aborts it.
+
+    ``cancel`` (set by a SIGINT handler) is checked between steps, so an interrupt never lands in the
+    middle of one: it raises KeyboardInterrupt there and the request is aborted cleanly.
+    """
     start = time.perf_counter()
     request_id = engine.add_request(prompt_ids, params)
     stats.prompt_tokens = len(prompt_ids)
     first = None
     try:
         while True:
+            if cancel is not None and cancel.is_set():
+                raise KeyboardInterrupt
             outputs: list[RequestOutput] = [o for o in engine.step() if o.request_id == request_id]
             for out in outputs:
                 now = time.perf_counter()
@@ -69,6 +98,8 @@ def stream(engine: Engine, prompt_ids: list[int], params: SamplingParams, stats:
                     yield out.text
                 if out.finished:
                     stats.finish_reason = out.finish_reason
+                    if out.finish_reason == "error":
+                        raise RequestFailed(f"{type(out.error).__name__}: {out.error}")
                     return
     finally:
         engine.abort(request_id)
@@ -82,30 +113,69 @@ class ChatSession:
     system: str | None = None
     use_template: bool = True
     messages: list[dict[str, str]] = field(default_factory=list)
+    context_overflow: str = "truncate-oldest"  # a context_policy.POLICIES entry
 
     def reset(self) -> None:
         self.messages.clear()
 
-    def prompt_ids(self, user_text: str) -> list[int]:
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages sent with each turn: the system prompt (with a chat template) and the history."""
+        system = [{"role": "system", "content": self.system}] if self.system and self.use_template else []
+        return system + self.messages
+
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
         tokenizer = self.engine.tokenizer
         if not self.use_template:
-            history = "".join(m["content"] for m in self.messages)
-            return tokenizer.encode(history + user_text)
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
-        return tokenizer.encode_chat(messages + [{"role": "user", "content": user_text}])
+            return tokenizer.encode("".join(m["content"] for m in messages))
+        return tokenizer.encode_chat(messages)
 
-    def reply(self, user_text: str, stats: TurnStats) -> Iterator[str]:
-        """Stream the answer to ``user_text``; the turn enters the history once the answer is complete
-        or interrupted (an interrupted answer is kept as far as it went)."""
+    def reply(self, user_text: str, stats: TurnStats, cancel: threading.Event | None = None) -> Iterator[str]:
+        """Stream the answer to ``user_text``. The turn enters the history once answered; a turn that
+        fails or is interrupted leaves the conversation as it was."""
+        turn = [{"role": "user", "content": user_text}]
+        policy, max_tokens = self.context_overflow, self.params.max_tokens
+        fitted = fit_for_engine(self.conversation() + turn, self._render, self.engine, max_tokens, policy)
+        stats.dropped_turns = fitted.dropped_turns
+        stats.context = self.engine.sequence_limit
+        # The engine ends the answer with "length" when the context fills before max_tokens.
         answer = []
-        try:
-            for delta in stream(self.engine, self.prompt_ids(user_text), self.params, stats):
-                answer.append(delta)
-                yield delta
-        finally:
-            self.messages.append({"role": "user", "content": user_text})
-            self.messages.append({"role": "assistant", "content": "".join(answer)})
+        for delta in stream(self.engine, fitted.prompt_ids, self.params, stats, cancel):
+            answer.append(delta)
+            yield delta
+        self.messages.extend(turn + [{"role": "assistant", "content": "".join(answer)}])
 
     def save(self, path: str) -> None:
+        """Write the conversation as JSON in OpenAI's messages shape (system prompt first)."""
         system = [{"role": "system", "content": self.system}] if self.system else []
         Path(path).write_text(json.dumps(system + self.messages, ensure_ascii=False, indent=2) + "\n")
+
+    def load(self, path: str) -> None:
+        """Replace the conversation (and the system prompt) with one ``save`` wrote, or any list of
+        OpenAI messages with string contents; a bad file changes nothing."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"{path} is not JSON: {e}") from None
+        system, messages = _parse_messages(data, path)
+        self.system = system
+        self.messages = messages
+
+
+def _parse_messages(data: Any, path: str) -> tuple[str | None, list[dict[str, str]]]:
+    if not isinstance(data, list):
+        raise InvalidRequest(f"{path}: expected a JSON list of messages")
+    system = None
+    messages = []
+    for i, m in enumerate(data):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise InvalidRequest(f"{path}: message {i} needs a string 'content'")
+        role = m.get("role")
+        if role == "system" and i == 0:
+            system = m["content"]
+        elif role in CONVERSATION_ROLES:
+            messages.append({"role": role, "content": m["content"]})
+        elif role == "system":
+            raise InvalidRequest(f"{path}: message {i}: a system message must come first")
+        else:
+            raise InvalidRequest(f"{path}: message {i}: role must be 'user' or 'assistant', not {role!r}")
+    return system, messages

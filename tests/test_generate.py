@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,10 +90,23 @@ def test_bad_input_is_one_line_and_nonzero(smollm2_path, args, message):
     assert "Traceback" not in result.stderr
 
 
-def test_too_long_request_names_both_numbers(smollm2):
+def test_too_long_prompt_names_both_numbers(smollm2):
     engine = Engine(smollm2.model, smollm2.tokenizer, smollm2.max_context, EngineConfig(kv_memory=0.05))
-    with pytest.raises(ContextTooLong, match=r"prompt \(3 tokens\) plus max_tokens \(9000\).*8192"):
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=9000))
+    with pytest.raises(ContextTooLong, match=r"the prompt has 8200 tokens but the context holds 8192"):
+        engine.add_request([1] * 8200, SamplingParams(max_tokens=1))
+    # max_tokens beyond the room left is a cap, not an error: the answer would stop at the edge.
+    engine.abort(engine.add_request([1, 2, 3], SamplingParams(max_tokens=9000)))
+
+
+def test_answer_stops_with_length_when_the_context_is_full(smollm2_path):
+    result = _run(
+        "generate", "-m", str(smollm2_path), "-p", "Tell me a long story.", "--max-context", "64",
+        "--max-tokens", "500", "--verbose",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "finish: length (context of 64 tokens full)" in result.stderr, result.stderr
+    stats = re.search(r"prompt: (\d+) tokens.*generation: (\d+) tokens", result.stderr)
+    assert int(stats.group(1)) + int(stats.group(2)) == 64, result.stderr
 
 
 def test_interactive_chat_two_turns_and_reset(smollm2_path):

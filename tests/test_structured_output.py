@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -241,3 +244,33 @@ def test_bad_constraints_are_400_before_generation(server: LiveServer, client: o
         client.chat.completions.create(model="smollm2", max_tokens=8, extra_body=extra, **_chat("Hi"))
     assert needle in str(info.value)
     assert server.metrics()["mlx_infer_generation_tokens_total"] == before
+
+
+def _generate(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "mlx_infer.cli", "generate", *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=180, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+
+
+def test_generate_json_schema_and_grammar_files(smollm2_path: Path, tmp_path: Path):
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMAS["integers"]))
+    grammar_file = tmp_path / "answer.gbnf"
+    grammar_file.write_text('root ::= "Answer: " ("yes" | "no")\n')
+    ask = ["-m", str(smollm2_path), "-p", "Is Paris in France?", "--max-tokens", "40"]
+    done = _generate(*ask, "--json-schema", str(schema_file))
+    assert done.returncode == 0, done.stderr
+    jsonschema.validate(json.loads(done.stdout), SCHEMAS["integers"])
+    done = _generate(*ask, "--grammar", str(grammar_file))
+    assert done.returncode == 0 and re.fullmatch(r"Answer: (yes|no)\n", done.stdout), done.stdout
+    (tmp_path / "bad.json").write_text("{bad")
+    (tmp_path / "bad.gbnf").write_text("root ::= (\n")
+    for flag, name, needle in (
+        ("--json-schema", "bad.json", "not valid JSON"),
+        ("--grammar", "bad.gbnf", "GBNF"),
+    ):
+        done = _generate(*ask, flag, str(tmp_path / name))
+        assert done.returncode == 2 and needle in done.stderr
+        errors = [line for line in done.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and errors[0].startswith("mlx-infer generate: error:"), done.stderr
