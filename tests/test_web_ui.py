@@ -1,0 +1,216 @@
+"""The chat page ``serve`` shows at ``/``: its HTTP side, and the page itself in a real browser.
+
+The browser tests drive Debian's ``chromium`` with Playwright (Playwright's own browser download cannot
+be reached here); they skip, saying why, where either is missing. ``.ci/run`` installs chromium.
+The screenshot goes to ``$MLX_INFER_TEST_ARTIFACTS`` (default: pytest's tmp folder); the test prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import TINY_LLAMA_CONFIG, make_tiny_llama, write_hf_folder
+from mlx.utils import tree_flatten
+from server_helpers import LiveServer, kv_gib_for_blocks, wait_for_idle
+
+CHROMIUM = Path(os.environ.get("MLX_INFER_CHROMIUM", "/usr/bin/chromium"))
+API_KEY = "sesame-123"
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    weights = dict(tree_flatten(make_tiny_llama(0).parameters()))
+    return write_hf_folder(tmp_path_factory.mktemp("web") / "tiny-llama", weights, TINY_LLAMA_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_folder: Path):
+    server = LiveServer(tiny_folder, "--api-key", API_KEY, name="tiny", startup_timeout=120)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_path: Path):
+    server = LiveServer(smollm2_path, "--max-num-seqs", "2", "--kv-memory", str(kv_gib_for_blocks(200)))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install playwright; it is in the test extra)")
+    if not CHROMIUM.is_file():
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set MLX_INFER_CHROMIUM)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+# ---- HTTP side -----------------------------------------------------------------------------------
+def test_page_and_assets_are_served_unguarded_with_a_strict_policy(keyed_server: LiveServer):
+    page = httpx.get(keyed_server.base_url + "/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    policy = page.headers["content-security-policy"]
+    assert "script-src 'self'" in policy and "default-src 'none'" in policy  # no inline or foreign script
+    for name in ("chat.js", "render.js", "chat.css", "vendor/marked.umd.js", "vendor/purify.min.js"):
+        asset = httpx.get(f"{keyed_server.base_url}/static/{name}", timeout=10)
+        assert asset.status_code == 200, name
+        assert f"static/{name}" in page.text  # the page loads it, from this server
+    assert "http" not in page.text.replace("http-equiv", "")  # nothing fetched from elsewhere
+    missing = httpx.get(keyed_server.base_url + "/static/nope.js", timeout=10)
+    assert missing.status_code == 404 and "error" in missing.json()
+    # The API stays guarded.
+    assert httpx.get(keyed_server.base_url + "/v1/models", timeout=10).status_code == 401
+
+
+def test_models_lists_context_length_and_quantization(keyed_server: LiveServer):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = httpx.get(keyed_server.base_url + "/v1/models", headers=headers, timeout=10).json()
+    (model,) = body["data"]
+    assert model["id"] == "tiny"
+    assert model["context_length"] == TINY_LLAMA_CONFIG["max_position_embeddings"]
+    assert model["architecture"] == "llama"
+    assert model["quantization"] == "float32"  # the tiny folder's safetensors dtype
+
+
+def test_no_web_turns_the_page_off(tiny_folder: Path):
+    server = LiveServer(tiny_folder, "--no-web", name="tiny", startup_timeout=120)
+    try:
+        assert httpx.get(server.base_url + "/", timeout=10).status_code == 404
+        assert httpx.get(server.base_url + "/static/chat.js", timeout=10).status_code == 404
+        assert httpx.get(server.base_url + "/v1/models", timeout=10).status_code == 200
+    finally:
+        server.stop()
+
+
+# ---- in a browser --------------------------------------------------------------------------------
+def cached_tokens(stats_line: str) -> int:
+    """The cached prompt tokens a message's stats line shows ("... 52 prompt tokens (48 cached) ...")."""
+    match = re.search(r"\((\d+) cached\)", stats_line)
+    assert match, stats_line
+    return int(match.group(1))
+
+
+def test_page_asks_for_the_api_key_and_escapes_what_it_renders(browser, keyed_server: LiveServer):
+    page = browser.new_page()
+    page.goto(keyed_server.base_url + "/")
+    page.wait_for_selector("#key-form:not([hidden])")
+    page.fill("#api-key", "wrong")
+    page.click("#api-key-save")
+    page.wait_for_function("() => document.getElementById('key-error').textContent.includes('refused')")
+    page.fill("#api-key", API_KEY)
+    page.click("#api-key-save")
+    page.wait_for_function("() => document.getElementById('model-name').textContent === 'tiny'")
+    assert page.is_hidden("#key-form")
+
+    # A message goes through with the stored key, and comes back shown as text.
+    page.click("#settings-toggle")
+    page.fill("#max-tokens", "8")  # the tiny model's context is 256 tokens
+    page.dispatch_event("#max-tokens", "change")
+    page.fill("#prompt", "w1 w2 <b>w3</b>")
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant .stats:has-text('generated')", timeout=60_000)
+    assert page.inner_text(".msg.user .content") == "w1 w2 <b>w3</b>"
+    assert page.eval_on_selector(".msg.user .content", "e => e.querySelector('b')") is None
+
+    # Model text is markdown, but nothing in it runs: handlers, scripts and javascript: links are removed.
+    hostile = (
+        '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
+        "[link](javascript:window.__pwned=3) <svg onload=window.__pwned=4></svg>\n\n```python\nprint(1)\n```"
+    )
+    html = page.evaluate(
+        "(text) => { const d = document.createElement('div'); document.body.append(d);"
+        " renderMarkdown(d, text); d.querySelector('a')?.click(); return d.innerHTML }",
+        hostile,
+    )
+    page.wait_for_timeout(300)
+    assert page.evaluate("window.__pwned") is None
+    # What is left of the hostile HTML is inert text: no element, handler attribute or script URL.
+    assert "<script" not in html and "<img" not in html and "<svg" not in html and "javascript:" not in html
+    handlers = page.evaluate(
+        "(html) => { const d = document.createElement('div'); d.innerHTML = html;"
+        " return [...d.querySelectorAll('*')].flatMap(e => [...e.attributes].map(a => a.name))"
+        ".filter(name => name.startsWith('on')) }",
+        html,
+    )
+    assert handlers == []
+    assert "<pre>" in html and "print(1)" in html and 'class="copy"' in html  # code block with a copy button
+    page.close()
+
+
+def test_chat_streams_stops_frees_blocks_and_survives_a_reload(browser, smollm2_server: LiveServer, tmp_path):
+    server = smollm2_server
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
+    page.goto(server.base_url + "/")
+    page.wait_for_function("() => document.getElementById('model-name').textContent === 'smollm2'")
+    page.click("#settings-toggle")
+    page.fill("#max-tokens", "2000")
+    page.dispatch_event("#max-tokens", "change")
+    page.fill("#extra", json.dumps({"ignore_eos": True}))  # a long answer, whatever the model says
+    page.dispatch_event("#extra", "change")
+
+    page.fill("#prompt", "Count to one thousand.")
+    page.press("#prompt", "Enter")
+    answer = ".msg.assistant .content"
+    page.wait_for_function(
+        f"() => document.querySelector('{answer}')?.textContent.length > 0", timeout=60_000
+    )
+    first = len(page.inner_text(answer))
+    page.wait_for_function(f"() => document.querySelector('{answer}').textContent.length > {first + 20}")
+    running = server.metrics()
+    assert running["mlx_infer_requests_running"] == 1 and running["mlx_infer_kv_blocks_used"] > 0
+    assert page.is_visible("#stop") and page.is_hidden("#send")
+
+    page.click("#stop")
+    idle = wait_for_idle(server)
+    assert idle["mlx_infer_requests_running"] == 0 and idle["mlx_infer_kv_blocks_used"] == 0
+    page.wait_for_selector(".msg.assistant .stats:has-text('stopped')")
+    stopped_text = page.inner_text(answer)
+    assert page.is_visible("#send")
+
+    # Edit and resend: the conversation is cut at the edited message; then regenerate the answer, whose
+    # prompt now comes from the prefix cache (the stats show the cached tokens).
+    page.fill("#extra", "")
+    page.dispatch_event("#extra", "change")
+    page.fill("#max-tokens", "8")
+    page.dispatch_event("#max-tokens", "change")
+    page.click(".msg.user .edit")
+    page.fill(".msg.user .edit-box", "What is the capital of France? Answer in one word.")
+    page.click(".msg.user .resend")
+    stats = ".msg.assistant .stats"
+    page.wait_for_selector(f"{stats}:has-text('generated')", timeout=60_000)
+    assert page.locator(".msg").count() == 2
+    edited_cached = cached_tokens(page.inner_text(stats))
+    page.click(".msg.assistant .regenerate")
+    page.wait_for_selector(f"{stats}:has-text('generated')", timeout=60_000)
+    line = page.inner_text(stats)
+    assert cached_tokens(line) > 0 and cached_tokens(line) >= edited_cached, line
+    assert "TTFT" in line and "tok/s" in line and "prompt tokens" in line, line
+    final_answer = page.inner_text(answer)
+    assert final_answer and final_answer != stopped_text
+
+    # Reload: the conversation comes back from local storage.
+    page.reload()
+    page.wait_for_function("() => document.getElementById('model-name').textContent === 'smollm2'")
+    # Editing the first message retitles the conversation after it.
+    assert page.inner_text("#conversations li.current .open").startswith("What is the capital of France?")
+    assert page.inner_text(".msg.user .content") == "What is the capital of France? Answer in one word."
+    assert page.inner_text(answer) == final_answer
+
+    folder = Path(os.environ.get("MLX_INFER_TEST_ARTIFACTS", tmp_path))
+    folder.mkdir(parents=True, exist_ok=True)
+    shot = folder / "web_ui.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"screenshot of the chat page: {shot}")
+    assert shot.stat().st_size > 10_000
+    page.close()
