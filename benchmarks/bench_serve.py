@@ -2,7 +2,8 @@
 
     python benchmarks/bench_serve.py --base-url http://127.0.0.1:8080/v1 [--model NAME]
         [--input-words 150] [--output-tokens 48] [--num-requests 32] [--concurrency 1,2,4,8,16]
-        [--shared-prefix WORDS] [--endpoint completions|chat] [--json FILE]
+        [--shared-prefix WORDS] [--endpoint completions|chat|messages] [--json FILE]
+        [--structured free|json|both] [--json-schema FILE]
 
     # start the servers itself, one after the other, and compare them ({port} is filled in):
     python benchmarks/bench_serve.py --concurrency 1,16 \\
@@ -13,8 +14,13 @@ Every concurrency level sends ``--num-requests`` streamed requests with prompts 
 (new words per level, so no prefix cache flatters a level), ``max_tokens`` = ``--output-tokens`` and
 ``ignore_eos`` (servers that know it generate exactly that many tokens; the table reports the mean they
 did produce). ``--shared-prefix N`` starts every prompt of a level with the same N random words, to
-measure prefix caching. TTFT is the time to the first streamed text, TPOT the time per output token
-after it; output tokens come from the server's usage report, or the streamed chunk count without one.
+measure prefix caching. ``--structured json`` constrains every request by a JSON schema
+(``response_format``; a built-in one whose answers outgrow any ``--output-tokens``, or ``--json-schema``);
+``both`` measures each level free and then constrained, against the same server. TTFT is the time to
+the first streamed text, TPOT the time per output token after it; output tokens come from the server's
+usage report, or the streamed chunk count without one.
+``--endpoint messages`` drives Anthropic's ``/v1/messages`` stream with the same prompts (text from its
+``text_delta`` events, tokens from ``message_delta``'s usage), to compare it with ``chat`` in one run.
 """
 
 from __future__ import annotations
@@ -105,20 +111,32 @@ class LevelResult:
         }
 
 
+# Every answer must list at least 40 short strings: longer than any --output-tokens run here, so a
+# constrained request generates as many tokens as a free one.
+BUILTIN_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "words": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 40},
+    },
+    "required": ["title", "words"],
+}
+
+
 # ---- prompts ------------------------------------------------------------------------------------
 def random_text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def level_prompts(seed: int, level: int, args: argparse.Namespace) -> list[str]:
-    """The prompts of one concurrency level: the same for every target, new for every level."""
-    rng = random.Random(f"{seed}-{level}")
+def level_prompts(seed: int, level: int, args: argparse.Namespace, mode: str = "free") -> list[str]:
+    """The prompts of one concurrency level: the same for every target, new for every level and mode."""
+    rng = random.Random(f"{seed}-{level}" + ("" if mode == "free" else f"-{mode}"))
     prefix = random_text(rng, args.shared_prefix) + "\n" if args.shared_prefix else ""
     return [prefix + random_text(rng, args.input_words) for _ in range(args.num_requests)]
 
 
 # ---- one streamed request -----------------------------------------------------------------------
-def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict:
+def request_body(args: argparse.Namespace, model: str, prompt: str, schema: dict | None = None) -> dict:
     body = {
         "model": model,
         "max_tokens": args.output_tokens,
@@ -127,23 +145,47 @@ def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict:
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
-    if args.endpoint == "chat":
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+    if args.endpoint in ("chat", "messages"):
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
+    if args.endpoint == "messages":
+        del body["stream_options"]  # Anthropic's stream always ends with its usage
     return body
 
 
-def _chunk_text(chunk: dict, chat: bool) -> str:
+ENDPOINT_PATHS = {"completions": "completions", "chat": "chat/completions", "messages": "messages"}
+
+
+def _chunk_text(chunk: dict, endpoint: str) -> str:
+    if endpoint == "messages":
+        if chunk.get("type") != "content_block_delta":
+            return ""
+        return (chunk.get("delta") or {}).get("text") or ""
     choices = chunk.get("choices") or []
     if not choices:
         return ""
-    if chat:
+    if endpoint == "chat":
         return (choices[0].get("delta") or {}).get("content") or ""
     return choices[0].get("text") or ""
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, body: dict, chat: bool) -> RequestResult:
+def _chunk_usage(chunk: dict, endpoint: str) -> dict | None:
+    """The chunk's usage in OpenAI's terms (Anthropic's message_delta carries the final counts)."""
+    if endpoint != "messages":
+        return chunk.get("usage")
+    if chunk.get("type") != "message_delta":
+        return None
+    usage = chunk.get("usage") or {}
+    return {
+        "completion_tokens": usage.get("output_tokens"),
+        "prompt_tokens_details": {"cached_tokens": usage.get("cache_read_input_tokens")},
+    }
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict, endpoint: str) -> RequestResult:
     start = time.perf_counter()
     first = None
     chunks, usage = 0, None
@@ -161,12 +203,13 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, chat: bool
                 chunk = json.loads(data)
                 if "error" in chunk:
                     return RequestResult(False, error=str(chunk["error"])[:200])
-                if _chunk_text(chunk, chat):
+                if _chunk_text(chunk, endpoint):
                     chunks += 1
                     if first is None:
                         first = time.perf_counter()
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
+                usage = _chunk_usage(chunk, endpoint) or usage
+                if chunk.get("type") == "message_stop":
+                    break
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         return RequestResult(False, error=f"{type(e).__name__}: {e}"[:200])
     end = time.perf_counter()
@@ -189,10 +232,15 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 async def run_level(
-    target: str, base_url: str, model: str, prompts: list[str], concurrency: int, args: argparse.Namespace
+    target: str,
+    base_url: str,
+    model: str,
+    prompts: list[str],
+    concurrency: int,
+    args: argparse.Namespace,
+    schema: dict | None = None,
 ) -> LevelResult:
-    chat = args.endpoint == "chat"
-    url = f"{base_url}/{'chat/completions' if chat else 'completions'}"
+    url = f"{base_url}/{ENDPOINT_PATHS[args.endpoint]}"
     queue: asyncio.Queue[str] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -204,7 +252,8 @@ async def run_level(
         async def worker() -> None:
             while not queue.empty():
                 prompt = queue.get_nowait()
-                results.append(await stream_one(client, url, request_body(args, model, prompt), chat))
+                body = request_body(args, model, prompt, schema)
+                results.append(await stream_one(client, url, body, args.endpoint))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -245,10 +294,8 @@ async def warm_up(base_url: str, model: str, args: argparse.Namespace) -> None:
     short = argparse.Namespace(**{**vars(args), "output_tokens": 4})
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers) as client:
-        path = "chat/completions" if args.endpoint == "chat" else "completions"
-        await stream_one(
-            client, f"{base_url}/{path}", request_body(short, model, "warm up"), args.endpoint == "chat"
-        )
+        url = f"{base_url}/{ENDPOINT_PATHS[args.endpoint]}"
+        await stream_one(client, url, request_body(short, model, "warm up"), args.endpoint)
 
 
 # ---- launching servers --------------------------------------------------------------------------
@@ -375,6 +422,19 @@ def print_ratios(console: Console, results: list[LevelResult]) -> None:
     console.print(table)
 
 
+def print_structured_ratios(console: Console, results: list[LevelResult]) -> None:
+    """Constrained throughput over free throughput, per target and level (``--structured both``)."""
+    by_key = {(r.target, r.concurrency): r for r in results}
+    for (name, c), r in by_key.items():
+        free = by_key.get((name.removesuffix("+json"), c))
+        if name.endswith("+json") and free is not None and free.output_tokens_per_second:
+            ratio = r.output_tokens_per_second / free.output_tokens_per_second
+            console.print(
+                f"{free.target} c={c}: JSON-schema constrained {r.output_tokens_per_second:.1f} vs free "
+                f"{free.output_tokens_per_second:.1f} output tok/s = {ratio:.2f}x"
+            )
+
+
 def write_json(
     path: Path, results: list[LevelResult], targets: list[Target], args: argparse.Namespace
 ) -> None:
@@ -421,7 +481,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="NAME=CMD",
         help="a server to start and measure, '{port}' in CMD is replaced by a free port (repeatable)",
     )
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--endpoint", choices=tuple(ENDPOINT_PATHS), default="completions")
     p.add_argument("--input-words", type=int, default=150, help="random words per prompt (default: 150)")
     p.add_argument("--output-tokens", type=int, default=48, help="max_tokens, with ignore_eos (default: 48)")
     p.add_argument(
@@ -443,7 +503,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a launched server may take")
     p.add_argument("--no-warmup", action="store_true", help="skip the short request sent before each target")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument(
+        "--structured",
+        choices=("free", "json", "both"),
+        default="free",
+        help="constrain every request by a JSON schema (json), or measure each level both ways (both)",
+    )
+    p.add_argument(
+        "--json-schema", type=Path, default=None, metavar="FILE", help="the schema (default: a built-in one)"
+    )
     args = p.parse_args(argv)
+    args.schema = json.loads(args.json_schema.read_text()) if args.json_schema else BUILTIN_SCHEMA
+    args.modes = ["free", "json"] if args.structured == "both" else [args.structured]
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if not args.levels or min(args.levels) < 1 or args.num_requests < 1:
         p.error("--concurrency levels and --num-requests must be positive")
@@ -460,14 +531,17 @@ async def measure_target(target: Target, args: argparse.Namespace, console: Cons
         await warm_up(target.base_url, model, args)
     results = []
     for level in args.levels:
-        prompts = level_prompts(args.seed, level, args)
-        result = await run_level(target.name, target.base_url, model, prompts, level, args)
-        console.print(
-            f"{target.name} c={level}: {result.output_tokens_per_second:.1f} output tok/s, "
-            f"TTFT p50 {result.ttft['p50']:.2f} s, TPOT p50 {result.tpot['p50'] * 1000:.0f} ms"
-            + (f", {result.errors} errors" if result.errors else "")
-        )
-        results.append(result)
+        for mode in args.modes:
+            name = target.name if mode == "free" else f"{target.name}+json"
+            prompts = level_prompts(args.seed, level, args, mode)
+            schema = args.schema if mode == "json" else None
+            result = await run_level(name, target.base_url, model, prompts, level, args, schema)
+            console.print(
+                f"{name} c={level}: {result.output_tokens_per_second:.1f} output tok/s, "
+                f"TTFT p50 {result.ttft['p50']:.2f} s, TPOT p50 {result.tpot['p50'] * 1000:.0f} ms"
+                + (f", {result.errors} errors" if result.errors else "")
+            )
+            results.append(result)
     return results
 
 
@@ -488,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
     print_table(console, results, args)
     print_ratios(console, results)
+    print_structured_ratios(console, results)
     if args.json:
         write_json(args.json, results, targets, args)
         console.print(f"wrote {args.json}")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -22,16 +22,22 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlx_infer.constraints import compile_constraint
+from mlx_infer.context_policy import fit_for_engine, request_policy
 from mlx_infer.engine.async_engine import AsyncEngine, RequestGroup
 from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
+from mlx_infer.reasoning import template_kwargs
+from mlx_infer.server import chat_output
+from mlx_infer.server.anthropic import AnthropicRoutes
 from mlx_infer.server.embeddings import EmbeddingRoutes
-from mlx_infer.server.errors import error_response, from_exception
+from mlx_infer.server.engine_call import LatencyClock, collect, default_max_tokens
+from mlx_infer.server.errors import anthropic_error_response, error_response, from_exception
 from mlx_infer.server.metrics import Metrics
+from mlx_infer.server.openai_responses import ResponsesRoute
 from mlx_infer.server.request_body import DEFAULT_MAX_REQUEST_BYTES, read_json
 from mlx_infer.server.responses import Choice, LogprobFormatter, new_id, now, usage
 from mlx_infer.server.schemas import ChatCompletionRequest, CompletionRequest
-
-DISCONNECT_POLL_SECONDS = 0.5
+from mlx_infer.server.web import routes as web_routes
+from mlx_infer.tool_calls import ChatPlan, Event, ToolChoice, model_parsers, prepare_chat
 
 log = logging.getLogger("mlx_infer")
 
@@ -42,6 +48,11 @@ class ServerConfig:
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    web: bool = True  # the chat page at / (server/web.py)
+    model_details: dict[str, str] = field(default_factory=dict)  # architecture, quantization
+    context_overflow: str = "error"  # the default of requests that name no context_policy
+    tool_call_parser: str = "auto"  # mlx_infer.tool_calls family name, "auto" or "none"
+    reasoning_parser: str = "auto"  # mlx_infer.reasoning parser name, "auto" or "none"
 
 
 class OpenAIServer:
@@ -50,6 +61,10 @@ class OpenAIServer:
         self.config = config
         self.tokenizer = engine.engine.tokenizer
         self.logprobs = LogprobFormatter(self.tokenizer)
+        # Chosen once per model: how its answers carry tool calls and reasoning.
+        self.tool_family, self.reasoning = model_parsers(
+            self.tokenizer, config.tool_call_parser, config.reasoning_parser
+        )
         self.metrics = Metrics(engine)
         self.created = now()
 
@@ -72,7 +87,11 @@ class OpenAIServer:
             Route("/v1/chat/completions", self.guarded(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self.guarded(self.completions), methods=["POST"]),
             *EmbeddingRoutes(self).routes(),  # a 400 here; server/embedding_server.py serves embeddings
+            *AnthropicRoutes(self).routes(),
+            *ResponsesRoute(self).routes(),
         ]
+        if self.config.web:
+            routes += web_routes()
         return Starlette(
             routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error}
         )
@@ -83,17 +102,16 @@ class OpenAIServer:
             message = f"no route {request.method} {request.url.path}"
         else:
             message = f"{request.method} {request.url.path}: {exc.detail}"
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_error_response(exc.status_code, message, headers=exc.headers)
         return error_response(exc.status_code, message, headers=exc.headers)
 
     def guarded(self, handler):
         """Bearer-key check, JSON parsing and typed-error mapping around an API handler."""
 
         async def wrapped(request: Request) -> Response:
-            if self.config.api_key is not None:
-                # Constant-time comparison: the time a mismatch takes must not reveal the key's prefix.
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, f"Bearer {self.config.api_key}".encode()):
-                    return error_response(401, "invalid or missing API key", "authentication_error")
+            if not self.authorized(request):
+                return error_response(401, "invalid or missing API key", "authentication_error")
             try:
                 return await handler(request)
             except ClientDisconnect:
@@ -106,6 +124,18 @@ class OpenAIServer:
                 return from_exception(e)
 
         return wrapped
+
+    def authorized(self, request: Request) -> bool:
+        """Whether the request carries the API key (when one is set): ``Authorization: Bearer KEY`` or
+        Anthropic's ``x-api-key: KEY``."""
+        if self.config.api_key is None:
+            return True
+        key = self.config.api_key.encode()
+        bearer = request.headers.get("authorization", "").encode()
+        # Constant-time comparisons, both made: the time a mismatch takes must not reveal the key's prefix.
+        return hmac.compare_digest(bearer, b"Bearer " + key) | hmac.compare_digest(
+            request.headers.get("x-api-key", "").encode(), key
+        )
 
     async def _body(self, request: Request, schema):
         parsed = await read_json(request, schema, self.config.max_request_bytes)
@@ -136,6 +166,8 @@ class OpenAIServer:
             "object": "model",
             "created": self.created,
             "owned_by": "mlx-infer",
+            "context_length": self.engine.engine.max_context,
+            **self.config.model_details,
         }
         return JSONResponse({"object": "list", "data": [model]})
 
@@ -147,8 +179,24 @@ class OpenAIServer:
         except ValueError as e:
             raise InvalidRequest(str(e), param="messages") from None
         # Templating and tokenizing a long prompt takes a while: off the loop that feeds every stream.
-        prompt_ids = await run_in_threadpool(self.tokenizer.encode_chat, messages, tools=body.tools)
-        return await self._generate(request, body, prompt_ids, chat=True)
+        # A conversation longer than the context loses whole turns or fails, per its policy.
+        policy, max_prompt = request_policy(
+            self.config.context_overflow, body.context_overflow, body.truncate_prompt_tokens
+        )
+        plan = prepare_chat(
+            self.tokenizer,
+            family=self.tool_family,
+            reasoning=self.reasoning,
+            tools=body.tools,
+            tool_choice=ToolChoice.parse(body.tool_choice),
+            parallel=body.parallel_tool_calls,
+            template_kwargs=template_kwargs(body.chat_template_kwargs),
+        )
+        engine, max_new = self.engine.engine, body.max_new_tokens()
+        fitted = await run_in_threadpool(
+            fit_for_engine, messages, plan.render, engine, max_new, policy, max_prompt
+        )
+        return await self._generate(request, body, fitted.prompt_ids, chat=True, plan=plan)
 
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = await self._body(request, CompletionRequest)
@@ -162,19 +210,24 @@ class OpenAIServer:
             prompt_ids = list(body.prompt)
         return await self._generate(request, body, prompt_ids, chat=False)
 
-    async def _generate(self, request: Request, body, prompt_ids: list[int], chat: bool) -> Response:
-        engine = self.engine.engine
-        room = min(engine.max_context, engine.pool_tokens) - len(prompt_ids)
-        max_tokens = body.max_new_tokens() or max(room, 1)
+    async def _generate(
+        self, request: Request, body, prompt_ids: list[int], chat: bool, plan: ChatPlan | None = None
+    ) -> Response:
+        max_tokens = body.max_new_tokens() or default_max_tokens(self.engine.engine, len(prompt_ids))
         logprobs = body.logprobs_count()
         constraint = body.constraint()
+        forced = plan.constraint if plan is not None else None  # tool_choice required / a named function
+        if forced is not None and constraint is not None:
+            raise InvalidRequest("a forced tool call cannot also follow an output constraint", "tool_choice")
+        constraint = forced or constraint
         if constraint is not None:
             # A large schema compiles for a while: off the event loop (the engine then finds it cached).
             await run_in_threadpool(compile_constraint, constraint, self.tokenizer)
-        group = self.engine.submit(
-            [(prompt_ids, body.sampling_params(max_tokens, logprobs, i)) for i in range(body.n)]
-        )
-        call = _Call(self, body, prompt_ids, chat, group)
+        params = [body.sampling_params(max_tokens, logprobs, i) for i in range(body.n)]
+        if forced is not None:
+            params = [dataclasses.replace(p, constraint=forced) for p in params]
+        group = self.engine.submit([(prompt_ids, p) for p in params])
+        call = _Call(self, body, prompt_ids, chat, group, plan)
         if body.stream:
             return StreamingResponse(
                 call.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -192,7 +245,15 @@ class OpenAIServer:
 class _Call:
     """One API call's choices as they fill in, and the bodies sent for it."""
 
-    def __init__(self, server: OpenAIServer, body, prompt_ids: list[int], chat: bool, group: RequestGroup):
+    def __init__(
+        self,
+        server: OpenAIServer,
+        body,
+        prompt_ids: list[int],
+        chat: bool,
+        group: RequestGroup,
+        plan: ChatPlan | None = None,
+    ):
         self.server = server
         self.body = body
         self.prompt_ids = prompt_ids
@@ -201,42 +262,24 @@ class _Call:
         self.choices = [Choice() for _ in range(body.n)]
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = now()
-        self.start = time.perf_counter()
-        self.first_token: list[float | None] = [None] * body.n
+        self.clock = LatencyClock(server.metrics, body.n)
         self.disconnected = False
         self.echo = "" if chat or not body.echo else server.tokenizer.decode(prompt_ids)
+        # Chat answers split into content, reasoning and tool calls as they arrive, one parser a choice.
+        self.parsers = [plan.parser(prompt_ids) for _ in range(body.n)] if plan is not None else None
 
-    def _record(self, index: int, out) -> None:
+    def _record(self, index: int, out) -> list[Event]:
+        """Take one output in; returns what it adds to a chat answer (parsed events)."""
         self.choices[index].add(out)
-        t = time.perf_counter()
-        if self.first_token[index] is None:
-            self.first_token[index] = t
-        if out.finished:
-            first = self.first_token[index]
-            n = self.choices[index].num_output_tokens
-            tpot = (t - first) / (n - 1) if n > 1 else None
-            self.server.metrics.observe(first - self.start, tpot)
+        self.clock.record(index, out)
+        if self.parsers is None:
+            return []
+        parser = self.parsers[index]
+        events = parser.feed(out.text) if out.text else []
+        return events + parser.finish() if out.finished else events
 
     async def collect(self, request: Request) -> None:
-        # Check for a disconnect on a clock, not only when outputs pause: a request that streams a
-        # token more often than every DISCONNECT_POLL_SECONDS would otherwise never be checked.
-        next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
-        try:
-            while not self.group.done:
-                wait = next_check - time.monotonic()
-                if wait <= 0:
-                    if await request.is_disconnected():
-                        self.disconnected = True
-                        return
-                    next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
-                    continue
-                try:
-                    index, out = await asyncio.wait_for(self.group.next(), wait)
-                except asyncio.TimeoutError:
-                    continue
-                self._record(index, out)
-        finally:
-            self.group.close()
+        self.disconnected = not await collect(self.group, request, self._record)
 
     def _logprobs(self, choice: Choice, entries, offset: int) -> dict[str, Any] | None:
         if self.body.logprobs_count() is None:
@@ -251,10 +294,10 @@ class _Call:
             text = "".join(c.text)
             lp = self._logprobs(c, c.logprobs, len(self.echo))
             if self.chat:
-                message = {"role": "assistant", "content": text}
-                choices.append(
-                    {"index": i, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
-                )
+                parsed = self.parsers[i].result
+                message = chat_output.message(parsed)
+                finish = chat_output.finish_reason(parsed, c.finish_reason)
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 choices.append(
                     {"index": i, "text": self.echo + text, "logprobs": lp, "finish_reason": c.finish_reason}
@@ -282,6 +325,28 @@ class _Call:
             chunk["usage"] = usage_body
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
+    def _chat_chunks(self, index: int, events: list[Event], lp, engine_reason: str | None) -> list[str]:
+        """One chunk per event (a call's start, then its argument fragments, as OpenAI streams them);
+        the logprobs ride on the first, the finish reason on the last."""
+        deltas = [chat_output.delta(e) for e in events]
+        if not deltas and lp is None and engine_reason is None:
+            return []  # text held back by a parser (a marker may be starting)
+        deltas = deltas or [{}]
+        reason = engine_reason and chat_output.finish_reason(self.parsers[index].result, engine_reason)
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": d,
+                        "logprobs": lp if j == 0 else None,
+                        "finish_reason": reason if j == len(deltas) - 1 else None,
+                    }
+                ]
+            )
+            for j, d in enumerate(deltas)
+        ]
+
     async def stream(self) -> AsyncIterator[str]:
         offsets = [len(self.echo)] * self.body.n
         try:
@@ -294,27 +359,17 @@ class _Call:
                         [{"index": i, "text": self.echo, "logprobs": None, "finish_reason": None}]
                     )
             async for index, out in self.group:
-                self._record(index, out)
+                events = self._record(index, out)
                 choice = self.choices[index]
                 if not out.text and not out.finished and not out.logprobs:
                     continue
                 lp = self._logprobs(choice, out.logprobs or [], offsets[index])
                 offsets[index] += len(out.text)
                 if self.chat:
-                    delta = {"content": out.text} if out.text else {}
-                    body = {
-                        "index": index,
-                        "delta": delta,
-                        "logprobs": lp,
-                        "finish_reason": out.finish_reason,
-                    }
-                else:
-                    body = {
-                        "index": index,
-                        "text": out.text,
-                        "logprobs": lp,
-                        "finish_reason": out.finish_reason,
-                    }
+                    for chunk in self._chat_chunks(index, events, lp, out.finish_reason):
+                        yield chunk
+                    continue
+                body = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
                 yield self._chunk([body])
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield self._chunk([], usage(len(self.prompt_ids), self.choices))

@@ -9,8 +9,9 @@ import threading
 import time
 from pathlib import Path
 
-from mlx_infer import cli_options
+from mlx_infer import cli_options, context_policy, reasoning, tool_calls
 from mlx_infer.embed_cli import add_pooling_argument
+from mlx_infer.engine.engine import EngineConfig
 from mlx_infer.errors import EngineFailure, InvalidRequest
 from mlx_infer.server.request_body import DEFAULT_MAX_REQUEST_BYTES
 
@@ -29,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default=None, help="model id clients send (default: the model's name)"
     )
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
+    g.add_argument("--no-web", action="store_true", help="do not serve the chat page at / (default: served)")
     g.add_argument(
         "--allowed-origins",
         default="",
@@ -62,7 +64,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exit (status 7) shortly after the engine thread stops, for a supervisor to restart the "
         "server (default: on)",
     )
+    g.add_argument(
+        "--kv-idle-release",
+        type=float,
+        default=EngineConfig.kv_idle_release,
+        metavar="SECONDS",
+        help="after this long without requests the KV pool gives back its memory and forgets the prefix "
+        f"cache (default: {EngineConfig.kv_idle_release:g}; inf: never)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=tool_calls.CHOICES,
+        metavar="NAME",
+        help="how the model writes tool calls: " + ", ".join(tool_calls.CHOICES[2:]) + "; 'none' parses "
+        "none (default: auto, from the chat template and tokenizer)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=reasoning.CHOICES,
+        metavar="NAME",
+        help="split <think>...</think> reasoning into reasoning_content: think (alias qwen3, deepseek_r1) "
+        "or none (default: auto, on when the chat template or vocabulary has <think>)",
+    )
     cli_options.add_engine_arguments(parser, max_num_seqs=32)
+    context_policy.add_argument(g, default="error")
 
 
 def served_name(model: str, explicit: str | None) -> str:
@@ -78,6 +105,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise InvalidRequest(f"--max-request-bytes must be positive, not {args.max_request_bytes}")
     if args.shutdown_timeout < 0:
         raise InvalidRequest(f"--shutdown-timeout must be >= 0, not {args.shutdown_timeout}")
+    if not args.kv_idle_release >= 0:  # nan too
+        raise InvalidRequest(f"--kv-idle-release must be >= 0, not {args.kv_idle_release}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mlx_infer.embedding import is_embedding_model
     from mlx_infer.engine.async_engine import AsyncEngine
+    from mlx_infer.model_store import served_details
     from mlx_infer.server.app import OpenAIServer, ServerConfig
     from mlx_infer.server.embedding_server import serve_embeddings
     from mlx_infer.server.lifecycle import ServeServer, Supervisor
@@ -97,8 +127,15 @@ def run(args: argparse.Namespace) -> int:
 
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     server_config = ServerConfig(
-        served_name(args.model, args.served_model_name), args.api_key, origins, args.max_request_bytes
+        served_name(args.model, args.served_model_name),
+        args.api_key,
+        origins,
+        args.max_request_bytes,
+        context_overflow=args.context_overflow,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
+    server_config.web = not args.no_web
     supervisor = Supervisor()
     stopped = threading.Event()
 
@@ -110,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
                 return
             with cli_options.open_engine(args) as (loaded, engine):
                 log.info("%s: %s", loaded.source, loaded.weight_policy)
+                server_config.model_details = served_details(loaded.source)
                 async_engine = AsyncEngine(engine, max_pending=args.max_pending)
                 try:
                     supervisor.ready(async_engine, OpenAIServer(async_engine, server_config).app())

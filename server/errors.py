@@ -19,13 +19,52 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def from_exception(error: Exception) -> JSONResponse:
-    if isinstance(error, QueueFull):
-        return error_response(429, str(error), error.openai_type, headers={"Retry-After": "1"})
+def describe(error: Exception) -> tuple[int, str, str, str | None]:
+    """(HTTP status, one-line message, OpenAI error type, field at fault) of any error a route raises."""
     if isinstance(error, MlxInferError):
-        return error_response(error.http_status, str(error), error.openai_type, param=error.param)
+        return error.http_status, str(error), error.openai_type, error.param
     if isinstance(error, ValidationError):
         first = error.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        return error_response(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
-    return error_response(500, f"internal error: {type(error).__name__}", "server_error")
+        return 400, f"{param}: {first['msg']}" if param else first["msg"], "invalid_request_error", param
+    return 500, f"internal error: {type(error).__name__}", "server_error", None
+
+
+def from_exception(error: Exception) -> JSONResponse:
+    status, message, type_, param = describe(error)
+    headers = {"Retry-After": "1"} if isinstance(error, QueueFull) else None
+    return error_response(status, message, type_, param=param, headers=headers)
+
+
+# ---- Anthropic's error shape (the /v1/messages routes) -------------------------------------------
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    error_type = ANTHROPIC_ERROR_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def anthropic_error_response(
+    status: int, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
+
+
+def anthropic_from_exception(error: Exception) -> JSONResponse:
+    """The statuses of ``from_exception`` in Anthropic's shape, except that a full queue is Anthropic's
+    529 overloaded_error (its SDK retries that after Retry-After)."""
+    if isinstance(error, QueueFull):
+        return anthropic_error_response(529, str(error), headers={"Retry-After": "1"})
+    status, message, _, _ = describe(error)
+    return anthropic_error_response(status, message)

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mlx_infer.context_policy import Policy
 from mlx_infer.sampling import SamplingParams
 from mlx_infer.server.structured import StructuredOutputFields
 
@@ -23,7 +24,8 @@ class _SamplingFields(StructuredOutputFields):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    # Beyond the room the prompt leaves, a cap (the answer ends with "length"); int32, as llama-server.
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=INT32_MAX)  # k at or above the vocabulary keeps every token
@@ -103,10 +105,25 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    # "auto" | "none" | "required" | {"type": "function", "function": {"name": ...}} (checked when used)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"enable_thinking": false}
+    # A conversation longer than the context: drop whole turns or fail (None: the server's default).
+    context_overflow: Policy | None = None
+    # vLLM's: keep the prompt within this many tokens (-1: the context), here by dropping whole turns.
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_nonzero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+        return value
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

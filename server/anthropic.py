@@ -1,0 +1,491 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``) over the engine
+that serves the OpenAI routes.
+
+A request becomes the same chat-template messages and tools an OpenAI chat request would (system first,
+``tool_use`` blocks as assistant tool calls, ``tool_result`` blocks as tool messages), is submitted to the
+engine like any other request, and its output comes back as content blocks. Streams follow Anthropic's
+event sequence: ``message_start``, ``ping``, per block ``content_block_start`` / ``content_block_delta`` /
+``content_block_stop``, then ``message_delta`` (stop reason, usage) and ``message_stop``. The streamed
+and the whole answer are built by the same ``_Blocks`` from the same text, so they cannot disagree.
+
+Usage follows Anthropic's accounting: ``input_tokens`` counts the prompt tokens computed for this request
+and ``cache_read_input_tokens`` those the prefix cache supplied; their sum is the prompt's length.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlx_infer.engine.request import RequestOutput
+from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
+from mlx_infer.sampling import SamplingParams
+from mlx_infer.server.engine_call import LatencyClock, collect
+from mlx_infer.server.errors import (
+    anthropic_error_body,
+    anthropic_error_response,
+    anthropic_from_exception,
+    describe,
+)
+from mlx_infer.server.request_body import read_json
+from mlx_infer.server.responses import new_id
+from mlx_infer.server.schemas import INT32_MAX, MAX_STOP_LENGTH
+
+if TYPE_CHECKING:
+    from mlx_infer.server.app import OpenAIServer
+
+log = logging.getLogger("mlx_infer")
+
+
+# ---- request schema ------------------------------------------------------------------------------
+class _Lenient(BaseModel):
+    # Fields this server does not use (cache_control, citations, container, service_tier, ...) are
+    # accepted and ignored, as the SDK sends them freely; NaN and infinities are refused.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class TextBlock(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImageBlock(_Lenient):
+    type: Literal["image", "document", "search_result"]
+
+
+class ToolUseBlock(_Lenient):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] | None = None
+    is_error: bool = False
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(_text_of(b, "tool_result content") for b in self.content)
+
+
+class ThinkingBlock(_Lenient):
+    type: Literal["thinking"]
+    thinking: str
+
+
+class RedactedThinkingBlock(_Lenient):
+    type: Literal["redacted_thinking"]
+
+
+Block = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+def _text_of(block: BaseModel, where: str) -> str:
+    if not isinstance(block, TextBlock):
+        raise InvalidRequest(f"{block.type} blocks are not supported in {where}: this server reads text only")
+    return block.text
+
+
+class Message(_Lenient):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(_Lenient):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _client_tools_only(cls, value: Any) -> Any:
+        # Anthropic's server tools (web search, code execution, ...) run on Anthropic's side: not here.
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind not in (None, "custom"):
+            raise ValueError(f"tool type {kind!r} is not supported; only client tools with an input_schema")
+        return value
+
+
+class ToolChoice(_Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoice:
+        if self.type == "tool" and not self.name:
+            raise ValueError("tool_choice of type 'tool' needs a name")
+        return self
+
+
+class Thinking(_Lenient):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=0)
+
+
+class _Conversation(_Lenient):
+    """What both routes read: the conversation and what shapes its prompt."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(_Conversation):
+    max_tokens: int = Field(ge=1, le=INT32_MAX)
+    # The current SDK sends these three through extra_body; older ones as fields: the JSON is the same.
+    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=INT32_MAX)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    # Extensions (through extra_body), as the OpenAI routes take them.
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops(cls, value: list[str] | None) -> list[str] | None:
+        if value and len(value) > 16:
+            raise ValueError("at most 16 stop sequences")
+        if value and any(len(s) > MAX_STOP_LENGTH for s in value):
+            raise ValueError(f"stop sequences are at most {MAX_STOP_LENGTH} characters long")
+        return value
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=list(self.stop_sequences or []),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+# ---- request -> chat-template messages -----------------------------------------------------------
+def chat_messages(body: _Conversation) -> tuple[list[dict[str, Any]], str]:
+    """The conversation as OpenAI-style chat messages for the template, and the text of a final
+    assistant message (Anthropic's prefill: the answer continues it), or ""."""
+    messages: list[dict[str, Any]] = []
+    if body.system:
+        system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
+        messages.append({"role": "system", "content": system})
+    for i, message in enumerate(body.messages):
+        content = message.content
+        blocks = [TextBlock(type="text", text=content)] if isinstance(content, str) else content
+        where = f"messages.{i}.content"
+        if message.role == "user":
+            messages.extend(_user_turn(blocks, where))
+        else:
+            messages.append(_assistant_turn(blocks, where))
+    if not messages:
+        raise InvalidRequest("messages: the conversation is empty")
+    prefill = ""
+    last = messages[-1]
+    if last["role"] == "assistant":
+        if "tool_calls" in last:
+            raise InvalidRequest("the last message cannot end with tool_use blocks: send their results")
+        prefill = last.get("content", "")
+        messages.pop()
+        if not messages:
+            raise InvalidRequest("the conversation needs a user message before the assistant's")
+    return messages, prefill
+
+
+def _user_turn(blocks: list, where: str) -> list[dict[str, Any]]:
+    """Tool results become tool messages (in block order); text blocks in a row join one user message."""
+    out: list[dict[str, Any]] = []
+    for block in blocks:
+        if isinstance(block, ToolResultBlock):
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+        elif isinstance(block, ThinkingBlock | RedactedThinkingBlock | ToolUseBlock):
+            raise InvalidRequest(f"{where}: {block.type} blocks belong to assistant messages")
+        elif out and out[-1]["role"] == "user":
+            out[-1]["content"] += _text_of(block, where)
+        else:
+            out.append({"role": "user", "content": _text_of(block, where)})
+    return out
+
+
+def _assistant_turn(blocks: list, where: str) -> dict[str, Any]:
+    turn: dict[str, Any] = {"role": "assistant", "content": ""}
+    for block in blocks:
+        if isinstance(block, ToolUseBlock):
+            call = {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}
+            turn.setdefault("tool_calls", []).append({"id": block.id, "type": "function", "function": call})
+        elif isinstance(block, ThinkingBlock):
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + block.thinking
+        elif isinstance(block, RedactedThinkingBlock):
+            continue  # encrypted by Anthropic: nothing a local model can read
+        elif isinstance(block, ToolResultBlock):
+            raise InvalidRequest(f"{where}: tool_result blocks belong to user messages")
+        else:
+            turn["content"] += _text_of(block, where)
+    return turn
+
+
+def openai_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                **({"description": t.description} if t.description is not None else {}),
+                "parameters": t.input_schema,
+            },
+        }
+        for t in tools
+    ]
+
+
+# ---- the answer as content blocks ----------------------------------------------------------------
+def _event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class _Blocks:
+    """Content blocks as the answer's pieces arrive, and the stream events that announce them."""
+
+    def __init__(self):
+        self.content: list[dict[str, Any]] = []
+        self._open: str | None = None  # the kind of the last block while it still grows
+        self._json: list[str] = []  # argument fragments of an open tool_use block
+
+    def _start(self, block: dict[str, Any], kind: str) -> list[str]:
+        events = self.close()
+        self.content.append(block)
+        self._open = kind
+        # Serialized now: the block as it starts (empty), before its deltas fill it in.
+        body = {"type": "content_block_start", "index": len(self.content) - 1, "content_block": block}
+        events.append(_event("content_block_start", body))
+        return events
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        body = {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
+        return _event("content_block_delta", body)
+
+    def text(self, text: str) -> list[str]:
+        if not text:
+            return []
+        events = [] if self._open == "text" else self._start({"type": "text", "text": ""}, "text")
+        self.content[-1]["text"] += text
+        return [*events, self._delta({"type": "text_delta", "text": text})]
+
+    def thinking(self, text: str) -> list[str]:
+        if not text:
+            return []
+        block = {"type": "thinking", "thinking": "", "signature": ""}
+        events = [] if self._open == "thinking" else self._start(block, "thinking")
+        self.content[-1]["thinking"] += text
+        return [*events, self._delta({"type": "thinking_delta", "thinking": text})]
+
+    def tool_use(self, call_id: str, name: str) -> list[str]:
+        return self._start({"type": "tool_use", "id": call_id, "name": name, "input": {}}, "tool_use")
+
+    def tool_arguments(self, fragment: str) -> list[str]:
+        self._json.append(fragment)
+        return [self._delta({"type": "input_json_delta", "partial_json": fragment})]
+
+    def close(self) -> list[str]:
+        """Close the open block (a tool_use block gets its input from the arguments' JSON)."""
+        if self._open is None:
+            return []
+        if self._open == "tool_use":
+            arguments = "".join(self._json) or "{}"
+            try:
+                self.content[-1]["input"] = json.loads(arguments)
+            except json.JSONDecodeError:
+                self.content[-1]["input"] = {}
+            self._json = []
+        self._open = None
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
+
+    def finish(self) -> list[str]:
+        """Close the last block; an answer with no block at all gets one empty text block."""
+        events = [] if self.content else self._start({"type": "text", "text": ""}, "text")
+        return events + self.close()
+
+    @property
+    def has_tool_use(self) -> bool:
+        return any(b["type"] == "tool_use" for b in self.content)
+
+
+# ---- one call -------------------------------------------------------------------------------------
+class _Call:
+    """One /v1/messages call: its request's outputs, turned into blocks, a stop reason and usage."""
+
+    def __init__(self, routes: AnthropicRoutes, body: MessagesRequest, prompt_ids: list[int], group):
+        self.server = routes.server
+        self.body = body
+        self.prompt_ids = prompt_ids
+        self.group = group
+        self.id = new_id("msg").replace("-", "_")
+        self.blocks = _Blocks()
+        self.clock = LatencyClock(self.server.metrics, 1)
+        self.output_ids: list[int] = []
+        self.text: list[str] = []
+        self.last: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> list[str]:
+        """Take one engine output; the stream events it makes."""
+        self.clock.record(0, out)
+        self.output_ids.extend(out.token_ids)
+        self.text.append(out.text)
+        self.last = out
+        return self.blocks.text(out.text)
+
+    def usage(self) -> dict[str, int]:
+        cached = self.last.num_cached_tokens if self.last else 0
+        return {
+            "input_tokens": len(self.prompt_ids) - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "output_tokens": self.last.num_output_tokens if self.last else 0,
+        }
+
+    def stop(self) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence) of the finished request."""
+        if self.blocks.has_tool_use:
+            return "tool_use", None
+        if self.last is None or self.last.finish_reason == "length":
+            return "max_tokens", None
+        tokenizer = self.server.tokenizer
+        ended_by_eos = not self.output_ids or self.output_ids[-1] in tokenizer.eos_token_ids
+        if ended_by_eos or not self.body.stop_sequences:
+            return "end_turn", None
+        # A stop string ended it: the earliest one in the full decoded output is the one the engine's
+        # matcher found (it stops at the first complete match and never emits it).
+        full = tokenizer.decode(self.output_ids)
+        found = [(full.find(s), i) for i, s in enumerate(self.body.stop_sequences) if s in full]
+        return "stop_sequence", self.body.stop_sequences[min(found)[1]] if found else None
+
+    def message(self, content: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        stop_reason, stop_sequence = self.stop() if content is None else (None, None)
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.body.model,
+            "content": self.blocks.content if content is None else content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": self.usage(),
+        }
+
+    async def stream(self) -> AsyncIterator[str]:
+        started = False
+        try:
+            async for _, out in self.group:
+                events = self.add(out)
+                if not started:
+                    # Sent once the first output is in, so its usage already has the cached-token count.
+                    started = True
+                    yield _event("message_start", {"type": "message_start", "message": self.message([])})
+                    yield _event("ping", {"type": "ping"})
+                for event in events:
+                    yield event
+            for event in self.blocks.finish():
+                yield event
+            stop_reason, stop_sequence = self.stop()
+            delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+            yield _event("message_delta", {"type": "message_delta", "delta": delta, "usage": self.usage()})
+            yield _event("message_stop", {"type": "message_stop"})
+        except Exception as e:  # noqa: BLE001 - the 200 header is sent: report any failure in the stream
+            if not isinstance(e, MlxInferError):
+                log.exception("request failed")
+            status, message, _, _ = describe(e)
+            yield _event("error", anthropic_error_body(529 if status == 429 else status, message))
+        finally:
+            self.group.close()
+
+
+# ---- routes ---------------------------------------------------------------------------------------
+class AnthropicRoutes:
+    def __init__(self, server: OpenAIServer):
+        self.server = server
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/messages", self.guarded(self.messages), methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.guarded(self.count_tokens), methods=["POST"]),
+        ]
+
+    def guarded(self, handler):
+        """The key check and typed-error mapping of the OpenAI routes, answering in Anthropic's shape."""
+
+        async def wrapped(request: Request) -> Response:
+            if not self.server.authorized(request):
+                return anthropic_error_response(401, "invalid or missing API key (x-api-key or Bearer)")
+            try:
+                return await handler(request)
+            except ClientDisconnect:
+                return Response(status_code=499)
+            except (MlxInferError, ValidationError) as e:
+                return anthropic_from_exception(e)
+            except Exception as e:  # noqa: BLE001 - an engine failure still answers in Anthropic's format
+                log.exception("request failed")
+                return anthropic_from_exception(e)
+
+        return wrapped
+
+    async def _body(self, request: Request, schema):
+        body = await read_json(request, schema, self.server.config.max_request_bytes)
+        if body.model != self.server.config.model_name:
+            raise ModelNotFound(
+                f"model: {body.model!r} does not exist; this server has {self.server.config.model_name!r}"
+            )
+        return body
+
+    async def _prompt(self, body: _Conversation) -> list[int]:
+        messages, prefill = chat_messages(body)
+        kwargs: dict[str, Any] = {}
+        if body.thinking is not None and body.thinking.type != "adaptive":
+            kwargs["enable_thinking"] = body.thinking.type == "enabled"
+        tokenizer = self.server.tokenizer
+        tools = None if body.tool_choice and body.tool_choice.type == "none" else openai_tools(body.tools)
+        # Templating and tokenizing a long prompt takes a while: off the loop that feeds every stream.
+        ids = await run_in_threadpool(tokenizer.encode_chat, messages, tools=tools, **kwargs)
+        if prefill:
+            ids += await run_in_threadpool(tokenizer.encode, prefill, False)
+        return ids
+
+    async def count_tokens(self, request: Request) -> Response:
+        body = await self._body(request, _Conversation)
+        return JSONResponse({"input_tokens": len(await self._prompt(body))})
+
+    async def messages(self, request: Request) -> Response:
+        body: MessagesRequest = await self._body(request, MessagesRequest)
+        prompt_ids = await self._prompt(body)
+        group = self.server.engine.submit([(prompt_ids, body.sampling_params())])
+        call = _Call(self, body, prompt_ids, group)
+        if body.stream:
+            return StreamingResponse(
+                call.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        if not await collect(group, request, lambda _, out: call.add(out)):
+            return Response(status_code=499)
+        call.blocks.finish()
+        return JSONResponse(call.message())

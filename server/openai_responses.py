@@ -1,0 +1,461 @@
+"""OpenAI's Responses API (``POST /v1/responses``), the stateless part, over the engine that serves the
+other routes.
+
+``input`` (a string or items: messages, ``function_call``, ``function_call_output``, ``reasoning``) and
+``instructions`` become the chat-template messages an OpenAI chat request would, and the output comes
+back as output items (``message`` with ``output_text``, ``function_call``, ``reasoning``). Streams send
+the typed events of the API, each with its ``sequence_number``: ``response.created``,
+``response.in_progress``, per item ``response.output_item.added`` / ``...done`` with the content part and
+text or argument deltas between, then ``response.completed`` (``response.incomplete`` when
+``max_output_tokens`` cut it). The streamed and the whole answer come from the same ``_Items``.
+
+Nothing is stored: ``store: true`` and ``previous_response_id`` are refused with a 400 that says to send
+the whole conversation as ``input`` (the prefix cache makes resending it cheap).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlx_infer.engine.request import RequestOutput
+from mlx_infer.errors import InvalidRequest, MlxInferError
+from mlx_infer.sampling import SamplingParams
+from mlx_infer.server.engine_call import LatencyClock, collect, default_max_tokens
+from mlx_infer.server.errors import describe
+from mlx_infer.server.responses import new_id, now
+from mlx_infer.server.schemas import INT32_MAX
+
+if TYPE_CHECKING:
+    from mlx_infer.server.app import OpenAIServer
+
+log = logging.getLogger("mlx_infer")
+
+
+# ---- request schema ------------------------------------------------------------------------------
+class _Lenient(BaseModel):
+    # Fields this server does not use (include, truncation, user, service_tier, ...) are accepted and
+    # ignored; NaN and infinities are refused.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class TextPart(_Lenient):
+    type: Literal["input_text", "output_text", "text", "refusal"]
+    text: str = ""
+    refusal: str = ""
+
+
+class OtherPart(_Lenient):
+    type: Literal["input_image", "input_file", "input_audio"]
+
+
+Part = Annotated[TextPart | OtherPart, Field(discriminator="type")]
+
+
+def _part_text(part: TextPart | OtherPart, where: str) -> str:
+    if isinstance(part, OtherPart):
+        raise InvalidRequest(f"{where}: {part.type} parts are not supported: this server reads text only")
+    return part.refusal if part.type == "refusal" else part.text
+
+
+class MessageItem(_Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Part]
+
+    def text(self, where: str) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(_part_text(p, where) for p in self.content)
+
+
+class FunctionCallItem(_Lenient):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Lenient):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[Part]
+
+
+class ReasoningContent(_Lenient):
+    text: str = ""
+
+
+class ReasoningItem(_Lenient):
+    type: Literal["reasoning"]
+    summary: list[ReasoningContent] = []
+    content: list[ReasoningContent] | None = None
+
+
+def _item_kind(value: Any) -> str:
+    # A message may leave out its type (the SDK's EasyInputMessage); every other item names it.
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if isinstance(kind, str) else ""
+
+
+Item = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(_Lenient):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(_Lenient):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Lenient):
+    type: Literal["text", "json_schema", "json_object"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Lenient):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Lenient):
+    model: str
+    input: str | list[Item]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    # Extensions (through extra_body), as the chat route takes them.
+    top_k: int = Field(default=0, ge=0, le=INT32_MAX)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+# ---- request -> chat-template messages -----------------------------------------------------------
+def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """``instructions`` and ``input`` as OpenAI-style chat messages: function calls join the assistant
+    turn before them, their outputs become tool messages."""
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    for i, item in enumerate(items):
+        where = f"input.{i}"
+        if isinstance(item, MessageItem):
+            # Templates know system, user and assistant; the developer role is the system's here.
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": item.text(where)})
+        elif isinstance(item, FunctionCallOutputItem):
+            output = (
+                item.output
+                if isinstance(item.output, str)
+                else "".join(_part_text(p, where) for p in item.output)
+            )
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        else:
+            turn = _assistant_turn(messages)
+            if isinstance(item, FunctionCallItem):
+                call = {"name": item.name, "arguments": item.arguments}
+                turn.setdefault("tool_calls", []).append(
+                    {"id": item.call_id, "type": "function", "function": call}
+                )
+            else:
+                texts = item.content if item.content is not None else item.summary
+                turn["reasoning_content"] = turn.get("reasoning_content", "") + "".join(t.text for t in texts)
+    if not messages:
+        raise InvalidRequest("input: the conversation is empty", param="input")
+    return messages
+
+
+def _assistant_turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant message a function call or reasoning item belongs to: the last one, unless a
+    user or tool message came after it."""
+    if not messages or messages[-1]["role"] != "assistant":
+        messages.append({"role": "assistant", "content": ""})
+    return messages[-1]
+
+
+def chat_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
+    if not body.tools or body.tool_choice == "none":
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                **({"description": t.description} if t.description is not None else {}),
+                "parameters": t.parameters or {"type": "object", "properties": {}},
+            },
+        }
+        for t in body.tools
+    ]
+
+
+# ---- the answer as output items ------------------------------------------------------------------
+class _Items:
+    """Output items as the answer's pieces arrive, and the typed stream events that announce them."""
+
+    def __init__(self):
+        self.output: list[dict[str, Any]] = []
+        self._open: str | None = None  # the type of the last item while it still grows
+        self.sequence = 0
+
+    def event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def _item_event(self, kind: str) -> str:
+        return self.event(kind, output_index=len(self.output) - 1, item=self.output[-1])
+
+    def _part_event(self, kind: str, **fields: Any) -> str:
+        item = self.output[-1]
+        return self.event(
+            kind, item_id=item["id"], output_index=len(self.output) - 1, content_index=0, **fields
+        )
+
+    def _start(self, item: dict[str, Any]) -> list[str]:
+        events = self.close()
+        self.output.append({**item, "status": "in_progress"} if item["type"] != "reasoning" else item)
+        self._open = item["type"]
+        return [*events, self._item_event("response.output_item.added")]
+
+    def text(self, text: str) -> list[str]:
+        if not text:
+            return []
+        events = []
+        if self._open != "message":
+            item = {
+                "type": "message",
+                "id": new_id("msg").replace("-", "_"),
+                "role": "assistant",
+                "content": [],
+            }
+            events = self._start(item)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events.append(self._part_event("response.content_part.added", part=part))
+            self.output[-1]["content"].append(part)
+        self.output[-1]["content"][0]["text"] += text
+        return [*events, self._part_event("response.output_text.delta", delta=text, logprobs=[])]
+
+    def reasoning(self, text: str) -> list[str]:
+        if not text:
+            return []
+        events = []
+        if self._open != "reasoning":
+            item = {"type": "reasoning", "id": new_id("rs").replace("-", "_"), "summary": [], "content": []}
+            events = self._start(item)
+            part = {"type": "reasoning_text", "text": ""}
+            events.append(self._part_event("response.content_part.added", part=part))
+            self.output[-1]["content"].append(part)
+        self.output[-1]["content"][0]["text"] += text
+        return [*events, self._part_event("response.reasoning_text.delta", delta=text)]
+
+    def function_call(self, call_id: str, name: str) -> list[str]:
+        item_id = new_id("fc").replace("-", "_")
+        return self._start(
+            {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": ""}
+        )
+
+    def function_arguments(self, fragment: str) -> list[str]:
+        self.output[-1]["arguments"] += fragment
+        item = self.output[-1]
+        return [
+            self.event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=len(self.output) - 1,
+                delta=fragment,
+            )
+        ]
+
+    def close(self) -> list[str]:
+        kind, self._open = self._open, None
+        if kind is None:
+            return []
+        item = self.output[-1]
+        events = []
+        if kind == "message":
+            part = item["content"][0]
+            events.append(self._part_event("response.output_text.done", text=part["text"], logprobs=[]))
+            events.append(self._part_event("response.content_part.done", part=part))
+        elif kind == "reasoning":
+            part = item["content"][0]
+            events.append(self._part_event("response.reasoning_text.done", text=part["text"]))
+            events.append(self._part_event("response.content_part.done", part=part))
+        else:
+            events.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=len(self.output) - 1,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+        if kind != "reasoning":
+            item["status"] = "completed"
+        return [*events, self._item_event("response.output_item.done")]
+
+
+# ---- one call -------------------------------------------------------------------------------------
+class _Call:
+    """One /v1/responses call: its request's outputs, turned into output items, a status and usage."""
+
+    def __init__(self, server: OpenAIServer, body: ResponsesRequest, prompt_ids: list[int], group):
+        self.server = server
+        self.body = body
+        self.prompt_ids = prompt_ids
+        self.group = group
+        self.id = new_id("resp").replace("-", "_")
+        self.created = now()
+        self.items = _Items()
+        self.clock = LatencyClock(server.metrics, 1)
+        self.last: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> list[str]:
+        self.clock.record(0, out)
+        self.last = out
+        return self.items.text(out.text)
+
+    def response(self, final: bool) -> dict[str, Any]:
+        body = self.body
+        status, usage, incomplete = "in_progress", None, None
+        if final:
+            status = "completed"
+            if self.last is not None and self.last.finish_reason == "length":
+                status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+            cached = self.last.num_cached_tokens if self.last else 0
+            output_tokens = self.last.num_output_tokens if self.last else 0
+            usage = {
+                "input_tokens": len(self.prompt_ids),
+                "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": len(self.prompt_ids) + output_tokens,
+            }
+        text_format = body.text.format if body.text and body.text.format else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "model": body.model,
+            "output": self.items.output if final else [],
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "store": False,
+            "temperature": body.temperature,
+            "text": {
+                "format": text_format.model_dump(by_alias=True, exclude_none=True)
+                if text_format
+                else {"type": "text"}
+            },
+            "tool_choice": body.tool_choice
+            if isinstance(body.tool_choice, str)
+            else body.tool_choice.model_dump(),
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "top_p": body.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "metadata": body.metadata or {},
+        }
+
+    async def stream(self) -> AsyncIterator[str]:
+        items = self.items
+        try:
+            yield items.event("response.created", response=self.response(final=False))
+            yield items.event("response.in_progress", response=self.response(final=False))
+            async for _, out in self.group:
+                for event in self.add(out):
+                    yield event
+            for event in items.close():
+                yield event
+            final = self.response(final=True)
+            yield items.event(f"response.{final['status']}", response=final)
+        except Exception as e:  # noqa: BLE001 - the 200 header is sent: report any failure in the stream
+            if not isinstance(e, MlxInferError):
+                log.exception("request failed")
+            _, message, type_, param = describe(e)
+            yield items.event("error", code=type_, message=message, param=param)
+        finally:
+            self.group.close()
+
+
+# ---- route ----------------------------------------------------------------------------------------
+class ResponsesRoute:
+    def __init__(self, server: OpenAIServer):
+        self.server = server
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/responses", self.server.guarded(self.create), methods=["POST"])]
+
+    async def create(self, request: Request) -> Response:
+        body: ResponsesRequest = await self.server._body(request, ResponsesRequest)
+        if body.previous_response_id is not None or body.store:
+            field = "previous_response_id" if body.previous_response_id is not None else "store"
+            raise InvalidRequest(
+                f"{field}: this server keeps no responses; send store=false and the whole conversation "
+                "as input (the prefix cache makes resending it cheap)",
+                param=field,
+            )
+        messages = chat_messages(body)
+        tokenizer = self.server.tokenizer
+        # Templating and tokenizing a long prompt takes a while: off the loop that feeds every stream.
+        prompt_ids = await run_in_threadpool(tokenizer.encode_chat, messages, tools=chat_tools(body))
+        max_tokens = body.max_output_tokens or default_max_tokens(self.server.engine.engine, len(prompt_ids))
+        group = self.server.engine.submit([(prompt_ids, body.sampling_params(max_tokens))])
+        call = _Call(self.server, body, prompt_ids, group)
+        if body.stream:
+            return StreamingResponse(
+                call.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        if not await collect(group, request, lambda _, out: call.add(out)):
+            return Response(status_code=499)
+        call.items.close()
+        return JSONResponse(call.response(final=True))

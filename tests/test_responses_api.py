@@ -1,0 +1,229 @@
+"""OpenAI's Responses API (``/v1/responses``, stateless).
+
+Error shapes and the stream's typed events run in process on a tiny random model; the official ``openai``
+client's ``responses.create`` / ``responses.stream`` on the real SmolLM2 runs against a live server.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import TINY_LLAMA_CONFIG, make_tiny_llama, write_hf_folder
+from mlx.utils import tree_flatten
+from server_helpers import LiveServer, wait_for_idle
+from starlette.testclient import TestClient
+
+from mlx_infer.engine.async_engine import AsyncEngine
+from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.loading import load
+from mlx_infer.loading.gguf_file import read_header
+from mlx_infer.server.app import OpenAIServer, ServerConfig
+from mlx_infer.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(300)
+
+RESPONSES = "/v1/responses"
+GOOD = {"model": "tiny", "input": "w1 w2 w3", "max_output_tokens": 6}
+
+
+def _resp(**changes) -> dict:
+    return {**GOOD, **changes}
+
+
+# (body: a dict to send as JSON or raw bytes, expected status)
+BAD_REQUESTS: list[tuple[object, int]] = [
+    (b"{", 400),
+    (b"[]", 400),
+    ({"model": "tiny"}, 400),
+    (_resp(input=5), 400),
+    (_resp(input=[]), 400),
+    (_resp(input=[{"type": "video", "url": "x"}]), 400),  # unknown item type
+    (_resp(input=[{"role": "robot", "content": "w1"}]), 400),
+    (_resp(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), 400),
+    (_resp(input=[{"role": "user", "content": [{"type": "hologram"}]}]), 400),
+    (_resp(input=[{"type": "function_call", "name": "f"}]), 400),  # no call_id, no arguments
+    (_resp(input=[{"type": "function_call_output", "call_id": "c"}]), 400),  # no output
+    (_resp(instructions=5), 400),
+    (_resp(max_output_tokens=0), 400),
+    (_resp(max_output_tokens="many"), 400),
+    (_resp(input="w1 " * 300), 400),  # longer than the context
+    (_resp(temperature=3), 400),
+    (_resp(top_p=0), 400),
+    (json.dumps(GOOD).encode()[:-1] + b', "temperature": NaN}', 400),
+    (_resp(stream="yes please"), 400),
+    (_resp(tools=[{"type": "web_search"}]), 400),
+    (_resp(tools=[{"type": "function"}]), 400),  # no name
+    (_resp(tool_choice="sometimes"), 400),
+    (_resp(text={"format": {"type": "xml"}}), 400),
+    (_resp(store=True), 400),
+    (_resp(previous_response_id="resp_123"), 400),
+    (_resp(input="w1 " * 3_000_000), 413),
+    (b"[" * 10_000 + b"]" * 10_000, 400),
+    (_resp(model="gpt-5"), 404),
+]
+
+
+# ---- in process, tiny random model ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory) -> Engine:
+    folder = tmp_path_factory.mktemp("responses") / "tiny"
+    write_hf_folder(folder, dict(tree_flatten(make_tiny_llama(0).parameters())), TINY_LLAMA_CONFIG)
+    loaded = load(str(folder))
+    return Engine(loaded.model, loaded.tokenizer, loaded.max_context, EngineConfig(num_blocks=64))
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_engine: Engine):
+    engine = AsyncEngine(tiny_engine)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def http(async_engine: AsyncEngine):
+    with TestClient(OpenAIServer(async_engine, ServerConfig("tiny")).app()) as client:
+        yield client
+
+
+def send(http: TestClient, body: object) -> httpx.Response:
+    if isinstance(body, bytes):
+        return http.post(RESPONSES, content=body, headers={"content-type": "application/json"})
+    return http.post(RESPONSES, json=body)
+
+
+def sse(text: str) -> list[dict]:
+    """A text/event-stream body as its data objects; each event name must match the data's type."""
+    events = []
+    for chunk in text.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in chunk.splitlines())
+        data = json.loads(fields["data"])
+        assert data["type"] == fields["event"]
+        events.append(data)
+    return events
+
+
+def test_bad_requests_get_openai_errors_and_server_stays_healthy(http: TestClient, async_engine):
+    for body, status in BAD_REQUESTS:
+        response = send(http, body)
+        assert response.status_code == status, (body if len(str(body)) < 300 else "(long)", response.text)
+        error = response.json()["error"]
+        assert isinstance(error["message"], str) and error["message"] and "\n" not in error["message"]
+        assert {"type", "param", "code"} <= set(error)
+    stored = send(http, _resp(store=True)).json()["error"]
+    assert stored["param"] == "store" and "store=false" in stored["message"]
+    assert async_engine.num_pending == 0
+    assert http.get("/health").json() == {"status": "ok"}
+    assert send(http, GOOD).status_code == 200
+
+
+def test_stream_typed_events_and_equality_with_the_whole_response(http: TestClient):
+    body = _resp(temperature=0, max_output_tokens=8, ignore_eos=True, instructions="w9")
+    whole = http.post(RESPONSES, json=body).json()
+    assert whole["object"] == "response" and whole["id"].startswith("resp_")
+    assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    [message] = whole["output"]
+    assert (
+        message["type"] == "message" and message["role"] == "assistant" and message["status"] == "completed"
+    )
+    [part] = message["content"]
+    assert part["type"] == "output_text" and part["text"]
+    assert whole["usage"]["output_tokens"] == 8
+    assert whole["usage"]["total_tokens"] == whole["usage"]["input_tokens"] + 8
+
+    events = sse(http.post(RESPONSES, json={**body, "stream": True}).text)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    types = [e["type"] for e in events]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[4:-4] == ["response.output_text.delta"] * (len(types) - 8)
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    item_id = events[2]["item"]["id"]
+    assert all(e["item_id"] == item_id for e in events[3:-2])
+    text = "".join(e["delta"] for e in events[4:-4])
+    assert text == events[-4]["text"] == part["text"]
+    final = events[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == text
+    assert final["usage"]["output_tokens"] == 8
+    assert final["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+
+
+def test_input_items_become_the_chat_template_messages(http: TestClient, tiny_engine: Engine):
+    """Messages, a function call and its output in the prompt exactly as the chat route templates them."""
+    items = [
+        {"role": "developer", "content": "w4"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "w1 w2"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "w5"},
+    ]
+    reply = http.post(RESPONSES, json=_resp(input=items, instructions="w9")).json()
+    expected = tiny_engine.tokenizer.encode_chat(
+        [
+            {"role": "system", "content": "w9"},
+            {"role": "system", "content": "w4"},
+            {"role": "user", "content": "w1 w2"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "w5"},
+        ]
+    )
+    assert reply["usage"]["input_tokens"] == len(expected)
+
+
+# ---- the official client on the real SmolLM2 ------------------------------------------------------
+FRANCE = "What is the capital of France?"
+FRANCE_ANSWER = "The capital of France is Paris."  # greedy, as the chat route answers (test_server)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path: Path):
+    live = LiveServer(smollm2_path, "--kv-memory", "0.5")
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(read_header(smollm2_path).metadata)
+
+
+@pytest.mark.slow
+def test_responses_create_plain_and_streamed(client: openai.OpenAI, tok: Tokenizer, server: LiveServer):
+    kwargs = dict(model="smollm2", input=FRANCE, temperature=0, max_output_tokens=32)
+    whole = client.responses.create(**kwargs)
+    assert whole.status == "completed" and whole.output_text == FRANCE_ANSWER
+    assert whole.usage.input_tokens == len(tok.encode_chat([{"role": "user", "content": FRANCE}]))
+    with client.responses.stream(**kwargs) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == FRANCE_ANSWER == final.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.input_tokens_details.cached_tokens > 0  # the same prompt again
+    short = client.responses.create(model="smollm2", input=FRANCE, temperature=0, max_output_tokens=3)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="smollm2", input=FRANCE, previous_response_id=whole.id)
+    assert wait_for_idle(server)["mlx_infer_kv_blocks_used"] == 0

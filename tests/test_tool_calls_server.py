@@ -1,0 +1,222 @@
+"""Tool calls and reasoning through ``mlx-infer serve`` on the real SmolLM2, with the official client.
+
+SmolLM2's family is detected from its chat template (``smollm2``: ``<tool_call>[...]</tool_call>``);
+``required`` and named tool choices are forced by a grammar over that syntax, so every call must parse
+and its arguments validate against the tool's schema, whatever the temperature.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_helpers import LiveServer, wait_for_idle
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Local time in a time zone, and the date some days ahead.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "zone": {"type": "string", "pattern": "^[A-Z][a-z]{2,8}/[A-Z][a-z]{2,8}$"},
+                "days_ahead": {"type": "integer", "minimum": 0, "maximum": 7},
+            },
+            "required": ["zone", "days_ahead"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris, and what time is it there?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path: Path):
+    # The <think> split is forced on: SmolLM2 never opens a block itself, a grammar makes it (below).
+    live = LiveServer(smollm2_path, "--kv-memory", "0.5", "--reasoning-parser", "think")
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _valid_calls(message, names: set[str]) -> list[tuple[str, dict]]:
+    assert message.tool_calls, message
+    calls = []
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        calls.append((call.function.name, arguments))
+    return calls
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(
+    "tool_choice, names",
+    [
+        ("required", {"get_weather", "get_time"}),
+        ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+    ],
+)
+def test_forced_calls_always_validate(client: openai.OpenAI, tool_choice, names, temperature):
+    for seed in range(3 if temperature else 1):
+        response = client.chat.completions.create(
+            model="smollm2",
+            messages=QUESTION,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            parallel_tool_calls=False,
+            temperature=temperature,
+            seed=seed,
+            max_tokens=80,
+        )
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert len(_valid_calls(choice.message, names)) == 1
+        assert choice.message.content is None
+
+
+def test_streamed_call_reassembles_to_the_non_streamed_one(client: openai.OpenAI):
+    kwargs = dict(
+        model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=80
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for delta in choice.delta.tool_calls or []:
+            if delta.index not in calls:
+                # OpenAI's order: id, type and name first, with empty arguments.
+                assert delta.id and delta.type == "function" and delta.function.arguments == ""
+                calls[delta.index] = {"name": delta.function.name, "arguments": ""}
+            else:
+                assert delta.id is None and delta.function.name is None
+                calls[delta.index]["arguments"] += delta.function.arguments
+    assert finish == whole.finish_reason == "tool_calls"
+    expected = [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls
+    ]
+    assert [calls[i] for i in sorted(calls)] == expected
+    assert sum(len(c["arguments"]) > 0 for c in calls.values()) == len(calls)
+
+
+def test_agent_loop_two_calls_then_an_answer(server: LiveServer, client: openai.OpenAI):
+    messages = list(QUESTION)
+    results = {"get_weather": '{"temperature": 18, "unit": "celsius"}', "get_time": '{"time": "14:05"}'}
+    for name in ("get_weather", "get_time"):
+        response = client.chat.completions.create(
+            model="smollm2",
+            messages=messages,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": name}},
+            temperature=0,
+            max_tokens=80,
+        )
+        message = response.choices[0].message
+        (call,) = message.tool_calls
+        _valid_calls(message, {name})
+        messages.append(message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": results[name]})
+    final = client.chat.completions.create(
+        model="smollm2", messages=messages, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=40
+    )
+    choice = final.choices[0]
+    assert choice.finish_reason in ("stop", "length") and not choice.message.tool_calls
+    assert choice.message.content.strip()
+    # Both calls and both results reached the prompt (tokens beyond the question's).
+    alone = client.chat.completions.create(model="smollm2", messages=QUESTION, tools=TOOLS, max_tokens=1)
+    assert final.usage.prompt_tokens > alone.usage.prompt_tokens + 40
+    assert wait_for_idle(server)["mlx_infer_kv_blocks_used"] == 0
+
+
+def test_tool_choice_none_gives_text_without_tools_in_the_prompt(client: openai.OpenAI):
+    kwargs = dict(model="smollm2", messages=QUESTION, temperature=0, max_tokens=12)
+    plain = client.chat.completions.create(**kwargs)
+    none = client.chat.completions.create(**kwargs, tools=TOOLS, tool_choice="none")
+    auto = client.chat.completions.create(**{**kwargs, "max_tokens": 1}, tools=TOOLS)
+    assert none.choices[0].message.tool_calls is None
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
+
+
+def test_reasoning_content_split_whole_and_streamed(client: openai.OpenAI):
+    # A grammar makes SmolLM2 write a <think> block; the server (--reasoning-parser think) splits it off.
+    regex = r"<think>\nParis is in France\.\n</think>\n\n(Paris|Yes)\."
+    kwargs = dict(
+        model="smollm2", messages=QUESTION, temperature=0, max_tokens=40, extra_body={"guided_regex": regex}
+    )
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    assert message.reasoning_content == "Paris is in France."
+    assert message.content in ("Paris.", "Yes.")
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+    assert (reasoning, content) == (message.reasoning_content, message.content)
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "not among the tools",
+        ),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "each tool"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "forced tool",
+        ),
+    ],
+)
+def test_bad_tool_requests_are_400(server: LiveServer, extra, needle):
+    body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 4, **extra}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]["message"]
+
+
+def test_smollm2_is_detected_from_its_gguf(smollm2_path: Path):
+    from mlx_infer.loading.gguf_file import read_header
+    from mlx_infer.tokenizer import Tokenizer
+    from mlx_infer.tool_calls import model_parsers
+
+    tokenizer = Tokenizer.from_gguf_metadata(read_header(smollm2_path).metadata)
+    family, reasoning = model_parsers(tokenizer)
+    assert (family.name, reasoning) == ("smollm2", None)
