@@ -23,6 +23,7 @@ from mlx_infer.engine.engine import Engine
 from mlx_infer.engine.request import RequestOutput
 from mlx_infer.errors import InvalidRequest, RequestFailed
 from mlx_infer.sampling import SamplingParams
+from mlx_infer.tool_calls import ChatPlan, Event, OutputParser, ParsedOutput
 
 CONVERSATION_ROLES = ("user", "assistant")
 
@@ -112,37 +113,44 @@ class ChatSession:
     params: SamplingParams
     system: str | None = None
     use_template: bool = True
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     context_overflow: str = "truncate-oldest"  # a context_policy.POLICIES entry
+    plan: ChatPlan | None = None  # tools, tool-call and reasoning parsing (with a chat template only)
 
     def reset(self) -> None:
         self.messages.clear()
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         """The messages sent with each turn: the system prompt (with a chat template) and the history."""
         system = [{"role": "system", "content": self.system}] if self.system and self.use_template else []
         return system + self.messages
 
-    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]]) -> list[int]:
         tokenizer = self.engine.tokenizer
         if not self.use_template:
             return tokenizer.encode("".join(m["content"] for m in messages))
+        if self.plan is not None:
+            return self.plan.render(messages)
         return tokenizer.encode_chat(messages)
 
-    def reply(self, user_text: str, stats: TurnStats, cancel: threading.Event | None = None) -> Iterator[str]:
-        """Stream the answer to ``user_text``. The turn enters the history once answered; a turn that
-        fails or is interrupted leaves the conversation as it was."""
+    def reply(
+        self, user_text: str, stats: TurnStats, cancel: threading.Event | None = None
+    ) -> Iterator[Event]:
+        """Stream the answer to ``user_text`` as text, reasoning and tool-call events. The turn enters
+        the history once answered; a turn that fails or is interrupted leaves the conversation as it was."""
         turn = [{"role": "user", "content": user_text}]
         policy, max_tokens = self.context_overflow, self.params.max_tokens
         fitted = fit_for_engine(self.conversation() + turn, self._render, self.engine, max_tokens, policy)
         stats.dropped_turns = fitted.dropped_turns
         stats.context = self.engine.sequence_limit
+        parser = self.plan.parser(fitted.prompt_ids) if self.plan and self.use_template else OutputParser()
         # The engine ends the answer with "length" when the context fills before max_tokens.
-        answer = []
         for delta in stream(self.engine, fitted.prompt_ids, self.params, stats, cancel):
-            answer.append(delta)
-            yield delta
-        self.messages.extend(turn + [{"role": "assistant", "content": "".join(answer)}])
+            yield from parser.feed(delta)
+        yield from parser.finish()
+        if parser.has_tool_calls and stats.finish_reason == "stop":
+            stats.finish_reason = "tool_calls"  # as the server reports an answer that calls tools
+        self.messages.extend(turn + [_assistant_message(parser.result)])
 
     def save(self, path: str) -> None:
         """Write the conversation as JSON in OpenAI's messages shape (system prompt first)."""
@@ -161,7 +169,19 @@ class ChatSession:
         self.messages = messages
 
 
-def _parse_messages(data: Any, path: str) -> tuple[str | None, list[dict[str, str]]]:
+def _assistant_message(answer: ParsedOutput) -> dict[str, Any]:
+    """The answer as the history keeps it: the text and any calls, in OpenAI's shape; the reasoning is
+    left out, as chat templates of reasoning models leave it out of earlier turns."""
+    message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if answer.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in answer.tool_calls
+        ]
+    return message
+
+
+def _parse_messages(data: Any, path: str) -> tuple[str | None, list[dict[str, Any]]]:
     if not isinstance(data, list):
         raise InvalidRequest(f"{path}: expected a JSON list of messages")
     system = None
@@ -173,7 +193,10 @@ def _parse_messages(data: Any, path: str) -> tuple[str | None, list[dict[str, st
         if role == "system" and i == 0:
             system = m["content"]
         elif role in CONVERSATION_ROLES:
-            messages.append({"role": role, "content": m["content"]})
+            message = {"role": role, "content": m["content"]}
+            if role == "assistant" and isinstance(m.get("tool_calls"), list):
+                message["tool_calls"] = m["tool_calls"]  # what /save wrote of a turn that called a tool
+            messages.append(message)
         elif role == "system":
             raise InvalidRequest(f"{path}: message {i}: a system message must come first")
         else:

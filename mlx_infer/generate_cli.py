@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import signal
 import sys
 import threading
@@ -12,12 +13,15 @@ from dataclasses import dataclass
 
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from mlx_infer import blas, cli_options, context_policy
 from mlx_infer.chat import ChatSession, TurnStats
 from mlx_infer.constraints import cli as constraint_cli
 from mlx_infer.constraints import compile_constraint
 from mlx_infer.errors import EngineFailure, InvalidRequest, MlxInferError
+from mlx_infer.tool_calls import Event, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallStart
+from mlx_infer.tool_calls import cli as tool_cli
 
 HELP = (
     "commands: /reset (forget the conversation), /system TEXT, /save FILE, /load FILE, /stats (toggle the "
@@ -37,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     cli_options.add_sampling_arguments(parser)
     constraint_cli.add_arguments(parser)
+    tool_cli.add_tool_arguments(parser)
     cli_options.add_engine_arguments(parser, max_num_seqs=1)
     context_policy.add_argument(parser, default="truncate-oldest")
 
@@ -50,6 +55,16 @@ def run(args: argparse.Namespace) -> int:
         if opened is None:  # a follower rank under `mlx-infer launch`
             return 0
         loaded, engine = opened
+        use_template = not args.no_chat_template and loaded.tokenizer.has_chat_template
+        if not use_template and not args.no_chat_template and prompt is None:
+            raise InvalidRequest("this model has no chat template; use --no-chat-template for raw text")
+        plan = tool_cli.chat_plan(args, loaded.tokenizer) if use_template else None
+        if plan is not None and plan.constraint is not None:
+            if params.constraint is not None:
+                raise InvalidRequest(
+                    "a forced --tool-choice cannot be combined with --json-schema or --grammar"
+                )
+            params.constraint = plan.constraint
         if params.constraint is not None:
             compile_constraint(params.constraint, loaded.tokenizer)  # a bad schema fails before the chat
         err = Console(stderr=True, highlight=False)
@@ -57,11 +72,8 @@ def run(args: argparse.Namespace) -> int:
             err.print(
                 f"[dim]{loaded.source}: {loaded.weight_policy}; BLAS: {blas.active()}[/dim]", soft_wrap=True
             )
-        use_template = not args.no_chat_template and loaded.tokenizer.has_chat_template
-        if not use_template and not args.no_chat_template and prompt is None:
-            raise InvalidRequest("this model has no chat template; use --no-chat-template for raw text")
         session = ChatSession(
-            engine, params, args.system, use_template, context_overflow=args.context_overflow
+            engine, params, args.system, use_template, context_overflow=args.context_overflow, plan=plan
         )
         if prompt is not None:
             return _one_shot(session, prompt, args.verbose, err)
@@ -69,14 +81,76 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _one_shot(session: ChatSession, prompt: str, verbose: bool, err: Console) -> int:
+    """The answer's text on stdout, its reasoning dimmed on stderr, and each tool call it makes as one
+    JSON line ``{"name": ..., "arguments": ...}`` on stdout after the text."""
     stats = TurnStats()
-    for delta in session.reply(prompt, stats):
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    calls: list[dict] = []
+    wrote_text = reasoned = False
+    for event in session.reply(prompt, stats):
+        if isinstance(event, TextDelta):
+            if reasoned and not wrote_text:
+                err.print()  # the reasoning's own line ends before the answer starts
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            wrote_text = True
+        elif isinstance(event, ReasoningDelta):
+            err.print(Text(event.text, style="dim"), end="")
+            reasoned = True
+        elif isinstance(event, ToolCallStart):
+            calls.append({"name": event.name, "arguments": ""})
+        else:
+            calls[-1]["arguments"] += event.arguments
+    if wrote_text or not calls:
+        sys.stdout.write("\n")
+    for call in calls:
+        sys.stdout.write(
+            json.dumps({"name": call["name"], "arguments": _json_or_text(call["arguments"])}) + "\n"
+        )
     if verbose:
         err.print(f"[dim]{stats.line()}[/dim]", soft_wrap=True)
     return 0
+
+
+def _json_or_text(arguments: str) -> object:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # a call cut off by max_tokens: shown as it came
+
+
+class _AnswerPrinter:
+    """Prints a streamed answer in the chat: reasoning dimmed, text as it comes, each tool call on a line
+    of its own as ``-> name(arguments)``."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.kind: type | None = None  # the kind of the last event printed
+        self.printed = False
+
+    def __call__(self, event: Event) -> None:
+        console = self.console
+        if isinstance(event, ToolCallArgumentsDelta):
+            console.print(Text(event.arguments, style="cyan"), end="")
+            return
+        self._close_call()
+        if self.kind is not None and type(event) is not self.kind:
+            console.print()  # reasoning, text and each call start a line of their own
+        if isinstance(event, ReasoningDelta):
+            console.print(Text(event.text, style="dim italic"), end="")
+        elif isinstance(event, TextDelta):
+            console.print(event.text, end="", markup=False)
+        else:
+            console.print(Text(f"-> {event.name}(", style="bold cyan"), end="")
+        self.kind = type(event)
+        self.printed = True
+
+    def finish(self) -> None:
+        self._close_call()
+
+    def _close_call(self) -> None:
+        if self.kind is ToolCallStart:
+            self.console.print(Text(")", style="bold cyan"), end="")
+            self.kind = ToolCallArgumentsDelta  # closed: the next event starts a new line
 
 
 @contextlib.contextmanager
@@ -136,23 +210,23 @@ class _Chat:
     def _turn(self, text: str) -> None:
         console = self.console
         stats = TurnStats()
-        printed = False
+        printer = _AnswerPrinter(console)
         try:
             with _deferred_interrupt() as cancel:
-                for delta in self.session.reply(text, stats, cancel):
-                    console.print(delta, end="", markup=False)
-                    printed = True
+                for event in self.session.reply(text, stats, cancel):
+                    printer(event)
         except KeyboardInterrupt:
-            self._dropped("stopped", printed)
+            self._dropped("stopped", printer.printed)
             return
         except EngineFailure:
             raise  # the engine cannot run another step: the chat cannot go on
         except MlxInferError as e:
-            self._dropped(f"error: {e}", printed)
+            self._dropped(f"error: {e}", printer.printed)
             return
         except Exception as e:  # noqa: BLE001 - any failure costs this turn, never the conversation
-            self._dropped(f"error: {type(e).__name__}: {e}", printed)
+            self._dropped(f"error: {type(e).__name__}: {e}", printer.printed)
             return
+        printer.finish()
         console.print()
         if stats.dropped_turns:
             turns = "turn" if stats.dropped_turns == 1 else "turns"
