@@ -19,14 +19,16 @@ measure prefix caching. ``--structured json`` constrains every request by a JSON
 ``both`` measures each level free and then constrained, against the same server. TTFT is the time to
 the first streamed text, TPOT the time per output token after it; output tokens come from the server's
 usage report, or the streamed chunk count without one.
-``--endpoint messages`` drives Anthropic's ``/v1/messages`` stream with the same prompts (text from its
-``text_delta`` events, tokens from ``message_delta``'s usage), to compare it with ``chat`` in one run.
+``--endpoint messages`` drives Anthropic's ``/v1/messages`` stream (text from its ``text_delta`` events,
+tokens from ``message_delta``'s usage); ``--endpoint chat,messages`` measures each level on both in turn,
+against the same server, with prompts of the same shape (fresh words, so no prefix cache favours one).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -366,7 +368,7 @@ def print_table(console: Console, results: list[LevelResult], args: argparse.Nam
     table = Table(
         title=f"bench_serve: {args.num_requests} requests/level, {args.input_words}-word prompts"
         + (f" after a shared {args.shared_prefix}-word prefix" if args.shared_prefix else "")
-        + f", {args.output_tokens} output tokens, /{args.endpoint}"
+        + f", {args.output_tokens} output tokens, /{' and /'.join(args.endpoints)}"
     )
     for column in (
         "target",
@@ -481,7 +483,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="NAME=CMD",
         help="a server to start and measure, '{port}' in CMD is replaced by a free port (repeatable)",
     )
-    p.add_argument("--endpoint", choices=tuple(ENDPOINT_PATHS), default="completions")
+    p.add_argument(
+        "--endpoint",
+        default="completions",
+        help="completions, chat or messages; comma-separated to measure each level on each in turn "
+        "(e.g. chat,messages; default: completions)",
+    )
     p.add_argument("--input-words", type=int, default=150, help="random words per prompt (default: 150)")
     p.add_argument("--output-tokens", type=int, default=48, help="max_tokens, with ignore_eos (default: 48)")
     p.add_argument(
@@ -515,6 +522,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.schema = json.loads(args.json_schema.read_text()) if args.json_schema else BUILTIN_SCHEMA
     args.modes = ["free", "json"] if args.structured == "both" else [args.structured]
+    args.endpoints = [e.strip() for e in args.endpoint.split(",") if e.strip()]
+    unknown = [e for e in args.endpoints if e not in ENDPOINT_PATHS]
+    if unknown or not args.endpoints:
+        p.error(f"--endpoint: choose from {', '.join(ENDPOINT_PATHS)}, not {', '.join(unknown) or 'nothing'}")
+    args.endpoint = args.endpoints[0]
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if not args.levels or min(args.levels) < 1 or args.num_requests < 1:
         p.error("--concurrency levels and --num-requests must be positive")
@@ -531,11 +543,16 @@ async def measure_target(target: Target, args: argparse.Namespace, console: Cons
         await warm_up(target.base_url, model, args)
     results = []
     for level in args.levels:
-        for mode in args.modes:
+        for endpoint, mode in itertools.product(args.endpoints, args.modes):
             name = target.name if mode == "free" else f"{target.name}+json"
-            prompts = level_prompts(args.seed, level, args, mode)
+            if endpoint != args.endpoints[0]:
+                name += f" /{endpoint}"
+            # Fresh words per endpoint too: the same prompt again would be served from the prefix cache.
+            key = mode if endpoint == args.endpoints[0] else f"{mode}-{endpoint}"
+            prompts = level_prompts(args.seed, level, args, key)
             schema = args.schema if mode == "json" else None
-            result = await run_level(name, target.base_url, model, prompts, level, args, schema)
+            endpoint_args = argparse.Namespace(**{**vars(args), "endpoint": endpoint})
+            result = await run_level(name, target.base_url, model, prompts, level, endpoint_args, schema)
             console.print(
                 f"{name} c={level}: {result.output_tokens_per_second:.1f} output tok/s, "
                 f"TTFT p50 {result.ttft['p50']:.2f} s, TPOT p50 {result.tpot['p50'] * 1000:.0f} ms"
