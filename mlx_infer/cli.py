@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("mlx_infer.server.cli", "serve an OpenAI-compatible API with continuous batching"),
     "convert": ("mlx_infer.convert.cli", "convert and quantize a checkpoint, with a quality report"),
     "models": ("mlx_infer.models_cli", "list the models on this machine: size, architecture, quantization"),
+    "plan": ("mlx_infer.plan_cli", "will a model fit: weights, KV cache and decode bound from its metadata"),
     "pull": ("mlx_infer.pull_cli", "download a model from the Hugging Face Hub (resumable)"),
     "rm": ("mlx_infer.rm_cli", "delete a model from the Hugging Face cache or mlx-infer's cache"),
     "launch": ("mlx_infer.distributed.launch", "run generate or serve across hosts, one rank each"),

@@ -51,6 +51,10 @@ class ContextTooLong(InvalidRequest):
     """A prompt (plus what must be generated) does not fit the model's context or the KV pool."""
 
 
+class ModelTooLarge(InvalidRequest):
+    """A model whose weights alone exceed this machine's memory budget (mlx_infer.plan)."""
+
+
 class RequestTooLarge(InvalidRequest):
     """A request body over the server's byte limit, refused before it is parsed."""
 

@@ -32,9 +32,13 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    found = model_store.list_models(args.dir)
+    from mlx_infer.plan.planner import human_bytes, memory_budget
+
+    found = model_store.list_models(args.dir, check_fit=False)
+    budget, budget_source = memory_budget()
+    fit_texts = {m.path: _check_fit(m, budget) for m in found}
     if args.json:
-        print(json.dumps([m.as_json() for m in found], indent=2))
+        print(json.dumps([{**m.as_json(), **fit_texts[m.path][1]} for m in found], indent=2))
         return 0
     console = Console()
     if not found:
@@ -42,16 +46,37 @@ def run(args: argparse.Namespace) -> int:
             "No models found. `mlx-infer pull ORG/NAME` downloads one; `--dir DIR` looks in a folder."
         )
         return 0
-    budget = model_store.memory_budget()
     table = Table(box=None, header_style="bold")
     for column in ("NAME", "ARCH", "QUANT", "SIZE", "FITS", "WHERE"):
         table.add_column(column, overflow="fold", justify="right" if column == "SIZE" else "left")
     for m in found:
-        fits = "yes" if m.fits else "no"
-        table.add_row(m.name, m.architecture, m.quantization, human_size(m.size), fits, m.where)
+        table.add_row(
+            m.name, m.architecture, m.quantization, human_size(m.size), fit_texts[m.path][0], m.where
+        )
     console.print(table)
     console.print(
-        f"[dim]fits: weights + {model_store.FIT_OVERHEAD:.0%} within {human_size(budget)} "
-        f"({model_store.FIT_FRACTION:.0%} of this device's memory)[/dim]"
+        f"[dim]fits: weights as held here, one sequence's KV cache at the model's context and scratch, "
+        f"within {human_bytes(budget)} ({budget_source}); `mlx-infer plan -m NAME` for the details[/dim]"
     )
     return 0
+
+
+def _check_fit(m: model_store.LocalModel, budget: int) -> tuple[str, dict[str, int | None]]:
+    """(FITS column, extra JSON keys) from the memory planner; sets ``m.fits``. A model the planner cannot
+    read (an encoder, an odd config) is judged by its size on disk, with a question mark."""
+    from mlx_infer.errors import MlxInferError
+    from mlx_infer.plan import make_plan
+
+    try:
+        plan = make_plan(m.path)
+    except (MlxInferError, OSError, ValueError):
+        m.fits = model_store.fits(m.size, budget)
+        return ("yes?" if m.fits else "no?"), {"max_context_that_fits": None, "planned_bytes": None}
+    m.fits = plan.fits
+    if plan.fits:
+        text = "yes"
+    elif plan.weights_fit and plan.max_context_that_fits:
+        text = f"ctx {plan.max_context_that_fits}"
+    else:
+        text = "no"
+    return text, {"max_context_that_fits": plan.max_context_that_fits, "planned_bytes": plan.total_bytes}

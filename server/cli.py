@@ -115,11 +115,13 @@ def run(args: argparse.Namespace) -> int:
     from mlx_infer.embedding import is_embedding_model
     from mlx_infer.engine.async_engine import AsyncEngine
     from mlx_infer.model_store import served_details
+    from mlx_infer.plan_cli import check_before_serve
     from mlx_infer.server.app import OpenAIServer, ServerConfig
     from mlx_infer.server.embedding_server import serve_embeddings
     from mlx_infer.server.lifecycle import ServeServer, Supervisor
 
     _check_flags(args)
+    check_before_serve(args)  # logs the memory plan; refuses weights that cannot fit (one line)
     if os.environ.get("MLX_RANK", "0") != "0":
         # A follower rank under `mlx-infer launch`: it runs its shard of rank 0's steps; rank 0 serves.
         with cli_options.open_engine(args):

@@ -1,0 +1,224 @@
+"""The memory plan: weights, KV cache and scratch against this machine's budget, and the decode bound.
+
+KV bytes follow the engine's pool (``kv/memory.py``, ``models/base.py``'s ``LayerKV``): every layer holds
+K and V of ``n_kv_heads x head_dim`` per token, sliding-window layers (Gemma 3) included, since the pool
+gives every layer the full context; sequences take whole blocks of 16 tokens. ``int8`` adds one float32
+scale per (token, KV head) to K and to V.
+
+Scratch is what a step allocates beyond weights and pool, as measured on the CPU engine with SmolLM2
+(``mx.get_peak_memory`` during chunked prefill, tests/test_plan.py): the activations of the step in
+flight and of the next one being built (about ``8 x hidden + 2 x (q + k + v) + 3 x intermediate``
+values a token each), the logits of every sequence, and copies of K/V pools: while a partial-prefill
+step is in flight it still references the pools, so the next step's writes cannot reuse their buffers
+in place, and about four layers' K and V pools exist twice.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mlx_infer.errors import InvalidRequest
+from mlx_infer.plan.bandwidth import memory_bandwidth
+from mlx_infer.plan.weights import FLOAT_BYTES, Metadata, convert_to_bits, held, read_metadata
+
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+BUDGET_ENV = "MLX_INFER_MEMORY_BUDGET"  # overrides the device's memory, e.g. "8GiB" (tests, what-ifs)
+BLOCK_SIZE = 16
+STEP_TOKENS = 512  # SchedulerConfig's max_num_batched_tokens: the largest step's token count
+IN_FLIGHT_STEPS = 2
+POOL_COPY_LAYERS = 4
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+@dataclass
+class Plan:
+    model: str
+    backend: str  # "cpu" or "metal"
+    weights: str  # how they are held, in the weight policy's words
+    weights_bytes: int
+    kv_cache_dtype: str  # resolved: "auto" never appears here
+    kv_bytes_per_token: int
+    context: int
+    max_num_seqs: int
+    kv_bytes: int
+    scratch_bytes: int
+    total_bytes: int
+    budget_bytes: int
+    budget_source: str
+    fits: bool
+    weights_fit: bool
+    model_max_context: int
+    max_context_that_fits: int  # per sequence, at max_num_seqs sequences (0: not even one token)
+    max_num_seqs_that_fit: int  # at the planned context
+    decode_tok_s_bound: float  # one sequence at the planned context
+    decode_tok_s_bound_batch: float  # all max_num_seqs together at the planned context
+    bandwidth_bytes_s: float
+    bandwidth_source: str
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """K and V bytes of one token over all layers (the agreed convention of --kv-cache-dtype)."""
+    if dtype == "int8":
+        return 2 * n_layers * n_kv_heads * (head_dim + 4)  # int8 values plus a float32 scale per head
+    return 2 * n_layers * n_kv_heads * head_dim * FLOAT_BYTES[dtype]
+
+
+def resolve_kv_dtype(choice: str, backend: str, compute_dtype: str) -> str:
+    """``auto``: float16 on the CPU backend, the model's compute dtype on Metal."""
+    if choice not in KV_CACHE_DTYPES:
+        raise InvalidRequest(
+            f"unknown --kv-cache-dtype {choice!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if choice != "auto":
+        return choice
+    return "float16" if backend == "cpu" else compute_dtype
+
+
+def memory_budget() -> tuple[int, str]:
+    """(bytes, where from): ``$MLX_INFER_MEMORY_BUDGET``, else Metal's recommended working set or RAM."""
+    value = os.environ.get(BUDGET_ENV)
+    if value:
+        return parse_bytes(value, BUDGET_ENV), f"${BUDGET_ENV}"
+    import mlx.core as mx
+
+    from mlx_infer.kv.memory import device_memory_bytes
+
+    where = "Metal recommended working set" if mx.metal.is_available() else "RAM"
+    return device_memory_bytes(), where
+
+
+def parse_bytes(text: str, what: str) -> int:
+    """``"8GiB"``, ``"500 MB"``, ``"1e9"`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS:
+        raise InvalidRequest(f"{what}: {text!r} is not a size (e.g. 8GiB, 500MB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def backend_name() -> str:
+    from mlx_infer.loading.policy import cpu_backend
+
+    return "cpu" if cpu_backend() else "metal"
+
+
+def make_plan(
+    spec: str,
+    context: int | None = None,
+    max_num_seqs: int = 1,
+    kv_cache_dtype: str = "auto",
+    q_bits: int | None = None,
+    keep_quantized: bool | None = None,
+    step_tokens: int = STEP_TOKENS,
+    backend: str | None = None,
+) -> Plan:
+    """The plan for serving ``spec``: ``max_num_seqs`` sequences of ``context`` tokens (default: the
+    model's context length), from metadata only. ``backend`` defaults to the one this process runs."""
+    for flag, value in (("--context", context), ("--max-num-seqs", max_num_seqs), ("--q-bits", q_bits)):
+        if value is not None and value <= 0:
+            raise InvalidRequest(f"{flag} must be positive, not {value}")
+    backend = backend or backend_name()
+    meta = read_metadata(spec, backend, keep_quantized)
+    tensors = convert_to_bits(meta.tensors, q_bits) if q_bits else meta.tensors
+    tensors, how = held(tensors, backend, keep_quantized)
+    weights_bytes = sum(t.nbytes for t in tensors)
+    compute_dtype = _compute_dtype(tensors)
+    kv_dtype = resolve_kv_dtype(kv_cache_dtype, backend, compute_dtype)
+    n_layers = len(meta.model.layers)
+    n_kv_heads, head_dim = meta.model.kv_shape()
+    per_token = kv_bytes_per_token(n_layers, n_kv_heads, head_dim, kv_dtype)
+    model_max = _max_context(meta)
+    context = context or model_max
+    seq_tokens = _blocks(context) * BLOCK_SIZE
+    kv_bytes = max_num_seqs * seq_tokens * per_token
+    fixed_scratch = _fixed_scratch(meta.model, compute_dtype, max_num_seqs, step_tokens)
+    pool_copies = min(POOL_COPY_LAYERS, n_layers) / n_layers  # of the pool, see the module's docstring
+    scratch = fixed_scratch + int(kv_bytes * pool_copies)
+    total = weights_bytes + kv_bytes + scratch
+    budget, budget_source = memory_budget()
+    # The most pool tokens the budget leaves once weights and the fixed scratch are counted.
+    free = budget - weights_bytes - fixed_scratch
+    pool_tokens = max(0, int(free / (per_token * (1 + pool_copies)))) if free > 0 else 0
+    bandwidth, bandwidth_source = memory_bandwidth()
+    read = sum(t.nbytes * t.read_fraction for t in tensors)
+    context_read = seq_tokens * per_token
+    return Plan(
+        model=spec,
+        backend=backend,
+        weights=f"{how}, {_dtypes_text(tensors)}" if how else _dtypes_text(tensors),
+        weights_bytes=weights_bytes,
+        kv_cache_dtype=kv_dtype,
+        kv_bytes_per_token=per_token,
+        context=context,
+        max_num_seqs=max_num_seqs,
+        kv_bytes=kv_bytes,
+        scratch_bytes=scratch,
+        total_bytes=total,
+        budget_bytes=budget,
+        budget_source=budget_source,
+        fits=total <= budget,
+        weights_fit=weights_bytes <= budget,
+        model_max_context=model_max,
+        max_context_that_fits=min(model_max, pool_tokens // max_num_seqs // BLOCK_SIZE * BLOCK_SIZE),
+        max_num_seqs_that_fit=pool_tokens // seq_tokens,
+        decode_tok_s_bound=bandwidth / (read + context_read),
+        decode_tok_s_bound_batch=max_num_seqs * bandwidth / (read + max_num_seqs * context_read),
+        bandwidth_bytes_s=bandwidth,
+        bandwidth_source=bandwidth_source,
+    )
+
+
+def _blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+def _max_context(meta: Metadata) -> int:
+    # loading._max_context: the config's, else the model's args, else 4096.
+    text = meta.config.get("text_config", meta.config)
+    value = text.get("max_position_embeddings") or getattr(meta.model.args, "max_position_embeddings", None)
+    return int(value or 4096)
+
+
+def _compute_dtype(tensors: list) -> str:
+    """What the model computes in (runner.activation_dtype): its embedding's dtype, or its scales'."""
+    for t in tensors:
+        if t.name in ("model.embed_tokens.weight", "token_embd.weight"):
+            return t.dtype
+    return tensors[0].dtype
+
+
+def _fixed_scratch(model: Any, dtype: str, max_num_seqs: int, step_tokens: int) -> int:
+    """Activations of the steps in flight and the logits of every sequence (the module's docstring)."""
+    args = model.args
+    hidden, heads = args.hidden_size, args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or hidden // heads
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    intermediate = getattr(args, "intermediate_size", None) or 4 * hidden
+    if getattr(args, "num_experts_per_tok", None):
+        intermediate = getattr(args, "moe_intermediate_size", intermediate) * args.num_experts_per_tok
+    per_token = 8 * hidden + 2 * (heads + 2 * kv_heads) * head_dim + 3 * intermediate
+    activations = IN_FLIGHT_STEPS * step_tokens * per_token * FLOAT_BYTES[dtype]
+    logits = IN_FLIGHT_STEPS * max_num_seqs * args.vocab_size * 4  # float32 for sampling
+    return activations + logits
+
+
+def _dtypes_text(tensors: list) -> str:
+    kinds = sorted({t.dtype for t in tensors if not t.gguf_bytes})
+    quantized = sorted({f"{t.bits}-bit g{t.group_size}" for t in tensors if t.bits})
+    raw = "GGUF blocks + " if any(t.gguf_bytes for t in tensors) else ""
+    return raw + (" + ".join(quantized) + " + " if quantized else "") + "/".join(kinds)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
