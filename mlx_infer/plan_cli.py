@@ -88,7 +88,7 @@ def render(plan: Plan) -> str:
             f"{verdict}",
         ),
         ("largest", largest),
-        ("decode bound", f"{decode} ({gbs:.1f} GB/s, {plan.bandwidth_source})"),
+        ("decode bound", f"{decode}: {gbs:.1f} GB/s, {plan.bandwidth_source}"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -43,7 +43,7 @@ def memory_bandwidth() -> tuple[float, str]:
         known[key] = _measure()
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(known, indent=1))
-    return known[key], f"measured, one thread ({cache})"
+    return known[key], f"measured on one thread, cached in {cache}"
 
 
 def _measure() -> float:
