@@ -9,7 +9,10 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from conftest import TINY_LLAMA_CONFIG, make_tiny_llama, write_hf_folder
+from mlx.utils import tree_flatten
 
 from mlx_infer import cpu_kernels
 from mlx_infer.plan import make_plan
@@ -223,3 +226,44 @@ def test_models_shows_what_fits(tmp_path: Path):
     assert rows["llama-70b"]["fits"] is False and rows["llama-70b"]["max_context_that_fits"] == 0
     table = cli("models", "--dir", str(own), env=env)
     assert table.returncode == 0 and "FITS" in table.stdout
+
+
+Q4_GROUP_32 = {"group_size": 32, "bits": 4}
+
+
+@pytest.mark.parametrize("keep_quantized", [None, False, True])
+def test_planned_weights_equal_what_load_holds(tmp_path: Path, keep_quantized):
+    """Tiny float32, bfloat16 and MLX 4-bit folders: the planned bytes are the loaded parameters' bytes
+    under each weight policy (the safetensors headers name the dtypes, the config the quantization)."""
+    from mlx_infer.loading import load
+
+    model = make_tiny_llama(0)
+    weights = dict(tree_flatten(model.parameters()))
+    half = {k: v.astype(mx.bfloat16) for k, v in weights.items()}
+    nn.quantize(model, group_size=32, bits=4)
+    quantized = {
+        k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in tree_flatten(model.parameters())
+    }
+    folders = [
+        write_hf_folder(tmp_path / "f32", weights, TINY_LLAMA_CONFIG),
+        write_hf_folder(tmp_path / "bf16", half, {**TINY_LLAMA_CONFIG, "torch_dtype": "bfloat16"}),
+        write_hf_folder(tmp_path / "q4", quantized, {**TINY_LLAMA_CONFIG, "quantization": Q4_GROUP_32}),
+    ]  # fmt: skip
+    for folder in folders:
+        loaded = load(str(folder), keep_quantized=keep_quantized)
+        held = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
+        assert make_plan(str(folder), keep_quantized=keep_quantized).weights_bytes == held, folder.name
+
+
+def test_a_hub_id_is_planned_from_cached_metadata(tmp_path: Path):
+    """Only config.json in the Hugging Face cache, offline: enough for a plan."""
+    snapshot = tmp_path / "hf" / "hub" / "models--acme--gemma" / "snapshots" / "0123abc"
+    write_config(snapshot, GEMMA3_270M)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abc")
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    result = cli("plan", "-m", "acme/gemma", "--json", "--context", "1024", env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["weights_bytes"] == 4 * 268_098_176  # float32 on the CPU backend
+    missing = cli("plan", "-m", "acme/other", env=env)
+    assert missing.returncode == 2 and "not in the Hugging Face cache" in missing.stderr
