@@ -10,6 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from conftest import TINY_LLAMA_CONFIG, make_tiny_llama, write_hf_folder
 from mlx.utils import tree_flatten
@@ -267,3 +268,44 @@ def test_a_hub_id_is_planned_from_cached_metadata(tmp_path: Path):
     assert json.loads(result.stdout)["weights_bytes"] == 4 * 268_098_176  # float32 on the CPU backend
     missing = cli("plan", "-m", "acme/other", env=env)
     assert missing.returncode == 2 and "not in the Hugging Face cache" in missing.stderr
+
+
+@pytest.mark.parametrize("backend", ["cpu", "metal"])
+def test_planned_gguf_weights_equal_what_load_holds(tmp_path: Path, monkeypatch, backend):
+    """GGUF files of the mx.load types (Q8_0/Q4_0/Q4_1/F16/F32) and of K-quants with BF16 and Q8_0: the
+    planned bytes are the loaded parameters' bytes, on the CPU backend and under Metal's policy (K-quant
+    matrices as raw blocks, the rest re-quantized)."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType as Q
+    from test_loading import random_k_quant, write_tiny_gguf
+
+    from mlx_infer.loading import load, policy
+    from mlx_infer.metal_kernels import dispatch
+
+    rng = np.random.default_rng(0)
+    config = {**TINY_LLAMA_CONFIG, "hidden_size": 256, "intermediate_size": 512}  # K-quant rows: 256 values
+    exact, kquants = {}, {}
+    for i, (name, p) in enumerate(tree_flatten(make_tiny_llama(4, **config).parameters())):
+        w = np.array(p)
+        if w.ndim == 1:
+            exact[name] = kquants[name] = (w, Q.F32)
+            continue
+        kind = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.F16][i % 4]
+        exact[name] = (gguf.quants.quantize(w, kind), kind)
+        kind = [Q.Q4_K, Q.Q6_K, Q.BF16, Q.Q8_0][i % 4]
+        data = (
+            random_k_quant(kind, *w.shape, rng) if kind in (Q.Q4_K, Q.Q6_K) else gguf.quants.quantize(w, kind)
+        )
+        kquants[name] = (data, kind)
+    write_tiny_gguf(tmp_path / "exact.gguf", config, exact)
+    write_tiny_gguf(tmp_path / "kquants.gguf", config, kquants)
+    if backend == "metal":
+        monkeypatch.setattr(policy, "cpu_backend", lambda: False)
+        monkeypatch.setattr(dispatch, "USE_KERNELS", True)
+    for name in ("exact.gguf", "kquants.gguf"):
+        loaded = load(str(tmp_path / name))
+        held = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
+        assert make_plan(str(tmp_path / name), backend=backend).weights_bytes == held, (
+            name,
+            loaded.weight_policy,
+        )
