@@ -90,6 +90,15 @@ def render(plan: Plan) -> str:
         ("largest", largest),
         ("decode bound", f"{decode}: {gbs:.1f} GB/s, {plan.bandwidth_source}"),
     ]
+    if plan.fits and plan.kv_bytes > plan.default_kv_pool_bytes:
+        gib = -(-plan.kv_bytes * 100 // 2**30) / 100  # rounded up, so the pool holds every block
+        rows.append(
+            (
+                "note",
+                f"serve and generate give the KV pool {human_bytes(plan.default_kv_pool_bytes)} by default "
+                f"(25% of the memory left, at most 8 GiB): pass --kv-memory {gib:g} for this plan",
+            )
+        )
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mlx_infer.errors import InvalidRequest
+from mlx_infer.kv.memory import DEFAULT_FRACTION, MAX_DEFAULT_BYTES
 from mlx_infer.plan.bandwidth import memory_bandwidth
 from mlx_infer.plan.weights import FLOAT_BYTES, Metadata, convert_to_bits, held, read_metadata
 
@@ -54,6 +55,7 @@ class Plan:
     model_max_context: int
     max_context_that_fits: int  # per sequence, at max_num_seqs sequences (0: not even one token)
     max_num_seqs_that_fit: int  # at the planned context
+    default_kv_pool_bytes: int  # what serve/generate's KV pool may take without --kv-memory
     decode_tok_s_bound: float  # one sequence at the planned context
     decode_tok_s_bound_batch: float  # all max_num_seqs together at the planned context
     bandwidth_bytes_s: float
@@ -147,6 +149,8 @@ def make_plan(
     free = budget - weights_bytes - fixed_scratch
     pool_tokens = max(0, int(free / (per_token * (1 + pool_copies)))) if free > 0 else 0
     bandwidth, bandwidth_source = memory_bandwidth()
+    # kv/memory.kv_budget_bytes without --kv-memory, the weights being what is loaded by then.
+    default_pool = int(min(max(budget - weights_bytes, 0) * DEFAULT_FRACTION, MAX_DEFAULT_BYTES))
     read = sum(t.nbytes * t.read_fraction for t in tensors)
     context_read = seq_tokens * per_token
     return Plan(
@@ -168,6 +172,7 @@ def make_plan(
         model_max_context=model_max,
         max_context_that_fits=min(model_max, pool_tokens // max_num_seqs // BLOCK_SIZE * BLOCK_SIZE),
         max_num_seqs_that_fit=pool_tokens // seq_tokens,
+        default_kv_pool_bytes=default_pool,
         decode_tok_s_bound=bandwidth / (read + context_read),
         decode_tok_s_bound_batch=max_num_seqs * bandwidth / (read + max_num_seqs * context_read),
         bandwidth_bytes_s=bandwidth,
