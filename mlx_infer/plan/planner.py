@@ -147,7 +147,7 @@ def make_plan(
     budget, budget_source = memory_budget()
     # The most pool tokens the budget leaves once weights and the fixed scratch are counted.
     free = budget - weights_bytes - fixed_scratch
-    pool_tokens = max(0, int(free / (per_token * (1 + pool_copies)))) if free > 0 else 0
+    pool_tokens = int(free / (per_token * (1 + pool_copies))) if free > 0 else 0
     bandwidth, bandwidth_source = memory_bandwidth()
     # kv/memory.kv_budget_bytes without --kv-memory, the weights being what is loaded by then.
     default_pool = int(min(max(budget - weights_bytes, 0) * DEFAULT_FRACTION, MAX_DEFAULT_BYTES))
