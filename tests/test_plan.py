@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 
 from mlx_infer import cpu_kernels
 from mlx_infer.plan import make_plan
-from mlx_infer.plan.planner import BUDGET_ENV, kv_bytes_per_token, parse_bytes
+from mlx_infer.plan.planner import BUDGET_ENV, KV_CACHE_DTYPES, kv_bytes_per_token, parse_bytes
 
 # google/gemma-3-270m's config.json (the published values).
 GEMMA3_270M = {
@@ -147,7 +147,6 @@ def test_plan_matches_what_the_engine_allocates(smollm2_path: Path, int8_activat
     pool for a context; planned total against the peak of prefilling that context (in chunks of 512
     tokens, so the scratch of overlapped steps is in it). Within 10%."""
     from mlx_infer.engine.engine import Engine, EngineConfig
-    from mlx_infer.engine.runner import activation_dtype
     from mlx_infer.loading import load
     from mlx_infer.sampling import SamplingParams
 
@@ -160,7 +159,9 @@ def test_plan_matches_what_the_engine_allocates(smollm2_path: Path, int8_activat
         loaded.model, loaded.tokenizer, loaded.max_context, EngineConfig(num_blocks=context // 16)
     )
     allocated = mx.get_peak_memory() - before
-    dtype = str(activation_dtype(loaded.model)).rsplit(".", 1)[-1]  # the pool's dtype today
+    # The pool's dtype, whichever the engine picks: the one whose bytes per token its blocks have.
+    per_token = engine.kv_block_bytes // engine.config.block_size
+    dtype = next(d for d in KV_CACHE_DTYPES[1:] if kv_bytes_per_token(30, 3, 64, d) == per_token)
     plan = make_plan(str(smollm2_path), context=context, kv_cache_dtype=dtype)
     assert plan.weights_bytes + plan.kv_bytes == pytest.approx(allocated, rel=0.10)
 
