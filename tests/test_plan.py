@@ -310,3 +310,21 @@ def test_planned_gguf_weights_equal_what_load_holds(tmp_path: Path, monkeypatch,
             name,
             loaded.weight_policy,
         )
+
+
+def test_bandwidth_from_apple_table_or_one_cached_measurement(tmp_path: Path, monkeypatch):
+    from mlx_infer.plan import bandwidth
+
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx.metal, "device_info", lambda: {"device_name": "Apple M2 Pro"})
+    assert bandwidth.memory_bandwidth() == (200e9, "Apple M2 Pro specification")
+    monkeypatch.setattr(mx.metal, "device_info", lambda: {"device_name": "Apple M9"})  # unknown: measured
+    monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path))
+    measured, source = bandwidth.memory_bandwidth()
+    assert measured > 1e9 and str(tmp_path / "plan" / "bandwidth.json") in source
+
+    def measure_again() -> float:
+        raise AssertionError("measured twice")
+
+    monkeypatch.setattr(bandwidth, "_measure", measure_again)
+    assert bandwidth.memory_bandwidth()[0] == measured
