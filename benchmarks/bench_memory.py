@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench_serve import Launched, Target, free_port, random_text, run_level
+from bench_serve import Launched, Target, discover_model, random_text, run_level, targets_from_specs
 from rich.console import Console
 from rich.table import Table
 
@@ -106,10 +106,14 @@ def measure(target: Target, args: argparse.Namespace) -> MemoryResult:
             api_key=None,
             timeout=args.timeout,
         )
+        # mlx_lm.server lists no models and answers for its own under "default_model".
+        model = args.model or asyncio.run(discover_model(target.base_url, None)) or "default_model"
         sampler = PeakSampler(server.process.pid)
         level = asyncio.run(
-            run_level(target.name, target.base_url, args.model, prompts, args.concurrency, level_args)
+            run_level(target.name, target.base_url, model, prompts, args.concurrency, level_args)
         )
+        if level.errors:
+            print(f"{target.name}: {level.errors} requests failed, the first with: {level.first_error}")
         peak = sampler.stop()
         time.sleep(args.idle)
         idle = rss_bytes(server.process.pid)
@@ -138,7 +142,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="NAME=COMMAND",
         help="a server command line with {port} where its port goes (repeatable)",
     )
-    p.add_argument("--model", default="default", help="the model field sent (default: 'default')")
+    p.add_argument(
+        "--model", default=None, help="the model field sent (default: the first of each server's /v1/models)"
+    )
     p.add_argument("--concurrency", type=int, default=16, help="requests sent at once (default: 16)")
     p.add_argument("--input-words", type=int, default=300, help="words per prompt (default: 300)")
     p.add_argument("--output-tokens", type=int, default=64, help="tokens per answer (default: 64)")
@@ -153,22 +159,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def parse_targets(specs: list[str]) -> list[Target]:
-    targets = []
-    for spec in specs:
-        name, sep, command = spec.partition("=")
-        if not sep or not name or not command:
-            raise SystemExit(f"--target wants NAME=COMMAND, got {spec!r}")
-        port = free_port()
-        targets.append(Target(name, f"http://127.0.0.1:{port}/v1", command.replace("{port}", str(port))))
-    return targets
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console()
     results = []
-    for target in parse_targets(args.target):
+    for target in targets_from_specs(args.target):
         console.print(f"[dim]{target.name}: {target.command}[/dim]")
         results.append(measure(target, args))
     table = Table(

@@ -353,8 +353,13 @@ class Target:
 def parse_targets(args: argparse.Namespace) -> list[Target]:
     if not args.target:
         return [Target(args.name, args.base_url.rstrip("/"), args.launch)]
+    return targets_from_specs(args.target)
+
+
+def targets_from_specs(specs: list[str]) -> list[Target]:
+    """``NAME=COMMAND`` specs as targets on free local ports (``{port}`` in COMMAND filled in)."""
     targets = []
-    for spec in args.target:
+    for spec in specs:
         name, sep, command = spec.partition("=")
         if not sep or not name or not command:
             raise SystemExit(f"--target wants NAME=COMMAND, got {spec!r}")
