@@ -17,11 +17,14 @@ from mlx_infer.sampling import SamplingParams
 CPU_ACTIVATIONS = ("int8", "int16", "float32")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, repeatable: bool = False) -> None:
+    """``repeatable``: ``-m`` may be given several times (``serve``'s several models; a list then)."""
     g = parser.add_argument_group("model")
-    g.add_argument(
-        "--model", "-m", required=True, help="a model folder, a Hugging Face repo id or a .gguf file"
-    )
+    what = "a model folder, a Hugging Face repo id or a .gguf file"
+    if repeatable:
+        g.add_argument("--model", "-m", action="append", default=[], help=what + " (repeatable)")
+    else:
+        g.add_argument("--model", "-m", required=True, help=what)
     weights = g.add_mutually_exclusive_group()
     weights.add_argument(
         "--keep-quantized",

@@ -190,6 +190,17 @@ def list_models(extra_dirs: Iterable[str] = (), check_fit: bool = True) -> list[
     return found
 
 
+def local_model(path: Path, where: str = "folder") -> LocalModel:
+    """One model folder or GGUF file, described from its headers (``serve``'s several models)."""
+    arch, quant = describe(path)
+    return LocalModel(str(path), str(path), where, _size(path), arch, quant)
+
+
+def models_in(folder: Path) -> list[LocalModel]:
+    """The GGUF files and model folders under ``folder`` alone (``serve --models-dir``), described."""
+    return [local_model(path) for path in _models_under(folder)]
+
+
 def memory_budget() -> int:
     from mlx_infer.kv.memory import device_memory_bytes
 

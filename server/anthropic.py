@@ -19,9 +19,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -31,8 +31,6 @@ from mlx_infer.sampling import SamplingParams
 from mlx_infer.server.engine_call import LatencyClock, collect
 from mlx_infer.server.errors import (
     anthropic_error_body,
-    anthropic_error_response,
-    anthropic_from_exception,
     describe,
 )
 from mlx_infer.server.request_body import read_json
@@ -429,27 +427,13 @@ class AnthropicRoutes:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/v1/messages", self.guarded(self.messages), methods=["POST"]),
-            Route("/v1/messages/count_tokens", self.guarded(self.count_tokens), methods=["POST"]),
+            Route("/v1/messages", self.server.guarded(self.messages, anthropic=True), methods=["POST"]),
+            Route(
+                "/v1/messages/count_tokens",
+                self.server.guarded(self.count_tokens, anthropic=True),
+                methods=["POST"],
+            ),
         ]
-
-    def guarded(self, handler):
-        """The key check and typed-error mapping of the OpenAI routes, answering in Anthropic's shape."""
-
-        async def wrapped(request: Request) -> Response:
-            if not self.server.authorized(request):
-                return anthropic_error_response(401, "invalid or missing API key (x-api-key or Bearer)")
-            try:
-                return await handler(request)
-            except ClientDisconnect:
-                return Response(status_code=499)
-            except (MlxInferError, ValidationError) as e:
-                return anthropic_from_exception(e)
-            except Exception as e:  # noqa: BLE001 - an engine failure still answers in Anthropic's format
-                log.exception("request failed")
-                return anthropic_from_exception(e)
-
-        return wrapped
 
     async def _body(self, request: Request, schema):
         body = await read_json(request, schema, self.server.config.max_request_bytes)

@@ -30,7 +30,13 @@ from mlx_infer.server import chat_output
 from mlx_infer.server.anthropic import AnthropicRoutes
 from mlx_infer.server.embeddings import EmbeddingRoutes
 from mlx_infer.server.engine_call import LatencyClock, collect, default_max_tokens
-from mlx_infer.server.errors import anthropic_error_response, error_response, from_exception
+from mlx_infer.server.errors import (
+    anthropic_error_response,
+    error_response,
+    for_exception,
+    from_exception,
+    unauthorized,
+)
 from mlx_infer.server.metrics import Metrics
 from mlx_infer.server.openai_responses import ResponsesRoute
 from mlx_infer.server.request_body import DEFAULT_MAX_REQUEST_BYTES, read_json
@@ -53,6 +59,19 @@ class ServerConfig:
     context_overflow: str = "error"  # the default of requests that name no context_policy
     tool_call_parser: str = "auto"  # mlx_infer.tool_calls family name, "auto" or "none"
     reasoning_parser: str = "auto"  # mlx_infer.reasoning parser name, "auto" or "none"
+
+
+def authorized(request: Request, api_key: str | None) -> bool:
+    """Whether the request carries the API key (when one is set): ``Authorization: Bearer KEY`` or
+    Anthropic's ``x-api-key: KEY``."""
+    if api_key is None:
+        return True
+    key = api_key.encode()
+    bearer = request.headers.get("authorization", "").encode()
+    # Constant-time comparisons, both made: the time a mismatch takes must not reveal the key's prefix.
+    return hmac.compare_digest(bearer, b"Bearer " + key) | hmac.compare_digest(
+        request.headers.get("x-api-key", "").encode(), key
+    )
 
 
 class OpenAIServer:
@@ -106,36 +125,28 @@ class OpenAIServer:
             return anthropic_error_response(exc.status_code, message, headers=exc.headers)
         return error_response(exc.status_code, message, headers=exc.headers)
 
-    def guarded(self, handler):
-        """Bearer-key check, JSON parsing and typed-error mapping around an API handler."""
+    def guarded(self, handler, anthropic: bool = False):
+        """Key check and typed-error mapping around an API handler, answering in OpenAI's error shape
+        (``anthropic``: in Anthropic's)."""
 
         async def wrapped(request: Request) -> Response:
             if not self.authorized(request):
-                return error_response(401, "invalid or missing API key", "authentication_error")
+                return unauthorized(anthropic)
             try:
                 return await handler(request)
             except ClientDisconnect:
                 # The client left before its body arrived: no one to answer, nothing went wrong here.
                 return Response(status_code=499)
             except (MlxInferError, ValidationError) as e:
-                return from_exception(e)
-            except Exception as e:  # noqa: BLE001 - an engine failure still answers in OpenAI's format
+                return for_exception(e, anthropic)
+            except Exception as e:  # noqa: BLE001 - an engine failure still answers in the API's format
                 log.exception("request failed")
-                return from_exception(e)
+                return for_exception(e, anthropic)
 
         return wrapped
 
     def authorized(self, request: Request) -> bool:
-        """Whether the request carries the API key (when one is set): ``Authorization: Bearer KEY`` or
-        Anthropic's ``x-api-key: KEY``."""
-        if self.config.api_key is None:
-            return True
-        key = self.config.api_key.encode()
-        bearer = request.headers.get("authorization", "").encode()
-        # Constant-time comparisons, both made: the time a mismatch takes must not reveal the key's prefix.
-        return hmac.compare_digest(bearer, b"Bearer " + key) | hmac.compare_digest(
-            request.headers.get("x-api-key", "").encode(), key
-        )
+        return authorized(request, self.config.api_key)
 
     async def _body(self, request: Request, schema):
         parsed = await read_json(request, schema, self.config.max_request_bytes)

@@ -13,21 +13,46 @@ from mlx_infer import cli_options, context_policy, reasoning, tool_calls
 from mlx_infer.embed_cli import add_pooling_argument
 from mlx_infer.engine.engine import EngineConfig
 from mlx_infer.errors import EngineFailure, InvalidRequest
+from mlx_infer.model_store import FIT_FRACTION
 from mlx_infer.server.request_body import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("mlx_infer")
 
 THREAD_EXIT_SECONDS = 0.2
+DEFAULT_MAX_LOADED_MODELS = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    cli_options.add_model_arguments(parser)
+    cli_options.add_model_arguments(parser, repeatable=True)  # several: server/multi_model.py
     add_pooling_argument(parser)  # an embedding model serves /v1/embeddings (server/embedding_server.py)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     g.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: the model's name)"
+    )
+    g.add_argument(
+        "--models-dir",
+        default=None,
+        metavar="DIR",
+        help="also serve every GGUF file and model folder under DIR, each named by its path inside it "
+        "(default: none)",
+    )
+    g.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=DEFAULT_MAX_LOADED_MODELS,
+        metavar="N",
+        help="with several models, most loaded at once; the least recently used idle one is unloaded "
+        f"for another (default: {DEFAULT_MAX_LOADED_MODELS}, as Ollama)",
+    )
+    g.add_argument(
+        "--models-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="with several models, most memory their weights and KV pools may hold together, in GiB "
+        f"(default: {FIT_FRACTION * 100:.0f}%% of device memory)",
     )
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
     g.add_argument("--no-web", action="store_true", help="do not serve the chat page at / (default: served)")
@@ -99,14 +124,30 @@ def served_name(model: str, explicit: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else (path.name if path.exists() else model)
 
 
-def _check_flags(args: argparse.Namespace) -> None:
-    cli_options.engine_config(args)  # bad engine flags fail before the port is bound
+def _check_flags(args: argparse.Namespace) -> bool:
+    """Refuse bad flags before the port is bound; returns whether several models are served (else
+    ``args.model`` becomes the one model's name, as the single-model path has always read it)."""
+    cli_options.engine_config(args)
+    several = len(args.model) != 1 or args.models_dir is not None
+    if not several:
+        args.model = args.model[0]
+    elif not args.model and args.models_dir is None:
+        raise InvalidRequest("name a model: -m MODEL (repeatable) or --models-dir DIR")
+    elif args.served_model_name is not None:
+        raise InvalidRequest("--served-model-name names one model; several are named after their files")
+    elif "MLX_RANK" in os.environ:
+        raise InvalidRequest("several models cannot be served under `mlx-infer launch`; serve one")
+    if args.max_loaded_models <= 0:
+        raise InvalidRequest(f"--max-loaded-models must be positive, not {args.max_loaded_models}")
+    if args.models_memory is not None and not args.models_memory > 0:
+        raise InvalidRequest(f"--models-memory must be positive, not {args.models_memory}")
     if args.max_request_bytes <= 0:
         raise InvalidRequest(f"--max-request-bytes must be positive, not {args.max_request_bytes}")
     if args.shutdown_timeout < 0:
         raise InvalidRequest(f"--shutdown-timeout must be >= 0, not {args.shutdown_timeout}")
     if not args.kv_idle_release >= 0:  # nan too
         raise InvalidRequest(f"--kv-idle-release must be >= 0, not {args.kv_idle_release}")
+    return several
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,9 +160,11 @@ def run(args: argparse.Namespace) -> int:
     from mlx_infer.server.app import OpenAIServer, ServerConfig
     from mlx_infer.server.embedding_server import serve_embeddings
     from mlx_infer.server.lifecycle import ServeServer, Supervisor
+    from mlx_infer.server.multi_model import serve_models
 
-    _check_flags(args)
-    check_before_serve(args)  # logs the memory plan; refuses weights that cannot fit (one line)
+    several = _check_flags(args)
+    if not several:  # several models are checked one by one as they load (server/model_registry.py)
+        check_before_serve(args)  # logs the memory plan; refuses weights that cannot fit (one line)
     if os.environ.get("MLX_RANK", "0") != "0":
         # A follower rank under `mlx-infer launch`: it runs its shard of rank 0's steps; rank 0 serves.
         with cli_options.open_engine(args):
@@ -129,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     server_config = ServerConfig(
-        served_name(args.model, args.served_model_name),
+        "" if several else served_name(args.model, args.served_model_name),  # several: each its own
         args.api_key,
         origins,
         args.max_request_bytes,
@@ -144,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
     def load_and_serve() -> None:
         # The port answers (503) while this thread loads; the engine lives until the server stops.
         try:
+            if several:
+                serve_models(args, server_config, supervisor, stopped)
+                return
             if is_embedding_model(args.model, args.pooling):
                 serve_embeddings(args, server_config, supervisor, stopped)
                 return

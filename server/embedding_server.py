@@ -85,14 +85,12 @@ def _metrics(embedder: AsyncEmbedder) -> CollectorRegistry:
     return registry
 
 
-def serve_embeddings(
-    args: argparse.Namespace, config: ServerConfig, supervisor: Supervisor, stopped: threading.Event
-) -> None:
-    """Load the embedding model, hand the app to ``supervisor``, and serve until ``stopped``.
+def start_embedder(args: argparse.Namespace, spec: str) -> AsyncEmbedder:
+    """Load the embedding model ``spec`` and start its batching engine.
 
     ``--max-num-seqs`` caps the inputs of one forward, ``--max-num-batched-tokens`` its padded tokens.
     """
-    model = load_embedding_model(args.model, pooling=args.pooling, keep_quantized=args.keep_quantized)
+    model = load_embedding_model(spec, pooling=args.pooling, keep_quantized=args.keep_quantized)
     log.info("%s: %s", model.source, model.weight_policy)
     log.info(
         "embedding model: %d dimensions, %s pooling%s, at most %d tokens per input",
@@ -101,7 +99,14 @@ def serve_embeddings(
         ", normalized" if model.pooling.normalize else "",
         model.max_tokens,
     )
-    embedder = AsyncEmbedder(model, args.max_num_batched_tokens, args.max_num_seqs, args.max_pending)
+    return AsyncEmbedder(model, args.max_num_batched_tokens, args.max_num_seqs, args.max_pending)
+
+
+def serve_embeddings(
+    args: argparse.Namespace, config: ServerConfig, supervisor: Supervisor, stopped: threading.Event
+) -> None:
+    """Load the embedding model, hand the app to ``supervisor``, and serve until ``stopped``."""
+    embedder = start_embedder(args, args.model)
     try:
         supervisor.ready(embedder, EmbeddingServer(embedder, config).app())
         log.info("serving embeddings of %r on http://%s:%d/v1", config.model_name, args.host, args.port)

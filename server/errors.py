@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from mlx_infer.errors import MlxInferError, QueueFull
+from mlx_infer.errors import MlxInferError, ModelNotFound, QueueFull
 
 
 def error_response(
@@ -14,8 +14,9 @@ def error_response(
     type_: str = "invalid_request_error",
     param: str | None = None,
     headers: dict[str, str] | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": None}}
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -33,7 +34,9 @@ def describe(error: Exception) -> tuple[int, str, str, str | None]:
 def from_exception(error: Exception) -> JSONResponse:
     status, message, type_, param = describe(error)
     headers = {"Retry-After": "1"} if isinstance(error, QueueFull) else None
-    return error_response(status, message, type_, param=param, headers=headers)
+    # OpenAI's code for an unknown model, which clients match on.
+    code = "model_not_found" if isinstance(error, ModelNotFound) else None
+    return error_response(status, message, type_, param=param, headers=headers, code=code)
 
 
 # ---- Anthropic's error shape (the /v1/messages routes) -------------------------------------------
@@ -68,3 +71,15 @@ def anthropic_from_exception(error: Exception) -> JSONResponse:
         return anthropic_error_response(529, str(error), headers={"Retry-After": "1"})
     status, message, _, _ = describe(error)
     return anthropic_error_response(status, message)
+
+
+def unauthorized(anthropic: bool = False) -> JSONResponse:
+    """The 401 for a missing or wrong API key, in the shape of the route's API."""
+    if anthropic:
+        return anthropic_error_response(401, "invalid or missing API key (x-api-key or Bearer)")
+    return error_response(401, "invalid or missing API key", "authentication_error")
+
+
+def for_exception(error: Exception, anthropic: bool = False) -> JSONResponse:
+    """``error`` as the route's API answers it: Anthropic's shape on /v1/messages, OpenAI's elsewhere."""
+    return anthropic_from_exception(error) if anthropic else from_exception(error)

@@ -118,3 +118,35 @@ def tiny_llama_folder(tmp_path: Path) -> Path:
     """A Hugging Face folder holding ``make_tiny_llama(0)`` in float32, with a tokenizer."""
     weights = dict(tree_flatten(make_tiny_llama(0).parameters()))
     return write_hf_folder(tmp_path / "tiny-llama", weights, TINY_LLAMA_CONFIG)
+
+
+# ---- in process: a tiny random Llama behind the OpenAI server (the API surfaces' own test files) ----
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    from mlx_infer.engine.engine import Engine, EngineConfig
+    from mlx_infer.loading import load
+
+    folder = tmp_path_factory.mktemp("server") / "tiny"
+    write_hf_folder(folder, dict(tree_flatten(make_tiny_llama(0).parameters())), TINY_LLAMA_CONFIG)
+    loaded = load(str(folder))
+    return Engine(loaded.model, loaded.tokenizer, loaded.max_context, EngineConfig(num_blocks=64))
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_engine):
+    from mlx_infer.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(tiny_engine)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def http(async_engine):
+    """A TestClient of the OpenAI server (every API surface) over ``async_engine``, model ``tiny``."""
+    from starlette.testclient import TestClient
+
+    from mlx_infer.server.app import OpenAIServer, ServerConfig
+
+    with TestClient(OpenAIServer(async_engine, ServerConfig("tiny")).app()) as client:
+        yield client

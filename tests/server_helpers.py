@@ -30,15 +30,18 @@ def kv_gib_for_blocks(num_blocks: int, block_size: int = 16) -> float:
 class LiveServer:
     """``mlx-infer serve -m MODEL ARGS`` on a free loopback port; ``stop()`` terminates it.
 
+    ``model``: a list gives ``-m`` once each (several models); None gives none (``--models-dir`` in
+    ``args``). ``name``: the ``--served-model-name``, None for none.
+
     ``preamble``: Python run in the server process before the CLI (to slow or break a part for a test).
     ``wait_healthy``: return only once /health answers 200.
     """
 
     def __init__(
         self,
-        model: Path,
+        model: Path | list[Path] | None,
         *args: str,
-        name: str = "smollm2",
+        name: str | None = "smollm2",
         startup_timeout: float = 180.0,
         launch_hosts: str | None = None,
         preamble: str | None = None,
@@ -49,6 +52,7 @@ class LiveServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile("w+", prefix="mlx-infer-serve-", suffix=".log", delete=False)
         entry = ["-m", "mlx_infer.cli"]
+        models = model if isinstance(model, list) else [] if model is None else [model]
         if preamble is not None:
             main = "import sys\nfrom mlx_infer.cli import main\nsys.exit(main(sys.argv[1:]))"
             entry = ["-c", f"{preamble}\n{main}"]
@@ -58,12 +62,10 @@ class LiveServer:
             # Under `launch`, one rank per host; rank 0 serves on the port.
             *(["launch", "--hosts", launch_hosts, "--"] if launch_hosts else []),
             "serve",
-            "-m",
-            str(model),
+            *[arg for m in models for arg in ("-m", str(m))],
             "--port",
             str(self.port),
-            "--served-model-name",
-            name,
+            *(["--served-model-name", name] if name else []),
             *args,
         ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -14,14 +14,11 @@ import anthropic
 import httpx
 import httpx2
 import pytest
-from conftest import TINY_LLAMA_CONFIG, make_tiny_llama, write_hf_folder
-from mlx.utils import tree_flatten
 from server_helpers import LiveServer, wait_for_idle
 from starlette.testclient import TestClient
 
 from mlx_infer.engine.async_engine import AsyncEngine
-from mlx_infer.engine.engine import Engine, EngineConfig
-from mlx_infer.loading import load
+from mlx_infer.engine.engine import Engine
 from mlx_infer.loading.gguf_file import read_header
 from mlx_infer.server.app import OpenAIServer, ServerConfig
 from mlx_infer.tokenizer import Tokenizer
@@ -109,27 +106,6 @@ ERROR_TYPES = {
 
 
 # ---- in process, tiny random model ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory) -> Engine:
-    folder = tmp_path_factory.mktemp("anthropic") / "tiny"
-    write_hf_folder(folder, dict(tree_flatten(make_tiny_llama(0).parameters())), TINY_LLAMA_CONFIG)
-    loaded = load(str(folder))
-    return Engine(loaded.model, loaded.tokenizer, loaded.max_context, EngineConfig(num_blocks=64))
-
-
-@pytest.fixture(scope="module")
-def async_engine(tiny_engine: Engine):
-    engine = AsyncEngine(tiny_engine)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def http(async_engine: AsyncEngine):
-    with TestClient(OpenAIServer(async_engine, ServerConfig("tiny")).app()) as client:
-        yield client
-
-
 def send(http: TestClient, path: str, body: object) -> httpx.Response:
     if isinstance(body, bytes):
         return http.post(path, content=body, headers={"content-type": "application/json"})

@@ -24,7 +24,6 @@ from starlette.testclient import TestClient
 from mlx_infer.engine.async_engine import AsyncEngine
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.errors import EngineFailure
-from mlx_infer.loading import load
 from mlx_infer.sampling import SamplingParams
 from mlx_infer.server.app import OpenAIServer, ServerConfig
 from mlx_infer.server.request_body import MAX_NESTING_DEPTH
@@ -144,21 +143,6 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
     ("POST", "/v1/embeddings", {"model": "tiny", "input": "w1"}, 400),  # a text model computes no embeddings
     ("GET", CHAT, None, 405),
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory) -> Engine:
-    folder = tmp_path_factory.mktemp("server") / "tiny"
-    write_hf_folder(folder, dict(tree_flatten(make_tiny_llama(0).parameters())), TINY_LLAMA_CONFIG)
-    loaded = load(str(folder))
-    return Engine(loaded.model, loaded.tokenizer, loaded.max_context, EngineConfig(num_blocks=64))
-
-
-@pytest.fixture(scope="module")
-def async_engine(tiny_engine: Engine):
-    engine = AsyncEngine(tiny_engine)
-    yield engine
-    engine.close()
 
 
 def make_app(engine: AsyncEngine, api_key: str | None = None, origins: tuple[str, ...] = ()):

@@ -214,3 +214,33 @@ def test_chat_streams_stops_frees_blocks_and_survives_a_reload(browser, smollm2_
     print(f"screenshot of the chat page: {shot}")
     assert shot.stat().st_size > 10_000
     page.close()
+
+
+def test_page_picks_among_several_models_and_leaves_out_embedding_ones(
+    browser, tiny_folder: Path, smollm2_path: Path, tmp_path
+):
+    embedder = Path(os.environ.get("MLX_INFER_TEST_EMBEDDING_MODEL", ""))
+    if not (embedder / "config.json").is_file():
+        pytest.skip("no embedding model (make embedding-model; MLX_INFER_TEST_EMBEDDING_MODEL)")
+    server = LiveServer([smollm2_path, tiny_folder, embedder], "--kv-memory", "0.2", name=None)
+    try:
+        page = browser.new_page()
+        page.goto(server.base_url + "/")
+        page.wait_for_selector("#model-select:not([hidden])")
+        options = page.eval_on_selector_all("#model-select option", "os => os.map(o => o.value)")
+        assert options == [smollm2_path.stem, "tiny-llama"]  # the embedding model cannot chat
+        assert "loaded on first message" in page.inner_text("#model-info")
+        page.select_option("#model-select", "tiny-llama")
+        page.click("#settings-toggle")
+        page.fill("#max-tokens", "6")  # the tiny model's context is 256 tokens
+        page.dispatch_event("#max-tokens", "change")
+        page.fill("#prompt", "w1 w2")
+        page.click("#send")
+        page.wait_for_selector(".msg.assistant .stats:has-text('generated')", timeout=60_000)
+        states = httpx.get(server.base_url + "/health", timeout=10).json()["models"]
+        assert states["tiny-llama"] == "loaded" and states[smollm2_path.stem] == "not-loaded"
+        page.reload()  # the choice is remembered
+        page.wait_for_function("() => document.getElementById('model-select').value === 'tiny-llama'")
+        page.close()
+    finally:
+        server.stop()

@@ -69,10 +69,31 @@
       return;
     }
     $("key-form").hidden = true;
-    const model = (await response.json()).data[0];
+    // Several models (serve -m A -m B): a picker over those that chat; embedding models cannot.
+    const models = (await response.json()).data.filter((m) => m.type !== "embeddings");
+    if (!models.length) {
+      $("model-name").textContent = "no chat model on this server";
+      return;
+    }
+    const picker = $("model-select");
+    picker.replaceChildren(...models.map((m) => new Option(m.id, m.id)));
+    picker.hidden = models.length < 2;
+    $("model-name").hidden = models.length > 1;
+    const remembered = models.find((m) => m.id === state.data.settings.model);
+    selectModel(remembered || models[0]);
+    picker.onchange = () => {
+      state.data.settings.model = picker.value;
+      save();
+      selectModel(models.find((m) => m.id === picker.value));
+    };
+  }
+
+  function selectModel(model) {
     state.model = model.id;
+    $("model-select").value = model.id;
     $("model-name").textContent = model.id;
     const info = [];
+    if (model.state && model.state !== "loaded") info.push("loaded on first message");
     if (model.context_length) info.push(model.context_length + " tokens context");
     if (model.quantization) info.push(model.quantization);
     $("model-info").textContent = info.join(" · ");
