@@ -7,6 +7,10 @@ sequence (cached blocks plus its chunk's causal part), so decode and prefill chu
 
 Split-KV: when too few threadgroups would fill the GPU, the keys are cut into partitions, each
 writes a normalised partial output with its max and sum, and a reduce kernel merges them.
+
+The pools may be of any float type (read as float) or int8 (``models/base.py: LayerKV``): rows of
+``D + 4`` bytes, ``D`` values then their float32 scale, which multiplies a key's dot product and a
+value's softmax weight, so the rows are read where they lie and nothing is dequantized.
 """
 
 from __future__ import annotations
@@ -47,21 +51,27 @@ _BODY = """
   float l = 0.0f;
   for (int j = start + int(sg); j < stop; j += N_SIMD) {
     const int slot = block_tables[seq * MAX_BLOCKS + j / BS] * BS + j % BS;
-    const size_t base = (size_t(slot) * HKV + kv_head) * D;
+    const size_t base = (size_t(slot) * HKV + kv_head) * ROW;
     float partial = 0.0f;
     for (int i = 0; i < PER_LANE; i++) {
       const int d = int(lane) + 32 * i;
       if (d < D) partial += q[i] * float(key_pool[base + d]);
     }
     float s = simd_sum(partial);
+    float v_scale = 1.0f;
+    if (KV_INT8) {
+      s *= row_scale(key_pool, base + D);
+      v_scale = row_scale(value_pool, base + D);
+    }
     if (SOFTCAP) s = metal::precise::tanh(s / softcap) * softcap;
     const float m_new = max(m, s);
     const float alpha = metal::exp(m - m_new);
     const float p = metal::exp(s - m_new);
     l = l * alpha + p;
+    const float pv = p * v_scale;
     for (int i = 0; i < PER_LANE; i++) {
       const int d = int(lane) + 32 * i;
-      if (d < D) acc[i] = acc[i] * alpha + p * float(value_pool[base + d]);
+      if (d < D) acc[i] = acc[i] * alpha + pv * float(value_pool[base + d]);
     }
     m = m_new;
   }
@@ -98,12 +108,21 @@ _PARTIAL = """const size_t row = (size_t(tok) * H + head) * PARTS + part;
       part_sum[row] = total;
     }"""
 
+# The float32 scale stored after an int8 row's values (little-endian bytes, any alignment).
+_HEADER = """
+template <typename T>
+inline float row_scale(const device T* pool, size_t at) {
+  return as_type<float>(uint(uchar(pool[at])) | (uint(uchar(pool[at + 1])) << 8) |
+                        (uint(uchar(pool[at + 2])) << 16) | (uint(uchar(pool[at + 3])) << 24));
+}
+"""
+
 _INPUTS = ("queries", "key_pool", "value_pool", "block_tables", "context_lens", "seq_ids", "positions",
            "scale", "window", "softcap")
-ATTENTION = KernelSpec("paged_attention", _INPUTS, ("out",), _BODY.replace("EPILOGUE", _SINGLE))
+ATTENTION = KernelSpec("paged_attention", _INPUTS, ("out",), _BODY.replace("EPILOGUE", _SINGLE), _HEADER)
 ATTENTION_PARTIAL = KernelSpec(
     "paged_attention_partial", _INPUTS, ("part_out", "part_max", "part_sum"),
-    _BODY.replace("EPILOGUE", _PARTIAL),
+    _BODY.replace("EPILOGUE", _PARTIAL), _HEADER,
 )
 REDUCE = KernelSpec(
     "paged_attention_reduce",
@@ -142,7 +161,8 @@ def paged_attention(
     launch: Launcher = metal_launch,
     partition_keys: int | None = None,
 ) -> mx.array:
-    """Same contract as ``reference.paged_attention``; ``partition_keys`` forces the split-KV variant."""
+    """Same contract as ``reference.paged_attention``; ``partition_keys`` forces the split-KV variant.
+    ``head_dim`` comes from the queries: an int8 pool's rows are 4 bytes longer."""
     n_tokens, n_heads, head_dim = queries.shape
     n_kv = key_pool.shape[1]
     key_len = meta.key_slots.shape[1]  # host-known bound on every context length
@@ -164,6 +184,7 @@ def paged_attention(
         ("MAX_BLOCKS", meta.block_tables.shape[1]), ("N_SIMD", N_SIMD),
         ("PART", partition_keys or key_len), ("PARTS", parts),
         ("WINDOW", sliding_window is not None), ("SOFTCAP", logit_softcap is not None),
+        ("KV_INT8", key_pool.dtype == mx.int8), ("ROW", key_pool.shape[2]),
     ]
     grid = (32 * N_SIMD * parts, n_heads, n_tokens)
     threadgroup = (32 * N_SIMD, 1, 1)

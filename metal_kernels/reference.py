@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_infer.models.base import BatchMetadata
+from mlx_infer.models.base import BatchMetadata, split_int8_rows
 from mlx_infer.models.step_memo import StepMemo
 
 _step = StepMemo()  # per-step mask and gather rows, shared by every layer
@@ -30,11 +30,15 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
 ) -> mx.array:
-    """Attention of ragged queries ``[T, H, D]`` over paged K/V pools ``[slots, n_kv_heads, D]``.
+    """Attention of ragged queries ``[T, H, D]`` over paged K/V pools ``[slots, n_kv_heads, D]``
+    (or int8 pools ``[slots, n_kv_heads, D + 4]``, see ``models/base.py: LayerKV``).
 
     Gathers each sequence's keys by its block table into ``[B, n_kv, L, D]``, pads the queries
     to ``[B, Qmax]``, attends with a causal/context/window mask and unpads. Masked positions
-    never contribute, so padding slots may hold anything.
+    never contribute, so padding slots may hold anything. Pools of another dtype than the queries
+    are attended in float32: int8 rows are dequantized after the gather (only the rows the step
+    reads, never the whole pool), half rows widened, so a float32 query loses nothing more than
+    what the pool's rounding already lost.
     """
     n_tokens, n_heads, head_dim = queries.shape
     batch = meta.batch_size
@@ -47,6 +51,9 @@ def paged_attention(
         q = q.reshape(batch, q_max, n_heads, head_dim).transpose(0, 2, 1, 3)
     keys = _gather_heads_first(key_pool, meta)
     values = _gather_heads_first(value_pool, meta)
+    out_dtype = q.dtype
+    if key_pool.dtype != q.dtype:
+        q, keys, values = q.astype(mx.float32), _widen(keys), _widen(values)
     # Every layer of a step (of the same window) shares one mask: built once, not once per layer.
     key_len = keys.shape[2]
     mask = _step.get(meta, (key_len, sliding_window), lambda: attention_mask(meta, key_len, sliding_window))
@@ -56,16 +63,25 @@ def paged_attention(
         )
     else:
         out = _softcapped_attention(q, keys, values, mask, scale, logit_softcap)
+    out = out.astype(out_dtype)
     if q_max == 1:
         return out.reshape(batch, n_heads, head_dim)
     out = out.transpose(0, 2, 1, 3).reshape(batch * q_max, n_heads, head_dim)
     return out if meta.q_unpad_index is None else out[meta.q_unpad_index]
 
 
+def _widen(rows: mx.array) -> mx.array:
+    """Gathered pool rows as float32: int8 ones ``[..., D + 4]`` dequantized by their scales."""
+    if rows.dtype != mx.int8:
+        return rows.astype(mx.float32)
+    q, scales = split_int8_rows(rows)
+    return q.astype(mx.float32) * scales[..., None]
+
+
 def _gather_heads_first(pool: mx.array, meta: BatchMetadata) -> mx.array:
     """``[B, n_kv, L, D]`` keys (or values) of each sequence, gathered straight into the layout the
     attention matmuls read, so no transposed copy follows: row ``slot * n_kv + head`` of the pool
-    viewed as ``[slots * n_kv, D]``."""
+    viewed as ``[slots * n_kv, row]`` (``row``: D, or D + 4 for int8 pools)."""
     n_kv, head_dim = pool.shape[1], pool.shape[2]
 
     def rows() -> mx.array:

@@ -50,6 +50,8 @@ _step = StepMemo()
 ACTIVATIONS_ENV_VAR = "MLX_INFER_CPU_ACTIVATIONS"
 # int8-avx2: the int8 kernel without VNNI; int16: int16 x for the 4-bit weights too (8-bit ones always)
 ACTIVATIONS = ("int8", "int8-avx2", "int16", "float32")
+# Pools the kernels read and write (src/kv_format.h): int8 ones hold each head's row and its scale.
+KV_POOL_DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int8)
 
 
 def available() -> bool:
@@ -127,8 +129,8 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
 ) -> mx.array:
-    """Same contract as ``metal_kernels.reference.paged_attention``, for float32 queries and pools
-    (:func:`supports_attention`)."""
+    """Same contract as ``metal_kernels.reference.paged_attention``, for float32 queries over pools of
+    any :data:`KV_POOL_DTYPES` (:func:`supports_attention`), read where they lie."""
     return _native.paged_attention(
         queries,
         key_pool,
@@ -163,10 +165,13 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array, dims: int) -> mx.array | Non
 def kv_write(pool: mx.array, rows: mx.array, slots: mx.array, column: int = 0) -> mx.array | None:
     """``pool`` with ``rows`` written at ``slots`` as one op (in place when the pool is donated); None
     where the kernel does not apply. ``rows`` is ``[T, n_kv, D]``, or ``[T, W]`` whose row ``t`` holds
-    the ``n_kv * D`` values from ``column`` on."""
-    if pool.dtype.size not in (2, 4) or not applies():
+    the ``n_kv * D`` values from ``column`` on. Rows of the pool's own float dtype are copied, float32
+    ones rounded or quantized (int8 pools, see ``models/base.py: LayerKV``) by the write itself."""
+    if pool.dtype not in KV_POOL_DTYPES or not applies():
         return None
-    return _native.kv_write(pool, rows.astype(pool.dtype), slots, column)
+    if rows.dtype != pool.dtype or pool.dtype == mx.int8:
+        rows = rows.astype(mx.float32)
+    return _native.kv_write(pool, rows, slots, column)
 
 
 Affine = tuple[dict[str, mx.array], int, int]  # an affine layer: parameters, group_size, bits
@@ -225,9 +230,10 @@ class BlockOps:
 
 
 def supports_attention(queries: mx.array, key_pool: mx.array) -> bool:
+    """float32 queries over any KV pool dtype (the kernel converts rows as it reads them)."""
     return (
         queries.dtype == mx.float32
-        and key_pool.dtype == mx.float32
+        and key_pool.dtype in KV_POOL_DTYPES
         and queries.shape[-1] % 8 == 0
         and applies()
     )

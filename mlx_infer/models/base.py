@@ -59,25 +59,36 @@ class BatchMetadata:
         return max(self.query_lens)
 
 
+INT8_SCALE_BYTES = 4  # an int8 pool row ends with its float32 scale
+
+
 class LayerKV:
     """The K and V pools of one attention layer.
 
     Stored flat as ``[num_blocks * block_size, n_kv_heads, head_dim]``: the same memory as the
     ``[num_blocks, block_size, n_kv_heads, head_dim]`` layout the kernels index, and the shape
     MLX's scatter writes in place when the pool is donated (no other reference alive).
+
+    ``dtype`` is the pool's (the KV cache dtype): float32, float16 or bfloat16 rows, or ``mx.int8``:
+    each (token, KV head) row quantized symmetrically with one float32 scale (``max|x| / 127``) stored
+    right after its ``head_dim`` values, so the pools are ``[slots, n_kv_heads, head_dim + 4]`` int8
+    and a slot stays one contiguous run (see :func:`quantize_rows`, ``cpu_kernels/src/kv_format.h``).
     """
 
     def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype):
         self.block_size = block_size
-        self.keys = mx.zeros((num_blocks * block_size, n_kv_heads, head_dim), dtype=dtype)
-        self.values = mx.zeros((num_blocks * block_size, n_kv_heads, head_dim), dtype=dtype)
+        self.head_dim = head_dim
+        row = head_dim + INT8_SCALE_BYTES if dtype == mx.int8 else head_dim
+        self.keys = mx.zeros((num_blocks * block_size, n_kv_heads, row), dtype=dtype)
+        self.values = mx.zeros((num_blocks * block_size, n_kv_heads, row), dtype=dtype)
 
     @property
     def num_blocks(self) -> int:
         return self.keys.shape[0] // self.block_size
 
     def write(self, keys: mx.array, values: mx.array, slot_mapping: mx.array) -> None:
-        """Scatter this step's ``[T, n_kv_heads, head_dim]`` keys/values into their slots.
+        """Scatter this step's ``[T, n_kv_heads, head_dim]`` keys/values into their slots (rounded to
+        the pool's dtype, or quantized into an int8 pool).
 
         Rebinding ``self.keys`` drops the last reference to the old pool, so the lazy scatter may
         reuse (donate) its buffer instead of copying the whole pool every step.
@@ -88,12 +99,33 @@ class LayerKV:
         if native_k is not None:  # one op per pool instead of four (CPU backend)
             self.keys, self.values = native_k, cpu_kernels.kv_write(v, values, slot_mapping)
             return
-        k[slot_mapping] = keys.astype(k.dtype)
-        v[slot_mapping] = values.astype(v.dtype)
+        k[slot_mapping] = pool_rows(keys, k.dtype)
+        v[slot_mapping] = pool_rows(values, v.dtype)
         self.keys, self.values = k, v
 
     def state(self) -> list[mx.array]:
         return [self.keys, self.values]
+
+
+def pool_rows(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``[T, n_kv, D]`` keys or values as a pool of ``dtype`` stores them."""
+    return quantize_rows(x) if dtype == mx.int8 else x.astype(dtype)
+
+
+def quantize_rows(x: mx.array) -> mx.array:
+    """``[..., D]`` values -> ``[..., D + 4]`` int8: each row symmetric, ``q = round(x / scale)`` with
+    ``scale = max|x| / 127`` (ties to even, as the native write), then the scale's four bytes. An
+    all-zero row gets scale 0 and zeros."""
+    x = x.astype(mx.float32)
+    scale = mx.abs(x).max(axis=-1, keepdims=True) / 127.0
+    q = mx.where(scale > 0, x / mx.where(scale > 0, scale, 1.0), 0.0)
+    q = mx.clip(mx.round(q), -127, 127).astype(mx.int8)
+    return mx.concatenate([q, scale.view(mx.int8)], axis=-1)
+
+
+def split_int8_rows(rows: mx.array) -> tuple[mx.array, mx.array]:
+    """``[..., D + 4]`` int8 rows -> (``[..., D]`` int8 values, ``[...]`` float32 scales)."""
+    return rows[..., :-INT8_SCALE_BYTES], rows[..., -INT8_SCALE_BYTES:].view(mx.float32)[..., 0]
 
 
 def attention(

@@ -107,7 +107,9 @@ class NativeBlock(nn.Module):
         return [(m, name, a) for m in modules for name, a in m.items() if isinstance(a, mx.array)]
 
     def _applies(self, x: mx.array, kv: LayerKV) -> bool:
-        if x.dtype != mx.float32 or kv.keys.dtype != mx.float32 or not cpu_kernels.applies():
+        if x.dtype != mx.float32 or not cpu_kernels.applies():
+            return False
+        if kv.keys.dtype not in cpu_kernels.KV_POOL_DTYPES:
             return False
         # A parameter replaced since the rewrite (load_weights, update): the bound weights are stale.
         modules, names, arrays = self._watched

@@ -22,6 +22,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "kv_format.h"
 #include "norm_rope.h"
 #include "paged_attention.h"
 #include "quantized_matvec.h"
@@ -159,7 +160,7 @@ class BlockOut : public mx::UnaryPrimitive {
     const int I = inputs[15].shape(1) * (32 / quant_[5]);  // down_proj's input features
     AttentionArgs attn{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, T, shape_.H,
                        shape_.D, shape_.n_kv, inputs[3].shape(1), block_size_, window_, scale_, 0.0f,
-                       static_cast<size_t>(shape_.width())};
+                       static_cast<size_t>(shape_.width()), kv_type(inputs[1])};
     encoder.dispatch([attn, attention = AttentionInputs(inputs), x = Input<float>(inputs[7]),
                       o = AffineWeights(inputs[8], inputs[9], inputs[10], quant_[0], quant_[1]),
                       norm = Input<float>(inputs[11]),
@@ -264,16 +265,14 @@ mx::array block_out(const mx::array& qkv, const mx::array& key_pool, const mx::a
                     const std::vector<int>& quant, int n_heads, int n_kv_heads, int head_dim) {
   const Shape shape{n_heads, n_kv_heads, head_dim};
   check_f32(qkv, "qkv");
-  check_f32(key_pool, "the key pool");
-  check_f32(value_pool, "the value pool");
   check_f32(x, "x");
   check_f32(norm_weight, "the norm weight");
   if (o_proj.size() != 3 || gate_up.size() != 3 || down_proj.size() != 3 || quant.size() != 6) {
     throw std::invalid_argument("block_out: each layer is (weight, scales, biases), quant 3 x (group, bits)");
   }
   if (qkv.ndim() != 2 || qkv.shape(1) != shape.width() || x.ndim() != 2 || x.shape(0) != qkv.shape(0) ||
-      key_pool.ndim() != 3 || key_pool.shape(1) != n_kv_heads || key_pool.shape(2) != head_dim ||
-      value_pool.shape() != key_pool.shape() || head_dim % 8 != 0 || n_heads % n_kv_heads != 0 ||
+      key_pool.ndim() != 3 || key_pool.shape(1) != n_kv_heads || kv_head_dim(key_pool) != head_dim ||
+      value_pool.shape() != key_pool.shape() || value_pool.dtype() != key_pool.dtype() || head_dim % 8 != 0 || n_heads % n_kv_heads != 0 ||
       norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(1)) {
     throw std::invalid_argument("block_out: qkv [T, (H + 2 n_kv) D], pools [slots, n_kv, D] and x [T, D] do not match");
   }

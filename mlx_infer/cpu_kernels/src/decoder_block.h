@@ -18,8 +18,8 @@ mlx::core::array block_qkv(const mlx::core::array& x, const mlx::core::array& no
                            int head_dim, int rope_dims, const std::optional<mlx::core::array>& q_norm,
                            const std::optional<mlx::core::array>& k_norm, float qk_eps);
 
-// The rest of the block, once the K/V parts of qkv are in the pools: h = x + o_proj(attention of the q
-// part, as paged_attention), then h + down_proj(silu(gate) * up) of RMSNorm(h), where gate/up is one
+// The rest of the block, once the K/V parts of qkv are in the pools (any KV type of kv_format.h):
+// h = x + o_proj(attention of the q part, as paged_attention), then h + down_proj(silu(gate) * up) of RMSNorm(h), where gate/up is one
 // fused affine layer (gate rows first). o_proj, gate_up, down_proj are (weight, scales, biases); quant
 // holds (group_size, bits) of each in that order. Returns [T, D].
 mlx::core::array block_out(const mlx::core::array& qkv, const mlx::core::array& key_pool,

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "kv_format.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "strided.h"
@@ -16,23 +17,63 @@ namespace mlx_infer {
 
 namespace {
 
-// The dtype's bytes moved as same-sized integers: a write copies, never converts.
+// The pool's current contents into `dst` when the write could not take its buffer over.
 template <typename T>
+void copy_pool(const mx::array& pool, uint8_t* dst) {
+  std::vector<T> scratch;
+  std::memcpy(dst, Input<T>(pool).rows(scratch), pool.nbytes());
+}
+
+// Rows of the pool's own dtype: the bytes moved as same-sized integers, a write copies.
+template <typename T>
+void copy_rows(const mx::array& rows, const int32_t* at, size_t n, size_t row_size, int column, uint8_t* dst) {
+  std::vector<T> scratch;
+  const T* src = Input<T>(rows).rows(scratch);
+  const size_t src_stride = rows.size() / rows.shape(0);
+  T* out = reinterpret_cast<T*>(dst);
+  for (size_t t = 0; t < n; ++t) {
+    std::memcpy(out + static_cast<size_t>(at[t]) * row_size, src + t * src_stride + column, row_size * sizeof(T));
+  }
+}
+
+// float32 rows stored as the pool's type, head by head (rounded to half, or quantized to int8).
+template <KVType K>
+void store_rows(const mx::array& rows, const int32_t* at, size_t n, int n_kv, int D, int column, uint8_t* dst) {
+  std::vector<float> scratch;
+  const float* src = Input<float>(rows).rows(scratch);
+  const size_t src_stride = rows.size() / rows.shape(0);
+  const size_t head_bytes = kv_head_bytes(K, D);
+  for (size_t t = 0; t < n; ++t) {
+    uint8_t* slot = dst + static_cast<size_t>(at[t]) * n_kv * head_bytes;
+    const float* row = src + t * src_stride + column;
+    for (int h = 0; h < n_kv; ++h) store_row<K>(row + static_cast<size_t>(h) * D, slot + h * head_bytes, D);
+  }
+}
+
 void write(const mx::array& pool, const mx::array& rows, const mx::array& slots, mx::array& out, bool donated,
            int column) {
-  const size_t row_size = pool.size() / pool.shape(0);
-  const size_t src_stride = rows.size() / rows.shape(0);
-  T* dst = out.data<T>();
+  uint8_t* dst = out.data<uint8_t>();
   if (!donated) {
-    std::vector<T> scratch;
-    std::memcpy(dst, Input<T>(pool).rows(scratch), pool.nbytes());
+    if (pool.itemsize() == 4) copy_pool<uint32_t>(pool, dst);
+    else if (pool.itemsize() == 2) copy_pool<uint16_t>(pool, dst);
+    else copy_pool<uint8_t>(pool, dst);
   }
-  std::vector<T> row_scratch;
   std::vector<int32_t> slot_scratch;
-  const T* src = Input<T>(rows).rows(row_scratch);
   const int32_t* at = Input<int32_t>(slots).rows(slot_scratch);
-  for (size_t t = 0; t < slots.size(); ++t) {
-    std::memcpy(dst + static_cast<size_t>(at[t]) * row_size, src + t * src_stride + column, row_size * sizeof(T));
+  const size_t n = slots.size();
+  const KVType type = kv_type(pool);
+  const int n_kv = pool.shape(1), D = kv_head_dim(pool);
+  if (rows.dtype() == pool.dtype()) {
+    const size_t row_size = static_cast<size_t>(n_kv) * D;
+    if (pool.itemsize() == 4) copy_rows<uint32_t>(rows, at, n, row_size, column, dst);
+    else copy_rows<uint16_t>(rows, at, n, row_size, column, dst);
+    return;
+  }
+  switch (type) {
+    case KVType::f32: store_rows<KVType::f32>(rows, at, n, n_kv, D, column, dst); break;
+    case KVType::f16: store_rows<KVType::f16>(rows, at, n, n_kv, D, column, dst); break;
+    case KVType::bf16: store_rows<KVType::bf16>(rows, at, n, n_kv, D, column, dst); break;
+    case KVType::i8: store_rows<KVType::i8>(rows, at, n, n_kv, D, column, dst); break;
   }
 }
 
@@ -53,13 +94,7 @@ class KVWrite : public mx::UnaryPrimitive {
     encoder.set_output_array(out);
     encoder.dispatch([pool = mx::array::unsafe_weak_copy(pool), rows = mx::array::unsafe_weak_copy(inputs[1]),
                       slots = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
-                      donated, column = column_]() mutable {
-      if (out.itemsize() == 4) {
-        write<uint32_t>(pool, rows, slots, out, donated, column);
-      } else {
-        write<uint16_t>(pool, rows, slots, out, donated, column);
-      }
-    });
+                      donated, column = column_]() mutable { write(pool, rows, slots, out, donated, column); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -82,15 +117,19 @@ mx::array kv_write(const mx::array& pool, const mx::array& rows, const mx::array
   if (pool.ndim() != 3 || rows.ndim() < 2 || slots.ndim() != 1 || slots.shape(0) != rows.shape(0)) {
     throw std::invalid_argument("kv_write: pool [slots, n_kv, D], rows [T, ...] and slots [T]");
   }
-  const size_t row_size = static_cast<size_t>(pool.shape(1)) * pool.shape(2);
+  const KVType type = kv_type(pool);
+  const int D = kv_head_dim(pool);
+  const size_t row_size = static_cast<size_t>(pool.shape(1)) * D;
   const size_t width = rows.size() / std::max(1, rows.shape(0));
-  if (column < 0 || column + row_size > width || (rows.ndim() == 3 && (rows.shape(1) != pool.shape(1) ||
-                                                                       rows.shape(2) != pool.shape(2)))) {
+  if (column < 0 || column + row_size > width ||
+      (rows.ndim() == 3 && (rows.shape(1) != pool.shape(1) || rows.shape(2) != D))) {
     throw std::invalid_argument("kv_write: each row of rows must hold n_kv * D values from column on");
   }
-  if (rows.dtype() != pool.dtype() || (pool.itemsize() != 4 && pool.itemsize() != 2)) {
-    throw std::invalid_argument("kv_write: rows and pool must share one 2- or 4-byte dtype");
+  const bool copies = rows.dtype() == pool.dtype() && type != KVType::i8;
+  if (!copies && rows.dtype() != mx::float32) {
+    throw std::invalid_argument("kv_write: rows must be float32 or the pool's own float dtype");
   }
+  if (!copies && D % 8 != 0) throw std::invalid_argument("kv_write: converting rows needs D a multiple of 8");
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   return mx::array(pool.shape(), pool.dtype(), std::make_shared<KVWrite>(s, column),
                    {pool, rows, mx::astype(slots, mx::int32, s)});

@@ -9,7 +9,8 @@ namespace mlx_infer {
 // squeeze, a broadcast, a reshape and a scatter. (One pool per op: the outputs of a multi-output
 // primitive share their inputs, so neither could take over its pool's buffer.)
 // rows is [T, n_kv, D], or [T, W] whose row t holds the n_kv * D values from `column` on (the K or V part of
-// a fused q/k/v product: no slice op in between).
+// a fused q/k/v product: no slice op in between). Rows of the pool's float dtype are copied; float32 rows
+// are rounded to a half pool or quantized into an int8 one (see kv_format.h) as they are written.
 mlx::core::array kv_write(const mlx::core::array& pool, const mlx::core::array& rows, const mlx::core::array& slots,
                           int column = 0);
 

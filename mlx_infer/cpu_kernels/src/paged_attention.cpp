@@ -19,6 +19,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "kv_format.h"
 #include "simd.h"
 #include "strided.h"
 #include "thread_pool.h"
@@ -47,45 +48,49 @@ KeyRange visible(const AttentionArgs& p, int t) {
 // (SmolLM2), a strided pattern that reached ~7 GB/s where the machine streams 16. The GQA query heads
 // of a KV head share each K/V row load, and keys are walked block by block (no division per key).
 // Writes out[h] = sum_j exp(s_hj - max_h) v_j (unnormalized), max_h, and total_h = sum_j exp(s_hj - max_h).
+// K is the pools' row type: half and int8 rows are converted as they are read, int8 scales applied to
+// the dot product and the softmax weight.
+template <KVType K>
 void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float>& scores, float* out,
                  float* max_score, float* total) {
   const int seq = p.token_seq[t];
   const int rep = p.H / p.n_kv;
   const int lo = keys.lo, hi = keys.hi;
-  const size_t row_size = static_cast<size_t>(p.n_kv) * p.D;  // one slot: every KV head
+  const size_t head_bytes = kv_head_bytes(K, p.D);
+  const size_t slot_bytes = static_cast<size_t>(p.n_kv) * head_bytes;  // one slot: every KV head
   const float* q = p.q + static_cast<size_t>(t) * p.q_stride;
   std::fill(out, out + static_cast<size_t>(p.H) * p.D, 0.0f);
   const int32_t* table = p.block_tables + static_cast<size_t>(seq) * p.max_blocks;
   const int n = hi - lo + 1;
   scores.resize(static_cast<size_t>(p.H) * n);
-  auto row_of = [&](const float* pool, int j) {  // for the prefetch; the walk steps through blocks
+  auto row_of = [&](const uint8_t* pool, int j) {  // for the prefetch; the walk steps through blocks
     const size_t slot = static_cast<size_t>(table[j / p.block_size]) * p.block_size + j % p.block_size;
-    return pool + slot * row_size;
+    return pool + slot * slot_bytes;
   };
   // Calls f(i, row) for the i-th key of the range, row pointing at its slot in `pool`. Blocks are
   // scattered, which the hardware prefetcher does not follow: the slot kPrefetch keys ahead is
   // requested explicitly.
   constexpr int kPrefetch = 2;
-  auto for_each_key = [&](const float* pool, auto&& f) {
+  auto for_each_key = [&](const uint8_t* pool, auto&& f) {
     for (int j = lo; j <= hi;) {
       const int block = j / p.block_size;
       const int end = std::min(hi + 1, (block + 1) * p.block_size);
-      const float* base = pool + static_cast<size_t>(table[block]) * p.block_size * row_size;
+      const uint8_t* base = pool + static_cast<size_t>(table[block]) * p.block_size * slot_bytes;
       for (; j < end; ++j) {
         if (j + kPrefetch <= hi) {
           const char* ahead = reinterpret_cast<const char*>(row_of(pool, j + kPrefetch));
-          for (size_t b = 0; b < row_size * 4; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+          for (size_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
         }
-        f(j - lo, base + static_cast<size_t>(j % p.block_size) * row_size);
+        f(j - lo, base + static_cast<size_t>(j % p.block_size) * slot_bytes);
       }
     }
   };
   // Query head h = kv_head * rep + r reads KV head kv_head's row.
-  for_each_key(p.keys, [&](int i, const float* k) {
+  for_each_key(p.keys, [&](int i, const uint8_t* k) {
     for (int kv_head = 0, h = 0; kv_head < p.n_kv; ++kv_head) {
-      const float* k_head = k + static_cast<size_t>(kv_head) * p.D;
+      const uint8_t* k_head = k + kv_head * head_bytes;
       for (int r = 0; r < rep; ++r, ++h) {
-        float s = dot(q + static_cast<size_t>(h) * p.D, k_head, p.D) * p.scale;
+        float s = dot_row<K>(q + static_cast<size_t>(h) * p.D, k_head, p.D) * p.scale;
         if (p.softcap > 0.0f) s = std::tanh(s / p.softcap) * p.softcap;
         scores[static_cast<size_t>(h) * n + i] = s;
       }
@@ -110,11 +115,11 @@ void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float
     max_score[h] = m;
     total[h] = sum;
   }
-  for_each_key(p.values, [&](int i, const float* v) {
+  for_each_key(p.values, [&](int i, const uint8_t* v) {
     for (int kv_head = 0, h = 0; kv_head < p.n_kv; ++kv_head) {
-      const float* v_head = v + static_cast<size_t>(kv_head) * p.D;
+      const uint8_t* v_head = v + kv_head * head_bytes;
       for (int r = 0; r < rep; ++r, ++h) {
-        add_scaled(out + static_cast<size_t>(h) * p.D, v_head, scores[static_cast<size_t>(h) * n + i], p.D);
+        axpy_row<K>(out + static_cast<size_t>(h) * p.D, v_head, scores[static_cast<size_t>(h) * n + i], p.D);
       }
     }
   });
@@ -133,7 +138,14 @@ size_t partial_size(const AttentionArgs& p) { return static_cast<size_t>(p.H) * 
 void attend_chunk(const AttentionArgs& p, int t, KeyRange keys, int c, std::vector<float>& scores, float* at) {
   const KeyRange mine{keys.lo + c * kChunkKeys, std::min(keys.hi, keys.lo + (c + 1) * kChunkKeys - 1)};
   const size_t out_size = static_cast<size_t>(p.H) * p.D;
-  attend_keys(p, t, mine, scores, at, at + out_size, at + out_size + p.H);
+  float* max_score = at + out_size;
+  float* total = max_score + p.H;
+  switch (p.kv_type) {
+    case KVType::f32: attend_keys<KVType::f32>(p, t, mine, scores, at, max_score, total); break;
+    case KVType::f16: attend_keys<KVType::f16>(p, t, mine, scores, at, max_score, total); break;
+    case KVType::bf16: attend_keys<KVType::bf16>(p, t, mine, scores, at, max_score, total); break;
+    case KVType::i8: attend_keys<KVType::i8>(p, t, mine, scores, at, max_score, total); break;
+  }
 }
 
 // Token t's output rows [H, D] from its `chunks` partial results (consecutive at `first`), merged in
@@ -216,7 +228,7 @@ class PagedAttention : public mx::UnaryPrimitive {
     const mx::array& q = inputs[0];
     AttentionArgs p{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(),
                     q.shape(0), q.shape(1), q.shape(2), inputs[1].shape(1), inputs[3].shape(1), block_size_, window_,
-                    scale_, softcap_, static_cast<size_t>(q.shape(1)) * q.shape(2)};
+                    scale_, softcap_, static_cast<size_t>(q.shape(1)) * q.shape(2), kv_type(inputs[1])};
     encoder.dispatch([p, in = AttentionInputs(inputs)]() { in.attend(p); });
   }
 
@@ -255,10 +267,10 @@ mx::array paged_attention(
   if (q.ndim() != 3 || key_pool.ndim() != 3 || value_pool.shape() != key_pool.shape()) {
     throw std::invalid_argument("paged_attention: q must be [T, H, D] and the pools [slots, n_kv, D]");
   }
-  if (q.dtype() != mx::float32 || key_pool.dtype() != mx::float32 || value_pool.dtype() != mx::float32) {
-    throw std::invalid_argument("paged_attention: q and the pools must be float32");
+  if (q.dtype() != mx::float32 || value_pool.dtype() != key_pool.dtype()) {
+    throw std::invalid_argument("paged_attention: q must be float32 and the pools of one dtype");
   }
-  if (q.shape(2) != key_pool.shape(2) || q.shape(2) % 8 != 0 || q.shape(1) % key_pool.shape(1) != 0) {
+  if (q.shape(2) != kv_head_dim(key_pool) || q.shape(2) % 8 != 0 || q.shape(1) % key_pool.shape(1) != 0) {
     throw std::invalid_argument("paged_attention: head_dim must match and be a multiple of 8; H a multiple of n_kv");
   }
   const mx::Stream s = mx::default_stream(mx::Device::cpu);

@@ -3,16 +3,18 @@
 #include <vector>
 
 #include "mlx/mlx.h"
+#include "kv_format.h"
 #include "strided.h"
 
 namespace mlx_infer {
 
 // One attention call as plain memory: q rows [T] of q_stride floats, each starting with its [H, D]
-// heads (a row of a fused q/k/v product, or [T, H, D] itself); out [T, H, D]; pools [slots, n_kv, D].
+// heads (a row of a fused q/k/v product, or [T, H, D] itself); out [T, H, D]; pools [slots, n_kv] rows of
+// kv_type (kv_format.h: D values, int8 ones followed by their scale).
 struct AttentionArgs {
   const float* q;
-  const float* keys;
-  const float* values;
+  const uint8_t* keys;
+  const uint8_t* values;
   const int32_t* block_tables;
   const int32_t* context_lens;
   const int32_t* positions;
@@ -21,6 +23,7 @@ struct AttentionArgs {
   int T, H, D, n_kv, max_blocks, block_size, window;
   float scale, softcap;
   size_t q_stride;
+  KVType kv_type;
 };
 
 // The kernel behind paged_attention (same semantics, below), split over the thread pool.
@@ -30,7 +33,8 @@ void attend_all(const AttentionArgs& args);
 // token sequences), held by a dispatched task; attend() points args at them (row-major copies in
 // scratch where strided) and runs attend_all.
 struct AttentionInputs {
-  Input<float> q, keys, values;
+  Input<float> q;
+  RawInput keys, values;
   Input<int32_t> tables, lens, positions, seqs;
 
   explicit AttentionInputs(const std::vector<mlx::core::array>& inputs)
@@ -38,7 +42,8 @@ struct AttentionInputs {
         positions(inputs[5]), seqs(inputs[6]) {}
 
   void attend(AttentionArgs args) const {
-    std::vector<float> q_s, k_s, v_s;
+    std::vector<float> q_s;
+    std::vector<uint8_t> k_s, v_s;
     std::vector<int32_t> t_s, l_s, p_s, s_s;
     args.q = q.rows(q_s);
     args.keys = keys.rows(k_s);
@@ -51,7 +56,8 @@ struct AttentionInputs {
   }
 };
 
-// Attention of ragged queries q [T, H, D] over paged K/V pools [slots, n_kv_heads, D], all float32.
+// Attention of float32 ragged queries q [T, H, D] over paged K/V pools [slots, n_kv_heads, D] of float32,
+// float16 or bfloat16, or int8 pools [slots, n_kv_heads, D + 4] (kv_format.h), read where they lie.
 // Token t belongs to sequence token_seq[t] at position positions[t] and sees keys
 // j <= positions[t], j < context_lens[seq] (and j > positions[t] - window when window > 0), read
 // from slot block_tables[seq, j / block_size] * block_size + j % block_size. softcap > 0 applies
