@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from mlx_infer import blas
 from mlx_infer.engine.engine import Engine, EngineConfig
-from mlx_infer.engine.runner import activation_dtype, kv_bytes_per_token
+from mlx_infer.engine.runner import kv_bytes_per_token
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.loading import LoadedModel
 from mlx_infer.sampling import SamplingParams
@@ -62,8 +62,6 @@ def weights_label(model: nn.Module) -> str:
 def run(
     lm: LoadedModel, prompt_len: int, gen_len: int, repeats: int, batches: list[int], seed: int = 0
 ) -> list[Result]:
-    dtype = activation_dtype(lm.model)
-    per_token_kv = kv_bytes_per_token(lm.model, dtype)
     weight_bytes = weight_bytes_per_step(lm.model)
     label = weights_label(lm.model)
     rng = np.random.default_rng(seed)
@@ -71,6 +69,7 @@ def run(
     for b in batches:
         engine = _engine(lm, b, prompt_len, gen_len)
         _generate(engine, rng, lm, b, min(prompt_len, 32), min(gen_len, 4))  # warm-up: first-call costs
+        per_token_kv = kv_bytes_per_token(lm.model, engine.kv_dtype)  # the pool as allocated
         result = Result(
             "mlx-infer", label, b, weight_bytes=weight_bytes, kv_bytes_per_token=per_token_kv,
             decode_context=prompt_len + gen_len / 2,

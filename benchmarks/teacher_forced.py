@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
-from mlx_infer.engine.runner import ModelRunner, activation_dtype
+from mlx_infer.engine.runner import ModelRunner, activation_dtype, kv_pool_dtype
 from mlx_infer.kv.manager import KVCacheManager
 
 BLOCK_SIZE = 16
@@ -20,11 +20,12 @@ SEQ = "teacher-forced"
 
 
 class DecodePath:
-    """One sequence of up to ``max_tokens`` tokens, decoded a token a step; its own KV pool."""
+    """One sequence of up to ``max_tokens`` tokens, decoded a token a step; its own KV pool, of
+    ``--kv-cache-dtype`` ``kv_cache_dtype`` (``auto``: what the engine stores by default)."""
 
-    def __init__(self, model: nn.Module, max_tokens: int):
+    def __init__(self, model: nn.Module, max_tokens: int, kv_cache_dtype: str = "auto"):
         self.kv = KVCacheManager(-(-max_tokens // BLOCK_SIZE), BLOCK_SIZE, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, self.kv, activation_dtype(model))
+        self.runner = ModelRunner(model, self.kv, kv_pool_dtype(kv_cache_dtype, activation_dtype(model)))
         self.tokens: list[int] = []
 
     def step(self, token: int) -> mx.array:

@@ -29,7 +29,7 @@ class PipelineShard:
     start: int  # this rank's layers are [start, stop) of the full model
     stop: int
     hidden_size: int
-    dtype: mx.Dtype  # the activations' dtype (also the KV cache dtype)
+    dtype: mx.Dtype  # the activations' dtype (the KV cache's follows from it: runner.kv_pool_dtype)
     traffic: Traffic = field(default_factory=Traffic)
 
     @property

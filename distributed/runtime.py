@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_infer.engine.engine import Engine, EngineConfig, pool_num_blocks
-from mlx_infer.engine.runner import kv_bytes_per_token, prepare_for_cpu
+from mlx_infer.engine.runner import kv_bytes_per_token, kv_pool_dtype, prepare_for_cpu
 from mlx_infer.errors import DistributedError
 from mlx_infer.kv.memory import device_memory_bytes
 from mlx_infer.kv.pages import allocate_pools
@@ -107,8 +107,9 @@ class Session:
         n_kv_heads, head_dim = model.kv_shape()
         # Resident only where written, as rank 0's pools (kv/pages.py); a follower never releases.
         config = self.config
+        kv_dtype = kv_pool_dtype(config.kv_cache_dtype, self.shard.dtype)  # as rank 0's engine resolves it
         cache = allocate_pools(
-            len(model.layers), config.num_blocks, config.block_size, n_kv_heads, head_dim, self.shard.dtype
+            len(model.layers), config.num_blocks, config.block_size, n_kv_heads, head_dim, kv_dtype
         )
         try:
             while (step := self.channel.receive()) is not None:
@@ -149,7 +150,8 @@ def open_session(
     if isinstance(shard, PipelineShard):
         log.info("rank %d: layers %d-%d of the model", group.rank(), shard.start, shard.stop - 1)
     context = min(loaded.max_context, config.max_context or loaded.max_context)
-    per_token = kv_bytes_per_token(loaded.model, shard.dtype)  # this rank's share of the KV
+    kv_dtype = kv_pool_dtype(config.kv_cache_dtype, shard.dtype)
+    per_token = kv_bytes_per_token(loaded.model, kv_dtype)  # this rank's share of the KV
     num_blocks = config.num_blocks or pool_num_blocks(config, context, per_token)
     # Rank 0's block tables index every pool: all ranks take the smallest pool any of them can hold.
     num_blocks = int(mx.distributed.all_min(mx.array([num_blocks]), group=group).item())

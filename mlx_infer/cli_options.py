@@ -11,6 +11,7 @@ from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.errors import DistributedError, InvalidRequest
 from mlx_infer.loading import LoadedModel
+from mlx_infer.plan.planner import KV_CACHE_DTYPES, check_kv_dtype
 from mlx_infer.sampling import SamplingParams
 
 # The choices users are offered of cpu_kernels.ACTIVATIONS (int8-avx2 is a test/benchmark setting).
@@ -52,6 +53,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int) -> 
         metavar="GIB",
         help="most memory the KV pool may grow to, in GiB (default: 25%% of free device memory, at "
         "most 8 GiB and at most max-num-seqs full contexts)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        metavar="|".join(KV_CACHE_DTYPES),
+        help="what the KV cache stores: int8 holds 3.8x the tokens of float32 at head_dim 64 (one "
+        "scale per token and head), float16 2x (default: auto, float16 on the CPU backend, the "
+        "model's dtype on Metal)",
     )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument(
@@ -100,9 +109,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     for flag, value in positive.items():
         if value <= 0:
             raise InvalidRequest(f"{flag} must be positive, not {value}")
+    check_kv_dtype(args.kv_cache_dtype)
     return EngineConfig(
         block_size=args.block_size,
         kv_memory=args.kv_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         # serve's flag; one-shot commands never idle with a request pending
         kv_idle_release=getattr(args, "kv_idle_release", EngineConfig.kv_idle_release),

@@ -110,7 +110,7 @@ def results(out: str) -> dict[int, dict]:
     return found
 
 
-def worker_args(model: Path, prompt: str, max_tokens: int, raw: bool) -> list[str]:
+def worker_args(model: Path, prompt: str, max_tokens: int, raw: bool, *extra: str) -> list[str]:
     args = [
         "python",
         "-m",
@@ -122,14 +122,15 @@ def worker_args(model: Path, prompt: str, max_tokens: int, raw: bool) -> list[st
         "--max-tokens",
         str(max_tokens),
     ]
-    return args + (["--no-chat-template", "--ignore-eos"] if raw else [])
+    return args + (["--no-chat-template", "--ignore-eos"] if raw else []) + list(extra)
 
 
 def launched(
     hosts: str, strategy: str, model: Path, prompt: str, max_tokens: int, raw: bool, *extra: str,
-    env: dict = ENV,
+    env: dict = ENV, worker: tuple[str, ...] = (),
 ) -> dict[int, dict]:
-    """Each rank's ``RESULT`` of a launched worker run (rank 0's holds the tokens)."""
+    """Each rank's ``RESULT`` of a launched worker run (rank 0's holds the tokens); ``extra``: launch's
+    arguments, ``worker``: the worker's."""
     done = run_launch(
         "--hosts",
         hosts,
@@ -139,7 +140,7 @@ def launched(
         strategy,
         *extra,
         "--",
-        *worker_args(model, prompt, max_tokens, raw),
+        *worker_args(model, prompt, max_tokens, raw, *worker),
         env=env,
     )
     assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
@@ -531,6 +532,23 @@ def test_every_architecture_shards_to_the_same_logits(tmp_path: Path):
 def test_tensor_parallel_greedy_equals_one_process(tiny_tp, hosts: str):
     folder, expected = tiny_tp
     assert launched_tokens(hosts, "tensor", folder, TINY_PROMPT, len(expected), True) == expected
+
+
+def test_pipeline_with_int8_kv_equals_one_process(tiny_tp):
+    """--kv-cache-dtype reaches every rank (each parses the worker's flags): rank 0's engine and the
+    followers' pools are int8, and the greedy tokens are one process's with int8 KV."""
+    folder, _ = tiny_tp
+    kv = ("--kv-cache-dtype", "int8")
+    one = subprocess.run(
+        [PY, *worker_args(folder, TINY_PROMPT, 12, True, *kv)[1:]], capture_output=True, text=True,
+        timeout=150, env=ENV, cwd=TESTS.parent,
+    )
+    assert one.returncode == 0 and "KV cache: int8, " in one.stderr, one.stderr[-2000:]
+    done = run_launch("--hosts", "127.0.0.1,127.0.0.1", "--port", str(free_port()), "--strategy", "pipeline",
+                      "--", *worker_args(folder, TINY_PROMPT, 12, True, *kv))
+    assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
+    assert "KV cache: int8, " in done.stdout + done.stderr
+    assert results(done.stdout)[0]["tokens"] == results(one.stdout)[0]["tokens"]
 
 
 @pytest.mark.slow

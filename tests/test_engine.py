@@ -29,11 +29,14 @@ def references(model):
     return [greedy_reference(model, p, 12) for p in PROMPTS]
 
 
-def make_engine(model, num_blocks=64, block_size=4, budget=512, max_seqs=32, prefix=True) -> Engine:
+def make_engine(
+    model, num_blocks=64, block_size=4, budget=512, max_seqs=32, prefix=True, kv_cache_dtype="auto"
+) -> Engine:
     config = EngineConfig(
         block_size=block_size,
         num_blocks=num_blocks,
         enable_prefix_caching=prefix,
+        kv_cache_dtype=kv_cache_dtype,
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
     )
     return Engine(model, CharTokenizer(), 256, config)
@@ -165,7 +168,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(model):
 
 
 def test_logprobs_match_log_softmax(model):
-    out = run_all(make_engine(model), [PROMPTS[0]], [SamplingParams(max_tokens=1, logprobs=3)])[0][0]
+    # The oracle's cache is float32: so is the engine's here, for logprobs equal to 1e-4.
+    engine = make_engine(model, kv_cache_dtype="float32")
+    out = run_all(engine, [PROMPTS[0]], [SamplingParams(max_tokens=1, logprobs=3)])[0][0]
     logits = full_forward_logits(model, PROMPTS[0]).astype(mx.float32)
     expected = np.array(logits - mx.logsumexp(logits))
     entry = out.logprobs[0]

@@ -20,6 +20,7 @@ from engine_helpers import CharTokenizer, tiny_llama
 from server_helpers import LiveServer, wait_for_idle
 
 from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
+from mlx_infer.engine.runner import activation_dtype, kv_bytes_per_token, kv_pool_dtype
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.kv.block_pool import BlockPool
 from mlx_infer.kv.pages import drop_pages, pages_droppable
@@ -38,6 +39,11 @@ def rss_bytes(pid: int | str = "self") -> int:
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama()
+
+
+def default_bytes_per_token(model) -> int:
+    """K and V bytes a token takes in the pool the engine allocates by default (--kv-cache-dtype auto)."""
+    return kv_bytes_per_token(model, kv_pool_dtype("auto", activation_dtype(model)))
 
 
 def make_engine(model, num_blocks: int, chunk_tokens: int, block_size: int = 4, idle: float = 60.0) -> Engine:
@@ -99,7 +105,7 @@ def test_dropped_pages_read_zero_and_leave_the_rest():
 @needs_droppable_pages
 def test_pool_memory_is_resident_only_where_written(model):
     """A 256 MiB budget costs nothing until blocks are written, and what was written goes back when idle."""
-    per_token = 2 * len(model.layers) * 2 * 16 * 4  # K and V, 2 KV heads of 16 floats
+    per_token = default_bytes_per_token(model)
     num_blocks = 256 * 2**20 // (16 * per_token)
     before = rss_bytes()
     engine = make_engine(model, num_blocks, chunk_tokens=256, block_size=16, idle=0)
@@ -176,8 +182,9 @@ def test_growth_during_decode_copies_nothing(model):
 
     fixed_time, _, _ = measure(64 * 256 * 16)
     grow_time, grow_mem, grown = measure(16)  # a chunk of one block: a new one every 16 tokens
-    pool_bytes = 64 * 256 * 16 * 2 * 2 * 16 * 4 * len(model.layers)
-    assert grown >= 2 * 16 * 2 * 2 * 16 * 4 * len(model.layers)  # at least two chunks reserved while decoding
+    per_token = default_bytes_per_token(model)
+    pool_bytes = 64 * 256 * 16 * per_token
+    assert grown >= 2 * 16 * per_token  # at least two chunks reserved while decoding
     assert grow_mem < pool_bytes / 20, (grow_mem, pool_bytes)
     assert grow_time < fixed_time * 2 + 0.005, (fixed_time, grow_time)
 

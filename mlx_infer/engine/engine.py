@@ -16,7 +16,14 @@ import mlx.nn as nn
 
 from mlx_infer.constraints import ConstraintState, batch_mask, compile_constraint
 from mlx_infer.engine.request import PENDING_TOKEN, Request, RequestOutput, Status, TokenLogprob
-from mlx_infer.engine.runner import InFlight, ModelRunner, activation_dtype, kv_bytes_per_token
+from mlx_infer.engine.runner import (
+    InFlight,
+    ModelRunner,
+    activation_dtype,
+    dtype_name,
+    kv_bytes_per_token,
+    kv_pool_dtype,
+)
 from mlx_infer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from mlx_infer.engine.stop import StopMatcher
 from mlx_infer.errors import ContextTooLong, EngineFailure, InvalidRequest, RequestFailed
@@ -32,6 +39,7 @@ class EngineConfig:
     block_size: int = 16
     kv_memory: float | None = None  # GiB for the KV pool; None: a fraction of what the device has
     num_blocks: int | None = None  # exact pool size (tests); overrides kv_memory
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: auto, float32, float16, bfloat16 or int8
     enable_prefix_caching: bool = True
     kv_chunk_tokens: int = 1024  # the pool grows and shrinks by this many tokens' blocks
     kv_idle_release: float = 300.0  # seconds idle before the pool's memory is given back (Ollama's 5 min)
@@ -73,7 +81,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.max_context = min(max_context, self.config.max_context or max_context)
-        dtype = activation_dtype(model)
+        dtype = kv_pool_dtype(self.config.kv_cache_dtype, activation_dtype(model))
         per_token = kv_bytes_per_token(model, dtype)
         num_blocks = self.config.num_blocks or pool_num_blocks(self.config, self.max_context, per_token)
         bs = self.config.block_size
@@ -89,7 +97,9 @@ class Engine:
         self._in_flight: InFlight | None = None
         self.pool_tokens = num_blocks * self.config.block_size
         self.sequence_limit = min(self.max_context, self.pool_tokens)  # most tokens one sequence holds
-        log.info(describe_pool(self.kv.pool, bs, self.kv_block_bytes, dtype, self.config.kv_idle_release))
+        self.kv_dtype = dtype
+        idle_release = self.config.kv_idle_release
+        log.info(describe_pool(self.kv.pool, bs, self.kv_block_bytes, dtype_name(dtype), idle_release))
 
     # ---- requests in -------------------------------------------------------------------------
     def new_request_id(self) -> str:

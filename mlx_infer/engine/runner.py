@@ -19,19 +19,32 @@ from mlx_infer.kv.pages import allocate_pools, drop_blocks
 from mlx_infer.loading.policy import cpu_backend
 from mlx_infer.models.fused import fuse_projections
 from mlx_infer.models.native_block import native_blocks
+from mlx_infer.plan import planner
 from mlx_infer.sampling import SampleResult, SamplerRow, sample
 
 log = logging.getLogger("mlx_infer")
 
 
 def activation_dtype(model: nn.Module) -> mx.Dtype:
-    """The dtype the model computes in (and so the KV cache dtype): what its embedding yields."""
+    """The dtype the model computes in: what its embedding yields."""
     return model.embed(mx.array([0])).dtype
 
 
+def kv_pool_dtype(choice: str, compute: mx.Dtype) -> mx.Dtype:
+    """The KV pools' dtype for ``--kv-cache-dtype`` ``choice`` and the model's compute dtype, by the
+    planner's rule (``auto``: float16 on the CPU backend, the compute dtype on Metal)."""
+    return getattr(mx, planner.resolve_kv_dtype(choice, planner.backend_name(), dtype_name(compute)))
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """``mx.float16`` -> ``"float16"``."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
 def kv_bytes_per_token(model: nn.Module, dtype: mx.Dtype) -> int:
+    """K and V bytes of one token over every layer in pools of ``dtype`` (int8 rows carry a scale)."""
     n_kv_heads, head_dim = model.kv_shape()
-    return 2 * len(model.layers) * n_kv_heads * head_dim * dtype.size
+    return planner.kv_bytes_per_token(len(model.layers), n_kv_heads, head_dim, dtype_name(dtype))
 
 
 @dataclass
@@ -60,11 +73,11 @@ def prepare_for_cpu(model: nn.Module) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv: KVCacheManager, dtype: mx.Dtype):
+    def __init__(self, model: nn.Module, kv: KVCacheManager, kv_dtype: mx.Dtype):
         prepare_for_cpu(model)
         self.model = model
         self.kv = kv
-        self.dtype = dtype
+        self.kv_dtype = kv_dtype
         self.allocate_pools()
 
     def allocate_pools(self) -> None:
@@ -73,7 +86,7 @@ class ModelRunner:
         whichever thread runs it."""
         n_kv_heads, head_dim = self.model.kv_shape()
         layers, blocks, block_size = len(self.model.layers), self.kv.pool.num_blocks, self.kv.block_size
-        self.cache = allocate_pools(layers, blocks, block_size, n_kv_heads, head_dim, self.dtype)
+        self.cache = allocate_pools(layers, blocks, block_size, n_kv_heads, head_dim, self.kv_dtype)
 
     def release_idle_memory(self) -> int:
         """Unreserve the pool's unreferenced top chunks, forget the free blocks of the others, and give

@@ -51,15 +51,17 @@ class PoolMemory:
 
 
 def describe_pool(
-    pool: BlockPool, block_size: int, block_bytes: int, dtype: mx.Dtype, idle_release: float
+    pool: BlockPool, block_size: int, block_bytes: int, dtype: str, idle_release: float
 ) -> str:
-    """The startup line: the budget, what is reserved now, how the pool grows and when it shrinks."""
+    """The startup line: the KV dtype, the budget and the tokens that fit it, what is reserved now, how
+    the pool grows and when it shrinks."""
     mib = 2**20
     memory = PoolMemory.of(pool, block_bytes)
     chunk = pool.chunk_blocks
     line = (
-        f"KV cache: budget {memory.budget / mib:.1f} MiB = {pool.num_blocks} blocks of {block_size} tokens "
-        f"= {pool.num_blocks * block_size} tokens ({dtype}); reserved {memory.reserved / mib:.1f} MiB, "
+        f"KV cache: {dtype}, {block_bytes // block_size} B a token; budget {memory.budget / mib:.1f} MiB "
+        f"= {pool.num_blocks} blocks of {block_size} tokens = {pool.num_blocks * block_size} tokens; "
+        f"reserved {memory.reserved / mib:.1f} MiB, "
         f"grows in chunks of {chunk * block_size} tokens ({chunk * block_bytes / mib:.1f} MiB), "
         f"memory given back after {idle_release:g} s idle"
     )

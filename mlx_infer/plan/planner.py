@@ -72,12 +72,16 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str
     return 2 * n_layers * n_kv_heads * head_dim * FLOAT_BYTES[dtype]
 
 
-def resolve_kv_dtype(choice: str, backend: str, compute_dtype: str) -> str:
-    """``auto``: float16 on the CPU backend, the model's compute dtype on Metal."""
+def check_kv_dtype(choice: str) -> None:
     if choice not in KV_CACHE_DTYPES:
         raise InvalidRequest(
             f"unknown --kv-cache-dtype {choice!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
         )
+
+
+def resolve_kv_dtype(choice: str, backend: str, compute_dtype: str) -> str:
+    """``auto``: float16 on the CPU backend, the model's compute dtype on Metal."""
+    check_kv_dtype(choice)
     if choice != "auto":
         return choice
     return "float16" if backend == "cpu" else compute_dtype
