@@ -10,8 +10,11 @@ negative log-likelihood of the actual next token (perplexity). By default the fi
 are one sequence and every position is scored; ``--chunk C`` scores as ``llama-perplexity -c C`` does:
 chunks of C tokens, each from an empty cache, only the second half of each scored, until about
 ``--tokens`` positions are.
+The lossy options are the activation kinds of the native CPU kernels and the KV cache dtypes
+(``--kv-cache-dtype float16|bfloat16|int8``), each alone, and the defaults together.
 ``--compare llama.cpp`` runs ``llama-perplexity --kl-divergence`` of the same GGUF against an F32 GGUF
-of its weights on the same text, llama.cpp's own measure of its 8-bit activations. See README.md.
+of its weights on the same text, llama.cpp's own measure of its 8-bit activations, and of the F32 GGUF
+with ``-ctk q8_0 -ctv q8_0``, its 8-bit KV cache alone. See README.md.
 """
 
 from __future__ import annotations
@@ -59,13 +62,18 @@ class Option:
 
     name: str
     activations: str = "float32"  # cpu_kernels.set_activations kind of the decode matvecs
+    kv_cache_dtype: str = "float32"  # --kv-cache-dtype of the path's KV pool
 
 
-EXACT = Option("exact (float32 activations)")
+EXACT = Option("exact (float32 activations and KV)")
 OPTIONS = (
-    Option("int8 activations (default)", activations="int8"),
+    Option("int8 activations (default --cpu-activations)", activations="int8"),
     Option("int8 activations, AVX2 kernel", activations="int8-avx2"),
     Option("int16 activations (--cpu-activations int16)", activations="int16"),
+    Option("float16 KV (default --kv-cache-dtype on CPU)", kv_cache_dtype="float16"),
+    Option("bfloat16 KV (--kv-cache-dtype bfloat16)", kv_cache_dtype="bfloat16"),
+    Option("int8 KV (--kv-cache-dtype int8)", kv_cache_dtype="int8"),
+    Option("defaults: int8 activations, float16 KV", activations="int8", kv_cache_dtype="float16"),
 )
 
 
@@ -125,8 +133,8 @@ def measure(model, windows: list[list[int]], options: list[Option], skip: int = 
     distribution is compared at once and never stored for the whole text.
     """
     longest = max(len(w) for w in windows)
-    exact = DecodePath(model, longest)
-    paths = [DecodePath(model, longest) for _ in options]
+    exact = DecodePath(model, longest, EXACT.kv_cache_dtype)
+    paths = [DecodePath(model, longest, o.kv_cache_dtype) for o in options]
     rows = [_Rows([], [], []) for _ in options]
     nll_exact: list[np.ndarray] = []
     for window in windows:
@@ -179,13 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     results = measure(lm.model, windows, options, skip=args.chunk // 2 if args.chunk else 0)
     kernels = {o.name: _kernel(o) for o in options}
 
-    llama, skipped = None, []
+    llama: list[tuple[str, peers.LlamaQuality]] = []
+    skipped = []
     if "llama.cpp" in args.compare:
         try:
             llama, why = _run_llama(lm.source, args)
         except (RuntimeError, OSError) as e:
-            llama, why = None, f"failed: {e}"
-        if llama is None:
+            llama, why = [], f"failed: {e}"
+        if not llama:
             skipped.append(f"llama.cpp: {why}")
 
     _print_table(console, results, kernels, llama, same_positions=bool(args.chunk))
@@ -258,22 +267,23 @@ def _kernel(option: Option) -> str:
         return cpu_kernels.activations()
 
 
-def _run_llama(gguf: str, args: argparse.Namespace) -> tuple[peers.LlamaQuality | None, str]:
+def _run_llama(gguf: str, args: argparse.Namespace) -> tuple[list[tuple[str, peers.LlamaQuality]], str]:
+    """llama.cpp's (option, quality) rows, or none and why."""
     if not gguf.endswith(".gguf"):
-        return None, "llama.cpp needs a .gguf model"
+        return [], "llama.cpp needs a .gguf model"
     tools = [peers.find_llama_tool(name, args.llama_dir) for name in ("llama-perplexity", "llama-quantize")]
     if None in tools:
-        return None, "llama-perplexity/llama-quantize not found (put them on PATH or pass --llama-dir DIR)"
+        return [], "llama-perplexity/llama-quantize not found (put them on PATH or pass --llama-dir DIR)"
     ctx = args.chunk or LLAMA_CTX
     chunks = _chunk_count(ctx, args.tokens)
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
-        result = peers.run_llama_kld(*tools, gguf, args.text, ctx, chunks, args.threads, Path(tmp))
-    return result, ""
+        activations, kv = peers.run_llama_kld(*tools, gguf, args.text, ctx, chunks, args.threads, Path(tmp))
+    return [("8-bit activations", activations), ("q8_0 KV (-ctk q8_0 -ctv q8_0)", kv)], ""
 
 
 def _print_table(
-    console: Console, results: dict[str, Quality], kernels: dict[str, str], llama: peers.LlamaQuality | None,
-    same_positions: bool,
+    console: Console, results: dict[str, Quality], kernels: dict[str, str],
+    llama: list[tuple[str, peers.LlamaQuality]], same_positions: bool,
 ) -> None:
     table = Table(title="quality against the exact path, teacher-forced, one token a step")
     for name in ("engine", "option", "kernel", "tokens", "mean KL", "p99 KL", "max KL", "top-1", "PPL exact",
@@ -283,14 +293,14 @@ def _print_table(
         table.add_row("mlx-infer", name, kernels[name], str(q.tokens), f"{q.kl_mean:.4f}",
                       f"{q.kl_p99:.4f}", f"{q.kl_max:.4f}", f"{q.top1_agreement:.1%}", f"{q.ppl_source:.3f}",
                       f"{q.ppl_output:.3f}")
-    if llama is not None:
-        table.add_row("llama.cpp", f"8-bit activations (vs F32 GGUF, -c {llama.ctx})", "", str(llama.tokens),
-                      f"{llama.kl_mean:.4f}", f"{llama.kl_p99:.4f}", f"{llama.kl_max:.4f}",
-                      f"{llama.same_top:.1%}", f"{llama.ppl_base:.3f}", f"{llama.ppl:.3f}")
+    for option, q in llama:
+        table.add_row("llama.cpp", f"{option} (vs F32 GGUF, -c {q.ctx})", "", str(q.tokens),
+                      f"{q.kl_mean:.4f}", f"{q.kl_p99:.4f}", f"{q.kl_max:.4f}", f"{q.same_top:.1%}",
+                      f"{q.ppl_base:.3f}", f"{q.ppl:.3f}")
     console.print(table)
     console.print("KL(exact || option) in nats per position; top-1: the argmax tokens agree (llama.cpp: "
                   "'Same top p')")
-    if llama is not None and not same_positions:
+    if llama and not same_positions:
         console.print("llama.cpp scored the second half of each chunk, mlx-infer every position from the "
                       "start: pass --chunk to score the same positions")
 
@@ -305,8 +315,7 @@ def _write_json(path: Path, args, results, kernels, llama, skipped: list[str]) -
                     for name, q in results.items()],
         "skipped": skipped,
     }
-    if llama is not None:
-        data["results"].append(dict(vars(llama), engine="llama.cpp", option="8-bit activations"))
+    data["results"] += [dict(vars(q), engine="llama.cpp", option=option) for option, q in llama]
     path.write_text(json.dumps(data, indent=2))
 
 

@@ -201,16 +201,22 @@ def f32_gguf(quantize: str, gguf: str) -> Path:
     return dest
 
 
+LLAMA_Q8_KV = ("-ctk", "q8_0", "-ctv", "q8_0")  # llama.cpp's 8-bit KV cache (a scale per 32 values)
+
+
 def run_llama_kld(
     perplexity: str, quantize: str, gguf: str, text: Path, ctx: int, chunks: int, threads: int, workdir: Path
-) -> LlamaQuality:
-    """Base logits from the F32 GGUF over ``chunks`` chunks of ``ctx`` tokens of ``text``, then ``gguf``
-    scored against them (``--kl-divergence-base`` then ``--kl-divergence``)."""
+) -> tuple[LlamaQuality, LlamaQuality]:
+    """Base logits from the F32 GGUF over ``chunks`` chunks of ``ctx`` tokens of ``text``, then scored
+    against them (``--kl-divergence-base`` then ``--kl-divergence``): ``gguf`` (its 8-bit activations),
+    and the F32 GGUF itself with a q8_0 KV cache (the KV cache's loss alone)."""
     base = workdir / "kld-base.bin"
+    f32 = str(f32_gguf(quantize, gguf))
     common = ["-c", str(ctx), "--chunks", str(chunks), "-t", str(threads), "--kl-divergence-base", str(base)]
-    _run_tool([perplexity, "-m", str(f32_gguf(quantize, gguf)), "-f", str(text), *common], "llama-perplexity")
-    out = _run_tool([perplexity, "-m", gguf, "--kl-divergence", *common], "llama-perplexity")
-    return parse_kld(out, ctx)
+    _run_tool([perplexity, "-m", f32, "-f", str(text), *common], "llama-perplexity")
+    activations = _run_tool([perplexity, "-m", gguf, "--kl-divergence", *common], "llama-perplexity")
+    kv = _run_tool([perplexity, "-m", f32, "--kl-divergence", *LLAMA_Q8_KV, *common], "llama-perplexity")
+    return parse_kld(activations, ctx), parse_kld(kv, ctx)
 
 
 def parse_kld(output: str, ctx: int) -> LlamaQuality:

@@ -74,6 +74,16 @@ def test_an_option_that_changes_nothing_measures_exactly_zero() -> None:
     assert q.kl_mean == q.kl_max == 0.0 and q.top1_agreement == 1.0 and q.ppl_source == q.ppl_output
 
 
+def test_kv_cache_options_measure_their_pools_loss() -> None:
+    """Each KV option's path decodes over a pool of its dtype: a loss above 0, larger for coarser rows."""
+    model = make_tiny_llama(0)
+    windows = [[1, 5, 9, 3, 7, 7, 2, 40, 11, 5, 6, 8, 9, 60, 1, 2, 3, 4, 5]]
+    kv = [bench_quality.Option(d, kv_cache_dtype=d) for d in ("float16", "bfloat16", "int8")]
+    q = bench_quality.measure(model, windows, kv)
+    assert 0 < q["float16"].kl_mean < q["bfloat16"].kl_mean and 0 < q["int8"].kl_mean
+    assert all(r.kl_mean < 0.05 for r in q.values())
+
+
 class _WordTokenizer:
     """Token i for the word "w{i}"; BOS (id 1) in front when asked for special tokens."""
 
@@ -118,6 +128,8 @@ def test_bench_quality_smoke(smollm2_path: Path, tmp_path: Path) -> None:
     assert "quality against the exact path" in proc.stdout
     data = json.loads(out.read_text())
     assert data["machine"]["cpus"] >= 1 and data["skipped"][0].startswith("llama.cpp: ")
-    [row] = [r for r in data["results"] if r["option"] == "int8 activations (default)"]
+    [row] = [r for r in data["results"] if r["option"] == "int8 activations (default --cpu-activations)"]
     assert row["tokens"] == 23 and row["kernel"].startswith("int8")
     assert 0 < row["kl_mean"] < 1 and 0.5 < row["top1_agreement"] <= 1
+    [kv] = [r for r in data["results"] if r["option"] == "int8 KV (--kv-cache-dtype int8)"]
+    assert kv["kernel"] == "float32" and 0 < kv["kl_mean"] < 1 and 0.5 < kv["top1_agreement"] <= 1
