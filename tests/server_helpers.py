@@ -12,8 +12,9 @@ from pathlib import Path
 
 import httpx
 
-# SmolLM2-135M computes in float32: 30 layers x (K and V) x 3 KV heads x 64 dims x 4 bytes.
-SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
+# SmolLM2-135M's KV pool in the CPU backend's default float16 (--kv-cache-dtype auto):
+# 30 layers x (K and V) x 3 KV heads x 64 dims x 2 bytes.
+SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
 
 
 def free_port() -> int:
