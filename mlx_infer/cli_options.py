@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from mlx_infer import cpu_kernels
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.scheduler import SchedulerConfig
+from mlx_infer.engine.speculative import METHODS, SpeculativeConfig
 from mlx_infer.errors import DistributedError, InvalidRequest
 from mlx_infer.loading import LoadedModel
 from mlx_infer.sampling import SamplingParams
@@ -81,6 +82,32 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int) -> 
         f"${cpu_kernels.ACTIVATIONS_ENV_VAR}, else int8)",
     )
 
+    spec = SpeculativeConfig()
+    g.add_argument(
+        "--speculative",
+        choices=METHODS,
+        default=None,
+        help="speculative decoding: ngram proposes what followed the latest match of the text's last "
+        "tokens in the prompt and output (prompt lookup), verified by the model in the same batched "
+        "step; the output is the model's own (default: off)",
+    )
+    g.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=spec.num_draft_tokens,
+        metavar="K",
+        help="most tokens proposed per sequence and step; each sequence adapts its own from its "
+        f"acceptance (default: {spec.num_draft_tokens})",
+    )
+    g.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=spec.max_batch,
+        metavar="N",
+        help="speculate only while at most N sequences are running: verifying costs compute that "
+        f"larger batches already use (default: {spec.max_batch})",
+    )
+
 
 def apply_cpu_activations(args: argparse.Namespace) -> None:
     """``--cpu-activations`` for the products this process computes from now on (it overrides
@@ -109,6 +136,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_context=args.max_context,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+        speculative=SpeculativeConfig(
+            method=args.speculative,
+            num_draft_tokens=args.num_draft_tokens,
+            max_batch=args.speculative_max_batch,
         ),
     )
 

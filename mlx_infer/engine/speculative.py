@@ -36,6 +36,8 @@ class SpeculativeConfig:
             raise InvalidRequest(f"--speculative must be one of {', '.join(METHODS)}, not {self.method!r}")
         if self.num_draft_tokens < 1:
             raise InvalidRequest(f"--num-draft-tokens must be at least 1, not {self.num_draft_tokens}")
+        if self.max_batch < 1:
+            raise InvalidRequest(f"--speculative-max-batch must be at least 1, not {self.max_batch}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidRequest("the n-gram lengths must satisfy 1 <= min <= max")
 
