@@ -88,8 +88,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int) -> 
         choices=METHODS,
         default=None,
         help="speculative decoding: ngram proposes what followed the latest match of the text's last "
-        "tokens in the prompt and output (prompt lookup), verified by the model in the same batched "
-        "step; the output is the model's own (default: off)",
+        "tokens in the prompt and output (prompt lookup), draft what --draft-model predicts; the model "
+        "verifies them in the same batched step, so the output is its own (default: off)",
+    )
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="the draft model for --speculative draft (implies it): a small model with the same "
+        "tokenizer, as for --model",
     )
     g.add_argument(
         "--num-draft-tokens",
@@ -116,6 +123,18 @@ def apply_cpu_activations(args: argparse.Namespace) -> None:
         cpu_kernels.set_activations(args.cpu_activations)
 
 
+def speculative_method(args: argparse.Namespace) -> str | None:
+    """``--speculative``, with ``--draft-model`` implying ``draft`` (as in mlx-lm)."""
+    method = args.speculative
+    if args.draft_model is not None:
+        if method not in (None, "draft"):
+            raise InvalidRequest(f"--draft-model goes with --speculative draft, not {method}")
+        return "draft"
+    if method == "draft":
+        raise InvalidRequest("--speculative draft needs --draft-model")
+    return method
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     positive = {
         "--block-size": args.block_size,
@@ -138,7 +157,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),
         speculative=SpeculativeConfig(
-            method=args.speculative,
+            method=speculative_method(args),
             num_draft_tokens=args.num_draft_tokens,
             max_batch=args.speculative_max_batch,
         ),
@@ -197,8 +216,19 @@ def open_engine(args: argparse.Namespace) -> Iterator[tuple[LoadedModel, Engine]
     group = init_group()
     if group is None:
         loaded = load(args.model, keep_quantized=keep_quantized)
-        yield loaded, Engine(loaded.model, loaded.tokenizer, loaded.max_context, config)
+        draft = None
+        if config.speculative.method == "draft":
+            draft = load(args.draft_model, keep_quantized=keep_quantized)
+            if draft.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
+                raise InvalidRequest(
+                    f"the draft model's vocabulary ({draft.tokenizer.vocab_size} tokens) is not the "
+                    f"model's ({loaded.tokenizer.vocab_size}): they must share a tokenizer"
+                )
+        model = draft.model if draft is not None else None
+        yield loaded, Engine(loaded.model, loaded.tokenizer, loaded.max_context, config, draft_model=model)
         return
+    if config.speculative.method == "draft":
+        raise InvalidRequest("--speculative draft is not supported across several processes")
     session = open_session(args.model, group, config, keep_quantized=keep_quantized)
     if session.rank != 0:
         session.follow()

@@ -17,7 +17,13 @@ from engine_helpers import CharTokenizer, tiny_llama
 
 from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
 from mlx_infer.engine.scheduler import SchedulerConfig
-from mlx_infer.engine.speculative import SpecState, SpeculativeConfig, accepted_length, ngram_propose
+from mlx_infer.engine.speculative import (
+    PerSequenceProposer,
+    SpecState,
+    SpeculativeConfig,
+    accepted_length,
+    ngram_propose,
+)
 from mlx_infer.sampling import SamplingParams
 
 VOCAB = CharTokenizer.vocab_size
@@ -55,7 +61,7 @@ def test_accepted_length_and_adaptation():
 
 
 # ---- tiny models, scripted proposals -------------------------------------------------------------------
-class ScriptedProposer:
+class ScriptedProposer(PerSequenceProposer):
     """Proposes each request's continuation from a plain run, with every third proposal wrong at its
     second token, so runs are accepted in full, in part and not at all."""
 
@@ -63,7 +69,7 @@ class ScriptedProposer:
         self.continuations = continuations
         self.calls = 0
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def propose_one(self, tokens: Sequence[int], k: int) -> list[int]:
         for prompt, reference in self.continuations.items():
             if tuple(tokens[: len(prompt)]) == prompt:
                 done = len(tokens) - len(prompt)
@@ -83,17 +89,19 @@ def model():
     return tiny_llama()
 
 
-def make_engine(model, speculative: bool, num_blocks=96, block_size=4, prefix=True, max_batch=16) -> Engine:
+def make_engine(
+    model, speculative: bool, num_blocks=96, block_size=4, prefix=True, max_batch=16, draft=None
+) -> Engine:
+    """A plain engine, or one speculating with n-gram lookup (or the ``draft`` model when given)."""
+    method = ("draft" if draft is not None else "ngram") if speculative else None
     config = EngineConfig(
         block_size=block_size,
         num_blocks=num_blocks,
         enable_prefix_caching=prefix,
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256),
-        speculative=SpeculativeConfig(
-            method="ngram" if speculative else None, num_draft_tokens=4, max_batch=max_batch
-        ),
+        speculative=SpeculativeConfig(method=method, num_draft_tokens=4, max_batch=max_batch),
     )
-    return Engine(model, CharTokenizer(), 256, config)
+    return Engine(model, CharTokenizer(), 256, config, draft_model=draft)
 
 
 def run_all(engine: Engine, prompts, params_list) -> list[list]:
@@ -235,7 +243,7 @@ def test_constrained_and_opted_out_requests_do_not_speculate(model):
 def test_speculation_backs_off_in_large_batches(model):
     engine = make_engine(model, True, max_batch=2)
     engine.proposer = ScriptedProposer({})
-    engine.proposer.propose = lambda tokens, k: pytest.fail("proposed in a batch above max_batch")
+    engine.proposer.propose_one = lambda tokens, k: pytest.fail("proposed in a batch above max_batch")
     run_all(engine, PROMPTS[:3], [SamplingParams(max_tokens=6)] * 3)
     assert engine.stats.spec_proposed == 0
 
@@ -247,6 +255,42 @@ def test_seeded_sampling_equals_plain(model):
     plain, spec, engine = scripted(model, prompts, params)
     assert [tokens_of(s) for s in spec] == [tokens_of(p) for p in plain]
     assert engine.stats.spec_accepted > 0
+
+
+# ---- tiny models, a draft model -------------------------------------------------------------------------
+def run_with_draft(model, draft, prompts, params_list) -> tuple[list[list], Engine]:
+    engine = make_engine(model, True, draft=draft)
+    outputs = run_all(engine, prompts, params_list)
+    assert engine.proposer.kv.pool.num_used == 0  # the draft's blocks went back too
+    return outputs, engine
+
+
+def test_draft_equal_to_target_accepts_every_proposal(model):
+    params = [SamplingParams(max_tokens=24, ignore_eos=True) for _ in PROMPTS]
+    plain = run_all(make_engine(model, False), PROMPTS, params)
+    spec, engine = run_with_draft(model, tiny_llama(), PROMPTS, params)  # the same weights
+    assert [tokens_of(s) for s in spec] == [tokens_of(p) for p in plain]
+    assert engine.stats.spec_proposed > 0
+    assert engine.stats.spec_accepted == engine.stats.spec_proposed
+
+
+def test_other_draft_mixed_batch_and_seeded_sampling_equal_plain(model):
+    draft = tiny_llama(seed=1, layers=1)
+    prompts = [[(5 * i + j) % (VOCAB - 1) + 1 for j in range(3 + i)] for i in range(16)]
+    params = [
+        SamplingParams(
+            max_tokens=18 + i % 5,
+            speculative=i % 3 != 0,
+            repetition_penalty=1.2 if i % 4 == 1 else 1.0,
+            temperature=0.9 if i % 4 == 3 else 0.0,
+            seed=i if i % 4 == 3 else None,
+        )
+        for i in range(16)
+    ]
+    plain = run_all(make_engine(model, False), prompts, params)
+    spec, engine = run_with_draft(model, draft, prompts, params)
+    assert [tokens_of(s) for s in spec] == [tokens_of(p) for p in plain]
+    assert 0 < engine.stats.spec_accepted < engine.stats.spec_proposed
 
 
 def chi_square_homogeneity(a: Counter, b: Counter) -> tuple[float, int]:
@@ -373,4 +417,22 @@ def test_smollm2_greedy_with_ngram_equals_plain(smollm2, int8_activations):
     alone = tokens_of(run(None, [other], [False])[0][0])
     for i, out in enumerate(batch):
         assert tokens_of(out) == (tokens_of(plain[0]) if i % 2 == 0 else alone), i
+
+
+@pytest.mark.slow
+def test_smollm2_draft_equal_to_target_accepts_every_proposal(smollm2, smollm2_path, int8_activations):
+    # The draft's one-row decode steps and the target's verification rows compute every row alike (the
+    # int8 kernels are row-invariant), so a draft with the target's weights is always right.
+    from mlx_infer.loading import load
+
+    draft = load(str(smollm2_path)).model
+    tok = smollm2.tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in (EDIT, "Write a haiku about tea.")]
+    params = [SamplingParams(max_tokens=40) for _ in prompts]
+    plain = run_all(Engine(smollm2.model, tok, 2048, EngineConfig(num_blocks=512)), prompts, params)
+    config = EngineConfig(num_blocks=512, speculative=SpeculativeConfig("draft", 4, max_batch=16))
+    engine = Engine(smollm2.model, tok, 2048, config, draft_model=draft)
+    out = run_all(engine, prompts, params)
+    assert [tokens_of(o) for o in out] == [tokens_of(p) for p in plain]
+    assert 0 < engine.stats.spec_accepted == engine.stats.spec_proposed
 

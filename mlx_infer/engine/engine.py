@@ -15,10 +15,17 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer.constraints import ConstraintState, batch_mask, compile_constraint
+from mlx_infer.engine.draft import DraftProposer
 from mlx_infer.engine.request import PENDING_TOKEN, Request, RequestOutput, Status, TokenLogprob
 from mlx_infer.engine.runner import InFlight, ModelRunner, activation_dtype, kv_bytes_per_token
 from mlx_infer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from mlx_infer.engine.speculative import SpecState, SpeculativeConfig, accepted_length, make_proposer
+from mlx_infer.engine.speculative import (
+    NgramProposer,
+    Proposer,
+    SpecState,
+    SpeculativeConfig,
+    accepted_length,
+)
 from mlx_infer.engine.stop import StopMatcher
 from mlx_infer.errors import ContextTooLong, EngineFailure, InvalidRequest, RequestFailed
 from mlx_infer.kv.manager import KVCacheManager
@@ -76,12 +83,19 @@ def pool_num_blocks(config: EngineConfig, max_context: int, kv_bytes_per_token: 
 
 
 class Engine:
-    def __init__(self, model: nn.Module, tokenizer, max_context: int, config: EngineConfig | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        max_context: int,
+        config: EngineConfig | None = None,
+        draft_model: nn.Module | None = None,
+    ):
+        """``draft_model``: the proposer's model for ``speculative.method == "draft"`` (same tokenizer)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.config.speculative.validate()
-        self.proposer = make_proposer(self.config.speculative)  # tests may put their own in its place
         self.max_context = min(max_context, self.config.max_context or max_context)
         dtype = activation_dtype(model)
         per_token = kv_bytes_per_token(model, dtype)
@@ -99,6 +113,8 @@ class Engine:
         self._in_flight: InFlight | None = None
         self.pool_tokens = num_blocks * self.config.block_size
         self.sequence_limit = min(self.max_context, self.pool_tokens)  # most tokens one sequence holds
+        # Tests may put a proposer of their own in its place.
+        self.proposer = _make_proposer(self.config.speculative, draft_model, num_blocks, bs)
         log.info(describe_pool(self.kv.pool, bs, self.kv_block_bytes, dtype, self.config.kv_idle_release))
 
     # ---- requests in -------------------------------------------------------------------------
@@ -148,7 +164,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is not None and request.status is not Status.FINISHED:
             self.scheduler.finish(request, "abort")
-        self._detokenizers.pop(request_id, None)
+        self._forget(request_id)
 
     # ---- KV memory ---------------------------------------------------------------------------
     def kv_memory(self) -> PoolMemory:
@@ -272,24 +288,27 @@ class Engine:
         if not self._speculating():
             return
         spec = self.config.speculative
+        asking: list[Request] = []
         for r in self.scheduler.running:
             if r.spec is None or r.num_computed < r.num_prompt_tokens:
                 continue
             if r.spec.k == 0:
                 r.spec.tick()
-                continue
-            if r.has_pending_token:
-                continue  # its k rose after the step in flight launched: it proposes from the next one
-            # No proposal past max_tokens or the sequence limit: those tokens could never be emitted.
-            k = min(
-                r.spec.k,
-                r.params.max_tokens - r.num_output_tokens - 1,
-                self.sequence_limit - len(r.token_ids) - 1,
-            )
-            if k <= 0:
-                continue
-            r.proposal = self.proposer.propose(r.token_ids, k)
-            if not r.proposal:
+            elif not r.has_pending_token:  # else its k rose after the step in flight launched
+                asking.append(r)
+        # No proposal past max_tokens or the sequence limit: those tokens could never be emitted.
+        room = [
+            min(r.params.max_tokens - r.num_output_tokens, self.sequence_limit - len(r.token_ids)) - 1
+            for r in asking
+        ]
+        ks = [min(r.spec.k, n) for r, n in zip(asking, room)]
+        asking, ks = [r for r, k in zip(asking, ks) if k > 0], [k for k in ks if k > 0]
+        if not asking:
+            return
+        proposals = self.proposer.propose([(r.request_id, r.token_ids, k) for r, k in zip(asking, ks)])
+        for r, proposal in zip(asking, proposals):
+            r.proposal = proposal
+            if not proposal:
                 r.spec.update(0, 0, spec.num_draft_tokens, spec.cooldown_steps)
 
     def _constraint_masks(self, requests: list[Request], width: int, outputs: list) -> mx.array | None:
@@ -348,7 +367,7 @@ class Engine:
         if finish:
             self.scheduler.finish(request, "error")
         self.requests.pop(request.request_id, None)
-        self._detokenizers.pop(request.request_id, None)
+        self._forget(request.request_id)
         self.stats.failed_requests += 1
         log.error("request %s failed: %s: %s", request.request_id, type(error).__name__, error)
         return RequestOutput(
@@ -445,8 +464,28 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
         self.requests.pop(request.request_id, None)
-        self._detokenizers.pop(request.request_id, None)
+        self._forget(request.request_id)
         self.stats.finished_requests += 1
+
+    def _forget(self, request_id: str) -> None:
+        """Drop what else the engine keeps for a request that left it."""
+        self._detokenizers.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
+
+
+def _make_proposer(
+    config: SpeculativeConfig, draft_model: nn.Module | None, num_blocks: int, block_size: int
+) -> Proposer | None:
+    """The configured proposer (None: speculation off); a draft model gets a pool as large as the
+    target's (in blocks: its sequences are as long), resident only where written (kv/pages.py)."""
+    if config.method == "ngram":
+        return NgramProposer(config.ngram_max, config.ngram_min)
+    if config.method == "draft":
+        if draft_model is None:
+            raise InvalidRequest("--speculative draft needs --draft-model")
+        return DraftProposer(draft_model, num_blocks, block_size)
+    return None
 
 
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:

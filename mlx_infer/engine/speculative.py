@@ -19,12 +19,12 @@ from typing import Protocol
 
 from mlx_infer.errors import InvalidRequest
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 
 
 @dataclass
 class SpeculativeConfig:
-    method: str | None = None  # None: off; "ngram": prompt lookup
+    method: str | None = None  # None: off; "ngram": prompt lookup; "draft": a draft model
     num_draft_tokens: int = 4  # most tokens proposed per sequence and step (mlx-lm's name)
     max_batch: int = 4  # no speculation while more sequences than this are running (see README)
     ngram_max: int = 3  # longest suffix looked up
@@ -60,24 +60,36 @@ def ngram_propose(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1)
 
 
 class Proposer(Protocol):
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens likely to follow ``tokens`` (fewer or none when it has no guess)."""
+    def propose(self, requests: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:
+        """For each (request id, tokens so far, k): up to k tokens likely to follow (fewer or none when
+        it has no guess). Called once a step for every speculating request together."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget a request that left the engine."""
         ...
 
 
+class PerSequenceProposer:
+    """A proposer that looks at one sequence at a time and keeps no state."""
+
+    def propose(self, requests: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:
+        return [self.propose_one(tokens, k) for _, tokens, k in requests]
+
+    def propose_one(self, tokens: Sequence[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
 @dataclass
-class NgramProposer:
+class NgramProposer(PerSequenceProposer):
     max_n: int = 3
     min_n: int = 1
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def propose_one(self, tokens: Sequence[int], k: int) -> list[int]:
         return ngram_propose(tokens, k, self.max_n, self.min_n)
-
-
-def make_proposer(config: SpeculativeConfig) -> Proposer | None:
-    if config.method == "ngram":
-        return NgramProposer(config.ngram_max, config.ngram_min)
-    return None
 
 
 def accepted_length(sampled: Sequence[int], proposal: Sequence[int]) -> int:
