@@ -2,8 +2,8 @@
 
     python benchmarks/bench_generate.py -m MODEL [-p 512] [-n 128] [-r 3] [-b 1,4,16]
         [--compare mlx-lm,llama.cpp] [--llama-bench PATH] [--json FILE] [--profile]
-    python benchmarks/bench_generate.py -m MODEL --speculative ngram [-n 128] [-r 3] [-b 1,16]
-        [--num-draft-tokens K] [--speculative-max-batch N]
+    python benchmarks/bench_generate.py -m MODEL --speculative ngram|draft [-n 128] [-r 3] [-b 1,16]
+        [--draft-model PATH] [--num-draft-tokens K] [--speculative-max-batch N]
 
 With ``--speculative``, plain and speculative greedy decoding are compared instead, on a code-editing
 and a summarisation prompt (run_speculative.py): decode tok/s, acceptance, and whether the texts agree.
@@ -57,7 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         console.print(lm.weight_policy)
     if args.speculative:
         spec = SpeculativeConfig(args.speculative, args.num_draft_tokens, args.speculative_max_batch)
-        spec_results = run_speculative.run(lm, spec, args.n, args.r, args.b)
+        draft = None
+        if args.speculative == "draft":
+            if args.draft_model is None:
+                raise SystemExit("--speculative draft needs --draft-model")
+            draft = load(args.draft_model, keep_quantized=args.keep_quantized).model
+        spec_results = run_speculative.run(lm, spec, args.n, args.r, args.b, draft)
         _print_speculative(console, spec_results, spec)
         if args.json:
             rows = [{**vars(r), "acceptance": r.acceptance} for r in spec_results]
@@ -113,6 +118,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     spec = SpeculativeConfig()
     parser.add_argument("--speculative", choices=METHODS, default=None,
                         help="compare plain and speculative decoding on a code edit and a summary instead")
+    parser.add_argument("--draft-model", help="with --speculative draft: the draft model")
     parser.add_argument("--num-draft-tokens", type=int, default=spec.num_draft_tokens,
                         help=f"most tokens proposed per step (default {spec.num_draft_tokens})")
     parser.add_argument("--speculative-max-batch", type=int, default=spec.max_batch,

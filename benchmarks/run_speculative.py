@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import mlx.nn as nn
+
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.engine.speculative import SpeculativeConfig
@@ -82,19 +84,25 @@ class SpecResult:
 
 
 def run(
-    lm: LoadedModel, spec: SpeculativeConfig, gen_len: int, repeats: int, batches: list[int]
+    lm: LoadedModel,
+    spec: SpeculativeConfig,
+    gen_len: int,
+    repeats: int,
+    batches: list[int],
+    draft: nn.Module | None = None,
 ) -> list[SpecResult]:
+    """``draft``: the draft model when ``spec.method`` is "draft"."""
     results = []
     for task, text in TASKS.items():
         prompt = lm.tokenizer.encode_chat([{"role": "user", "content": text}])
         for b in batches:
             result = SpecResult(task, b)
             _generate(lm, None, [prompt[:8]] * b, 2)  # warm-up: first-call costs at this batch size
-            _generate(lm, spec, [prompt[:8]] * b, 2)
+            _generate(lm, spec, [prompt[:8]] * b, 2, draft)
             reference = None
             for _ in range(repeats):
                 for config in (None, spec):
-                    tokens, tps, engine = _generate(lm, config, [prompt] * b, gen_len)
+                    tokens, tps, engine = _generate(lm, config, [prompt] * b, gen_len, draft)
                     if config is None:
                         reference = tokens
                         result.plain.append(tps)
@@ -109,7 +117,11 @@ def run(
 
 
 def _generate(
-    lm: LoadedModel, spec: SpeculativeConfig | None, prompts: list[list[int]], gen_len: int
+    lm: LoadedModel,
+    spec: SpeculativeConfig | None,
+    prompts: list[list[int]],
+    gen_len: int,
+    draft: nn.Module | None = None,
 ) -> tuple[list[list[int]], float, Engine]:
     """Greedy outputs and decode tok/s (tokens after each sequence's first, over the time after the
     last sequence's first token)."""
@@ -119,7 +131,8 @@ def _generate(
         scheduler=SchedulerConfig(max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=4096),
         speculative=spec or SpeculativeConfig(),
     )
-    engine = Engine(lm.model, lm.tokenizer, lm.max_context, config)
+    draft = draft if spec is not None and spec.method == "draft" else None
+    engine = Engine(lm.model, lm.tokenizer, lm.max_context, config, draft_model=draft)
     ids = [engine.add_request(p, SamplingParams(max_tokens=gen_len)) for p in prompts]
     out: dict[str, list[int]] = {i: [] for i in ids}
     while any(not tokens for tokens in out.values()):
