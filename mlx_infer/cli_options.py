@@ -146,6 +146,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     for flag, value in positive.items():
         if value <= 0:
             raise InvalidRequest(f"{flag} must be positive, not {value}")
+    speculative = SpeculativeConfig(
+        method=speculative_method(args),
+        num_draft_tokens=args.num_draft_tokens,
+        max_batch=args.speculative_max_batch,
+    )
+    speculative.validate()
     return EngineConfig(
         block_size=args.block_size,
         kv_memory=args.kv_memory,
@@ -156,11 +162,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),
-        speculative=SpeculativeConfig(
-            method=speculative_method(args),
-            num_draft_tokens=args.num_draft_tokens,
-            max_batch=args.speculative_max_batch,
-        ),
+        speculative=speculative,
     )
 
 

@@ -240,6 +240,30 @@ def test_constrained_and_opted_out_requests_do_not_speculate(model):
     assert engine.requests[rid].spec is not None
 
 
+def test_request_field_and_flags_reach_the_engine():
+    import argparse
+
+    from mlx_infer import cli_options
+    from mlx_infer.errors import InvalidRequest
+    from mlx_infer.server.schemas import ChatCompletionRequest, CompletionRequest
+
+    off = CompletionRequest(model="m", prompt="x", speculative=False)
+    assert off.sampling_params(16, None, 0).speculative is False
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    assert chat.sampling_params(16, None, 0).speculative is True
+    parser = argparse.ArgumentParser()
+    cli_options.add_engine_arguments(parser, max_num_seqs=1)
+    args = parser.parse_args(["--speculative", "ngram", "--num-draft-tokens", "6"])
+    config = cli_options.engine_config(args)
+    assert (config.speculative.method, config.speculative.num_draft_tokens) == ("ngram", 6)
+    assert cli_options.engine_config(parser.parse_args(["--draft-model", "d"])).speculative.method == "draft"
+    assert cli_options.engine_config(parser.parse_args([])).speculative.method is None
+    with pytest.raises(InvalidRequest, match="needs --draft-model"):
+        cli_options.engine_config(parser.parse_args(["--speculative", "draft"]))
+    with pytest.raises(InvalidRequest, match="num-draft-tokens"):
+        cli_options.engine_config(parser.parse_args(["--speculative", "ngram", "--num-draft-tokens", "0"]))
+
+
 def test_speculation_backs_off_in_large_batches(model):
     engine = make_engine(model, True, max_batch=2)
     engine.proposer = ScriptedProposer({})
