@@ -26,7 +26,7 @@ METHODS = ("ngram", "draft")
 class SpeculativeConfig:
     method: str | None = None  # None: off; "ngram": prompt lookup; "draft": a draft model
     num_draft_tokens: int = 4  # most tokens proposed per sequence and step (mlx-lm's name)
-    max_batch: int = 4  # no speculation while more sequences than this are running (see README)
+    max_batch: int = 2  # no speculation while more sequences than this are running (measured: README)
     ngram_max: int = 3  # longest suffix looked up
     ngram_min: int = 1  # shortest suffix looked up
     cooldown_steps: int = 4  # plain decode steps before a sequence whose k fell to 0 tries again
