@@ -22,7 +22,7 @@ import numpy as np
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.runner import activation_dtype, prepare_for_cpu
 from mlx_infer.kv.manager import KVCacheManager
-from mlx_infer.kv.pages import allocate_pools
+from mlx_infer.kv.pages import allocate_pools, drop_blocks
 
 
 @dataclass
@@ -95,6 +95,10 @@ class DraftProposer:
         """Give back the draft blocks of a request that left the engine."""
         if self.sequences.pop(request_id, None) is not None:
             self.kv.free(request_id)
+
+    def release_idle_memory(self) -> int:
+        """Drop the pages of every free draft block (all of them once no request is left)."""
+        return drop_blocks(self.cache, self.kv.pool.forget_free_blocks())
 
     def _argmax(self, inputs: mx.array, slices: list[SequenceSlice]) -> mx.array:
         meta = build_metadata(slices, self.kv.block_size)

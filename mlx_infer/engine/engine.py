@@ -185,6 +185,8 @@ class Engine:
             return 0
         reserved = self.kv_memory().reserved
         dropped = self.runner.release_idle_memory()
+        if self.proposer is not None:
+            dropped += self.proposer.release_idle_memory()  # a draft model's pool
         mx.clear_cache()
         log.info(
             "idle: KV pool reserved %.1f -> %.1f MiB", reserved / 2**20, self.kv_memory().reserved / 2**20

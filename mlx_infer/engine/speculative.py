@@ -69,6 +69,10 @@ class Proposer(Protocol):
         """Forget a request that left the engine."""
         ...
 
+    def release_idle_memory(self) -> int:
+        """With no request in the engine: give back the memory it holds; returns the bytes."""
+        ...
+
 
 class PerSequenceProposer:
     """A proposer that looks at one sequence at a time and keeps no state."""
@@ -81,6 +85,9 @@ class PerSequenceProposer:
 
     def release(self, request_id: str) -> None:
         pass
+
+    def release_idle_memory(self) -> int:
+        return 0
 
 
 @dataclass
