@@ -2,6 +2,11 @@
 
     python benchmarks/bench_generate.py -m MODEL [-p 512] [-n 128] [-r 3] [-b 1,4,16]
         [--compare mlx-lm,llama.cpp] [--llama-bench PATH] [--json FILE] [--profile]
+    python benchmarks/bench_generate.py -m MODEL --speculative ngram|draft [-n 128] [-r 3] [-b 1,16]
+        [--draft-model PATH] [--num-draft-tokens K] [--speculative-max-batch N]
+
+With ``--speculative``, plain and speculative greedy decoding are compared instead, on a code-editing
+and a summarisation prompt (run_speculative.py): decode tok/s, acceptance, and whether the texts agree.
 
 Each decode figure is printed next to its bound: the machine's single-threaded memory read bandwidth
 divided by the bytes a decode step reads (weights + KV cache), times the batch size. See README.md.
@@ -26,11 +31,13 @@ import mlx_infer  # noqa: E402,F401,I001
 import hardware  # noqa: E402
 import peers  # noqa: E402
 import run_mlx_infer  # noqa: E402
+import run_speculative  # noqa: E402
 from measure import Result, mean, std  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from mlx_infer import blas  # noqa: E402
+from mlx_infer.engine.speculative import METHODS, SpeculativeConfig  # noqa: E402
 from mlx_infer.loading import load  # noqa: E402
 
 PEERS = ("mlx-lm", "llama.cpp")
@@ -48,6 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     lm = load(args.model, keep_quantized=args.keep_quantized)
     if lm.weight_policy:
         console.print(lm.weight_policy)
+    if args.speculative:
+        spec = SpeculativeConfig(args.speculative, args.num_draft_tokens, args.speculative_max_batch)
+        draft = None
+        if args.speculative == "draft":
+            if args.draft_model is None:
+                raise SystemExit("--speculative draft needs --draft-model")
+            draft = load(args.draft_model, keep_quantized=args.keep_quantized).model
+        spec_results = run_speculative.run(lm, spec, args.n, args.r, args.b, draft)
+        _print_speculative(console, spec_results, spec)
+        if args.json:
+            rows = [{**vars(r), "acceptance": r.acceptance} for r in spec_results]
+            Path(args.json).write_text(json.dumps({"speculative": rows}, indent=2))
+        return 0 if all(r.identical for r in spec_results) else 1
     results = run_mlx_infer.run(lm, args.p, args.n, args.r, args.b)
     skipped: list[str] = []
     for peer in args.compare:
@@ -95,6 +115,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     weights.add_argument("--dequantize", action="store_const", const=False, dest="keep_quantized",
                          help="dequantize weights at load (float32 through the BLAS on the CPU backend)")
     parser.add_argument("--json", help="also write the results to this file")
+    spec = SpeculativeConfig()
+    parser.add_argument("--speculative", choices=METHODS, default=None,
+                        help="compare plain and speculative decoding on a code edit and a summary instead")
+    parser.add_argument("--draft-model", help="with --speculative draft: the draft model")
+    parser.add_argument("--num-draft-tokens", type=int, default=spec.num_draft_tokens,
+                        help=f"most tokens proposed per step (default {spec.num_draft_tokens})")
+    parser.add_argument("--speculative-max-batch", type=int, default=spec.max_batch,
+                        help=f"speculate up to this batch size (default {spec.max_batch})")
     parser.add_argument("--profile", action="store_true", help="count MLX ops per decode step")
     args = parser.parse_args(argv)
     if min(args.p, args.n, args.r, *args.b) < 1:
@@ -132,6 +160,23 @@ def _run_peer(peer: str, lm, args: argparse.Namespace) -> tuple[Result | None, s
     if not lm.source.endswith(".gguf"):
         return None, "llama.cpp needs a .gguf model"
     return peers.run_llama_bench(binary, lm.source, args.p, args.n, args.r, args.threads), ""
+
+
+def _print_speculative(console: Console, results: list, spec: SpeculativeConfig) -> None:
+    table = Table(
+        title=f"greedy decode tok/s, plain vs --speculative {spec.method} (K={spec.num_draft_tokens}, "
+        f"max batch {spec.max_batch}); runs alternate"
+    )
+    for name in ("task", "batch", "tokens", "plain tok/s", "speculative tok/s", "speedup", "acceptance",
+                 "same text"):
+        table.add_column(name, justify="left" if name == "task" else "right")
+    for r in results:
+        table.add_row(
+            r.task, str(r.batch), str(r.tokens), _fmt(r.plain), _fmt(r.speculative),
+            f"{mean(r.speculative) / mean(r.plain):.2f}x", f"{r.acceptance:.0%} ({r.accepted}/{r.proposed})",
+            "yes" if r.identical else "NO",
+        )
+    console.print(table)
 
 
 def _print_table(console: Console, results: list[Result], bandwidth: float) -> None:

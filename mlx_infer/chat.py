@@ -39,6 +39,8 @@ class TurnStats:
     finish_reason: str | None = None
     dropped_turns: int = 0  # earlier turns left out of the prompt to fit the context
     context: int = 0  # tokens one sequence can hold (0: unknown)
+    spec_proposed: int = 0  # speculative tokens proposed for this turn (0: none, or speculation off)
+    spec_accepted: int = 0
 
     @property
     def prompt_tps(self) -> float:
@@ -62,8 +64,14 @@ class TurnStats:
             f"{self.prompt_tps:.1f} tok/s | "
             f"generation: {self.generated_tokens} tokens, {self.generation_tps:.1f} tok/s | "
             f"TTFT {self.ttft * 1000:.0f} ms | peak memory {self.peak_memory / 2**30:.2f} GiB | "
-            f"finish: {finish}"
+            f"{self._speculation()}finish: {finish}"
         )
+
+    def _speculation(self) -> str:
+        if not self.spec_proposed:
+            return ""
+        rate = self.spec_accepted / self.spec_proposed
+        return f"speculative: {self.spec_accepted}/{self.spec_proposed} accepted ({rate:.0%}) | "
 
 
 def stream(
@@ -80,6 +88,8 @@ def stream(
     """
     start = time.perf_counter()
     request_id = engine.add_request(prompt_ids, params)
+    # The engine's counters, read before and after: this request runs alone.
+    proposed, accepted = engine.stats.spec_proposed, engine.stats.spec_accepted
     stats.prompt_tokens = len(prompt_ids)
     first = None
     try:
@@ -105,6 +115,8 @@ def stream(
     finally:
         engine.abort(request_id)
         stats.peak_memory = mx.get_peak_memory()
+        stats.spec_proposed = engine.stats.spec_proposed - proposed
+        stats.spec_accepted = engine.stats.spec_accepted - accepted
 
 
 @dataclass

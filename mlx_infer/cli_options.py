@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from mlx_infer import cpu_kernels
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.scheduler import SchedulerConfig
+from mlx_infer.engine.speculative import METHODS, SpeculativeConfig
 from mlx_infer.errors import DistributedError, InvalidRequest
 from mlx_infer.loading import LoadedModel
 from mlx_infer.plan.planner import KV_CACHE_DTYPES, check_kv_dtype
@@ -90,12 +91,57 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int) -> 
         f"${cpu_kernels.ACTIVATIONS_ENV_VAR}, else int8)",
     )
 
+    spec = SpeculativeConfig()
+    g.add_argument(
+        "--speculative",
+        choices=METHODS,
+        default=None,
+        help="speculative decoding: ngram proposes what followed the latest match of the text's last "
+        "tokens in the prompt and output (prompt lookup), draft what --draft-model predicts; the model "
+        "verifies them in the same batched step, so the output is its own (default: off)",
+    )
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="the draft model for --speculative draft (implies it): a small model with the same "
+        "tokenizer, as for --model",
+    )
+    g.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=spec.num_draft_tokens,
+        metavar="K",
+        help="most tokens proposed per sequence and step; each sequence adapts its own from its "
+        f"acceptance (default: {spec.num_draft_tokens})",
+    )
+    g.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=spec.max_batch,
+        metavar="N",
+        help="speculate only while at most N sequences are running: verifying costs compute that "
+        f"larger batches already use (default: {spec.max_batch})",
+    )
+
 
 def apply_cpu_activations(args: argparse.Namespace) -> None:
     """``--cpu-activations`` for the products this process computes from now on (it overrides
     $MLX_INFER_CPU_ACTIVATIONS); nothing where the native CPU kernels do not run."""
     if args.cpu_activations is not None and cpu_kernels.applies():
         cpu_kernels.set_activations(args.cpu_activations)
+
+
+def speculative_method(args: argparse.Namespace) -> str | None:
+    """``--speculative``, with ``--draft-model`` implying ``draft`` (as in mlx-lm)."""
+    method = args.speculative
+    if args.draft_model is not None:
+        if method not in (None, "draft"):
+            raise InvalidRequest(f"--draft-model goes with --speculative draft, not {method}")
+        return "draft"
+    if method == "draft":
+        raise InvalidRequest("--speculative draft needs --draft-model")
+    return method
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -110,6 +156,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if value <= 0:
             raise InvalidRequest(f"{flag} must be positive, not {value}")
     check_kv_dtype(args.kv_cache_dtype)
+    speculative = SpeculativeConfig(
+        method=speculative_method(args),
+        num_draft_tokens=args.num_draft_tokens,
+        max_batch=args.speculative_max_batch,
+    )
+    speculative.validate()
     return EngineConfig(
         block_size=args.block_size,
         kv_memory=args.kv_memory,
@@ -121,6 +173,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),
+        speculative=speculative,
     )
 
 
@@ -176,8 +229,19 @@ def open_engine(args: argparse.Namespace) -> Iterator[tuple[LoadedModel, Engine]
     group = init_group()
     if group is None:
         loaded = load(args.model, keep_quantized=keep_quantized)
-        yield loaded, Engine(loaded.model, loaded.tokenizer, loaded.max_context, config)
+        draft = None
+        if config.speculative.method == "draft":
+            draft = load(args.draft_model, keep_quantized=keep_quantized)
+            if draft.tokenizer.vocab_size != loaded.tokenizer.vocab_size:
+                raise InvalidRequest(
+                    f"the draft model's vocabulary ({draft.tokenizer.vocab_size} tokens) is not the "
+                    f"model's ({loaded.tokenizer.vocab_size}): they must share a tokenizer"
+                )
+        model = draft.model if draft is not None else None
+        yield loaded, Engine(loaded.model, loaded.tokenizer, loaded.max_context, config, draft_model=model)
         return
+    if config.speculative.method == "draft":
+        raise InvalidRequest("--speculative draft is not supported across several processes")
     session = open_session(args.model, group, config, keep_quantized=keep_quantized)
     if session.rank != 0:
         session.follow()

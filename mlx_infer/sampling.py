@@ -42,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
     constraint: ConstraintSpec | None = None  # structured output: what the text must match
+    speculative: bool = True  # False: never speculate for this request (when the engine does)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest for the first bad field (token ids only once the vocabulary is known)."""

@@ -159,6 +159,7 @@ class MessagesRequest(_Conversation):
     # Extensions (through extra_body), as the OpenAI routes take them.
     seed: int | None = None
     ignore_eos: bool = False
+    speculative: bool = True  # false: this request never speculates (when the server does)
 
     @field_validator("stop_sequences")
     @classmethod
@@ -178,6 +179,7 @@ class MessagesRequest(_Conversation):
             seed=self.seed,
             stop=list(self.stop_sequences or []),
             ignore_eos=self.ignore_eos,
+            speculative=self.speculative,
         )
 
 

@@ -55,6 +55,15 @@ class Metrics:
             "Generation throughput since the last scrape",
             registry=r,
         ).set_function(self._throughput)
+        Gauge(
+            "mlx_infer_spec_proposed_tokens_total", "Speculative tokens proposed and verified", registry=r
+        ).set_function(lambda: engine.stats.spec_proposed)
+        Gauge(
+            "mlx_infer_spec_accepted_tokens_total", "Speculative tokens the model accepted", registry=r
+        ).set_function(lambda: engine.stats.spec_accepted)
+        Gauge(
+            "mlx_infer_spec_acceptance_rate", "Accepted / proposed speculative tokens since start", registry=r
+        ).set_function(lambda: engine.stats.spec_acceptance)
         Gauge("mlx_infer_preemptions_total", "Requests preempted for recompute", registry=r).set_function(
             lambda: engine.scheduler.num_preemptions
         )

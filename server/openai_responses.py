@@ -158,6 +158,7 @@ class ResponsesRequest(_Lenient):
     top_k: int = Field(default=0, ge=0, le=INT32_MAX)
     seed: int | None = None
     ignore_eos: bool = False
+    speculative: bool = True  # false: this request never speculates (when the server does)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -167,6 +168,7 @@ class ResponsesRequest(_Lenient):
             top_k=self.top_k,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            speculative=self.speculative,
         )
 
 

@@ -42,6 +42,7 @@ class _SamplingFields(StructuredOutputFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    speculative: bool = True  # false: this request never speculates (when the server does)
 
     @field_validator("logit_bias")
     @classmethod
@@ -80,6 +81,7 @@ class _SamplingFields(StructuredOutputFields):
             seed=None if self.seed is None else self.seed + choice,
             stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
+            speculative=self.speculative,
             logprobs=logprobs,
             constraint=self.constraint(),
         )

@@ -38,6 +38,9 @@ METRIC_NAMES = [
     "mlx_infer_generation_tokens_per_second",
     "mlx_infer_time_to_first_token_seconds_bucket",
     "mlx_infer_time_per_output_token_seconds_bucket",
+    "mlx_infer_spec_proposed_tokens_total",
+    "mlx_infer_spec_accepted_tokens_total",
+    "mlx_infer_spec_acceptance_rate",
 ]
 
 

@@ -9,12 +9,13 @@ import itertools
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer.constraints import ConstraintState, batch_mask, compile_constraint
+from mlx_infer.engine.draft import DraftProposer
 from mlx_infer.engine.request import PENDING_TOKEN, Request, RequestOutput, Status, TokenLogprob
 from mlx_infer.engine.runner import (
     InFlight,
@@ -25,6 +26,13 @@ from mlx_infer.engine.runner import (
     kv_pool_dtype,
 )
 from mlx_infer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from mlx_infer.engine.speculative import (
+    NgramProposer,
+    Proposer,
+    SpecState,
+    SpeculativeConfig,
+    accepted_length,
+)
 from mlx_infer.engine.stop import StopMatcher
 from mlx_infer.errors import ContextTooLong, EngineFailure, InvalidRequest, RequestFailed
 from mlx_infer.kv.manager import KVCacheManager
@@ -45,6 +53,7 @@ class EngineConfig:
     kv_idle_release: float = 300.0  # seconds idle before the pool's memory is given back (Ollama's 5 min)
     max_context: int | None = None  # None: the model's own
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 @dataclass
@@ -55,6 +64,12 @@ class EngineStats:
     finished_requests: int = 0
     failed_requests: int = 0  # failed inside the engine (their clients got an error), engine unharmed
     failed_steps: int = 0  # steps that failed for the whole batch and were recovered from
+    spec_proposed: int = 0  # speculative tokens proposed and verified
+    spec_accepted: int = 0  # of those, tokens the target model agreed with (and were emitted)
+
+    @property
+    def spec_acceptance(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
 
 
 @dataclass
@@ -76,10 +91,19 @@ def pool_num_blocks(config: EngineConfig, max_context: int, kv_bytes_per_token: 
 
 
 class Engine:
-    def __init__(self, model: nn.Module, tokenizer, max_context: int, config: EngineConfig | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        max_context: int,
+        config: EngineConfig | None = None,
+        draft_model: nn.Module | None = None,
+    ):
+        """``draft_model``: the proposer's model for ``speculative.method == "draft"`` (same tokenizer)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
+        self.config.speculative.validate()
         self.max_context = min(max_context, self.config.max_context or max_context)
         dtype = kv_pool_dtype(self.config.kv_cache_dtype, activation_dtype(model))
         per_token = kv_bytes_per_token(model, dtype)
@@ -98,6 +122,8 @@ class Engine:
         self.pool_tokens = num_blocks * self.config.block_size
         self.sequence_limit = min(self.max_context, self.pool_tokens)  # most tokens one sequence holds
         self.kv_dtype = dtype
+        # Tests may put a proposer of their own in its place.
+        self.proposer = _make_proposer(self.config.speculative, draft_model, num_blocks, bs)
         idle_release = self.config.kv_idle_release
         log.info(describe_pool(self.kv.pool, bs, self.kv_block_bytes, dtype_name(dtype), idle_release))
 
@@ -134,6 +160,9 @@ class Engine:
         request = Request(request_id, list(prompt_ids), params, StopMatcher(params.stop))
         if params.constraint is not None:
             request.constraint = ConstraintState(compile_constraint(params.constraint, self.tokenizer))
+        # A constrained request does not speculate: its matcher must see (and mask) every token in turn.
+        if self.proposer is not None and params.speculative and params.constraint is None:
+            request.spec = SpecState(self.config.speculative.num_draft_tokens)
         detokenizer = self.tokenizer.detokenizer()
         self.requests[request_id] = request
         self._detokenizers[request_id] = detokenizer
@@ -145,7 +174,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is not None and request.status is not Status.FINISHED:
             self.scheduler.finish(request, "abort")
-        self._detokenizers.pop(request_id, None)
+        self._forget(request_id)
 
     # ---- KV memory ---------------------------------------------------------------------------
     def kv_memory(self) -> PoolMemory:
@@ -166,6 +195,8 @@ class Engine:
             return 0
         reserved = self.kv_memory().reserved
         dropped = self.runner.release_idle_memory()
+        if self.proposer is not None:
+            dropped += self.proposer.release_idle_memory()  # a draft model's pool
         mx.clear_cache()
         log.info(
             "idle: KV pool reserved %.1f -> %.1f MiB", reserved / 2**20, self.kv_memory().reserved / 2**20
@@ -213,10 +244,11 @@ class Engine:
         return outputs
 
     def _launch(self, previous: InFlight | None, progress: _StepProgress, outputs: list) -> None:
-        if previous is not None and any(r.uses_penalties for r in previous.sampled):
+        if previous is not None and self._must_read_first(previous):
             outputs += self._read(previous)
             previous = None
         progress.scheduling = True
+        self._propose()
         batch = progress.batch = self.scheduler.schedule()
         outputs += [self._fail(r, e, finish=False) for r, e in self.scheduler.failed]
         self.scheduler.failed = []
@@ -246,7 +278,50 @@ class Engine:
                 if request.status is not Status.FINISHED:
                     request.token_ids.append(PENDING_TOKEN)
         if result is not None:
-            self._in_flight = InFlight(sampled, result)
+            self._in_flight = InFlight(sampled, result, [list(r.proposal) for r in sampled])
+        for request in self.scheduler.running:
+            request.proposal.clear()  # verified (the InFlight holds it) or not scheduled: gone either way
+
+    def _must_read_first(self, previous: InFlight) -> bool:
+        """Whether the previous samples are needed before this step is scheduled: penalties need every
+        earlier token, a verification decides how many tokens a sequence keeps, and a proposal is looked
+        up from the tokens so far."""
+        if previous.verifies or any(r.uses_penalties for r in previous.sampled):
+            return True
+        return self._speculating() and any(
+            r.spec is not None and r.spec.k > 0 and r.status is Status.RUNNING for r in previous.sampled
+        )
+
+    def _speculating(self) -> bool:
+        return self.proposer is not None and len(self.scheduler.running) <= self.config.speculative.max_batch
+
+    def _propose(self) -> None:
+        """Set this step's proposal of every decoding request that speculates (see engine/speculative.py)."""
+        if not self._speculating():
+            return
+        spec = self.config.speculative
+        asking: list[Request] = []
+        for r in self.scheduler.running:
+            if r.spec is None or r.num_computed < r.num_prompt_tokens:
+                continue
+            if r.spec.k == 0:
+                r.spec.tick()
+            elif not r.has_pending_token:  # else its k rose after the step in flight launched
+                asking.append(r)
+        # No proposal past max_tokens or the sequence limit: those tokens could never be emitted.
+        room = [
+            min(r.params.max_tokens - r.num_output_tokens, self.sequence_limit - len(r.token_ids)) - 1
+            for r in asking
+        ]
+        ks = [min(r.spec.k, n) for r, n in zip(asking, room)]
+        asking, ks = [r for r, k in zip(asking, ks) if k > 0], [k for k in ks if k > 0]
+        if not asking:
+            return
+        proposals = self.proposer.propose([(r.request_id, r.token_ids, k) for r, k in zip(asking, ks)])
+        for r, proposal in zip(asking, proposals):
+            r.proposal = proposal
+            if not proposal:
+                r.spec.update(0, 0, spec.num_draft_tokens, spec.cooldown_steps)
 
     def _constraint_masks(self, requests: list[Request], width: int, outputs: list) -> mx.array | None:
         """The sampled requests' mask rows (None: no row constrained); a request whose matcher fails
@@ -304,7 +379,7 @@ class Engine:
         if finish:
             self.scheduler.finish(request, "error")
         self.requests.pop(request.request_id, None)
-        self._detokenizers.pop(request.request_id, None)
+        self._forget(request.request_id)
         self.stats.failed_requests += 1
         log.error("request %s failed: %s: %s", request.request_id, type(error).__name__, error)
         return RequestOutput(
@@ -320,28 +395,48 @@ class Engine:
         )
 
     def _read(self, step: InFlight) -> list[RequestOutput]:
-        """Read a step's samples on the host, put them in place of the pending tokens and emit them."""
+        """Read a step's samples on the host, put them in place of the pending tokens and emit them.
+
+        A verifying request keeps the rows its proposal agreed with plus the next one (the target's own
+        token); its rejected rows are uncounted and the blocks past them returned."""
         result = step.result
         tokens = result.tokens.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        spec = self.config.speculative
         outputs = []
-        for i, request in enumerate(step.sampled):
+        for request, start, proposal in zip(step.sampled, step.starts(), step.proposals):
             if request.status is Status.FINISHED:
                 continue  # stopped (or aborted) after this step was launched: the token is dropped
-            token = tokens[i]
-            request.token_ids[-1] = token
-            self.stats.generated_tokens += 1
-            token_logprobs = None
-            if request.params.logprobs is not None and logprobs is not None:
-                k = request.params.logprobs
-                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else []
-                token_logprobs = [TokenLogprob(token, logprobs[i], top)]
-            try:
-                outputs.append(self._emit(request, token, token_logprobs))
-            except Exception as e:  # noqa: BLE001 - detokenizing or stop matching: this request alone
-                outputs.append(self._fail(request, e))
+            accepted = accepted_length(tokens[start : start + len(proposal)], proposal)
+            if proposal:
+                request.num_computed -= len(proposal) - accepted
+                self.kv.trim(request.request_id, request.num_computed)
+                request.spec.update(len(proposal), accepted, spec.num_draft_tokens, spec.cooldown_steps)
+                self.stats.spec_proposed += len(proposal)
+                self.stats.spec_accepted += accepted
+            request.keep_rng_draws(accepted + 1)
+            emitted = []
+            for i in range(start, start + accepted + 1):
+                token = tokens[i]
+                if i == start:
+                    request.token_ids[-1] = token
+                else:
+                    request.token_ids.append(token)
+                self.stats.generated_tokens += 1
+                token_logprobs = None
+                if request.params.logprobs is not None and logprobs is not None:
+                    k = request.params.logprobs
+                    top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else []
+                    token_logprobs = [TokenLogprob(token, logprobs[i], top)]
+                try:
+                    emitted.append(self._emit(request, token, token_logprobs))
+                except Exception as e:  # noqa: BLE001 - detokenizing or stop matching: this request alone
+                    emitted.append(self._fail(request, e))
+                if emitted[-1].finished:
+                    break  # a stop inside an accepted run: the tokens after it are dropped
+            outputs.append(_merge(emitted))
         return outputs
 
     def _emit(self, request: Request, token: int, logprobs: list[TokenLogprob] | None) -> RequestOutput:
@@ -381,8 +476,42 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
         self.requests.pop(request.request_id, None)
-        self._detokenizers.pop(request.request_id, None)
+        self._forget(request.request_id)
         self.stats.finished_requests += 1
+
+    def _forget(self, request_id: str) -> None:
+        """Drop what else the engine keeps for a request that left it."""
+        self._detokenizers.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
+
+
+def _make_proposer(
+    config: SpeculativeConfig, draft_model: nn.Module | None, num_blocks: int, block_size: int
+) -> Proposer | None:
+    """The configured proposer (None: speculation off); a draft model gets a pool as large as the
+    target's (in blocks: its sequences are as long), resident only where written (kv/pages.py)."""
+    if config.method == "ngram":
+        return NgramProposer(config.ngram_max, config.ngram_min)
+    if config.method == "draft":
+        if draft_model is None:
+            raise InvalidRequest("--speculative draft needs --draft-model")
+        return DraftProposer(draft_model, num_blocks, block_size)
+    return None
+
+
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    """One request's outputs of one step (several tokens after a verification) as one output."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    logprobs = [lp for o in outputs for lp in o.logprobs or []]
+    return replace(
+        last,
+        token_ids=[t for o in outputs for t in o.token_ids],
+        text="".join(o.text for o in outputs),
+        logprobs=logprobs if any(o.logprobs is not None for o in outputs) else None,
+    )
 
 
 def check_block_accounting(engine: Engine) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlx_infer.constraints import ConstraintState
+from mlx_infer.engine.speculative import SpecState
 from mlx_infer.engine.stop import StopMatcher
 from mlx_infer.sampling import SamplingParams, rng_key
 
@@ -43,6 +44,9 @@ class Request:
     rng_key: mx.array | None = None
     admitted: bool = False
     constraint: ConstraintState | None = None  # structured output: the matcher its tokens advance
+    spec: SpecState | None = None  # speculation state; None: this request does not speculate
+    proposal: list[int] = field(default_factory=list)  # tokens proposed for this step (not in token_ids)
+    rng_after: list[mx.array] = field(default_factory=list)  # key after each of the last step's draws
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
@@ -79,12 +83,28 @@ class Request:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
-    def next_rng_key(self) -> mx.array | None:
-        """The key for this step's draw; advancing it keeps seeded output independent of batching."""
+    @property
+    def num_to_compute(self) -> int:
+        """Query rows this request wants in the next step: its uncomputed tokens and its proposal."""
+        return self.num_uncomputed + len(self.proposal)
+
+    def next_rng_keys(self, n: int) -> list[mx.array | None]:
+        """Keys for this step's ``n`` draws (one per sampled row); advancing the key per draw keeps seeded
+        output independent of batching and of speculation. The key after each draw is kept in
+        ``rng_after``, so a verification that keeps only some rows can rewind (``keep_rng_draws``)."""
         if self.rng_key is None:
-            return None
-        self.rng_key, key = mx.random.split(self.rng_key)
-        return key
+            return [None] * n
+        keys, self.rng_after = [], []
+        for _ in range(n):
+            self.rng_key, key = mx.random.split(self.rng_key)
+            keys.append(key)
+            self.rng_after.append(self.rng_key)
+        return keys
+
+    def keep_rng_draws(self, n: int) -> None:
+        """Only the first ``n`` draws of the last step made tokens: the next draw uses the key after them."""
+        if self.rng_key is not None and 0 < n <= len(self.rng_after):
+            self.rng_key = self.rng_after[n - 1]
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,11 +52,24 @@ def kv_bytes_per_token(model: nn.Module, dtype: mx.Dtype) -> int:
 class InFlight:
     """A step whose samples the host has not read yet."""
 
-    sampled: list[Request]  # row i of ``result`` belongs to sampled[i]
+    sampled: list[Request]
     result: SampleResult
+    # What each sampled request proposed: its rows of ``result`` are 1 + len(proposal), in order.
+    proposals: list[list[int]]
+
+    def starts(self) -> list[int]:
+        """The first row of ``result`` of each sampled request."""
+        return list(itertools.accumulate((1 + len(p) for p in self.proposals[:-1]), initial=0))
+
+    @property
+    def verifies(self) -> bool:
+        return any(self.proposals)
 
     def rows_by_request(self) -> dict[str, int]:
-        return {r.request_id: i for i, r in enumerate(self.sampled)}
+        """The row of each request's last sample (the token a pending slot stands for)."""
+        return {
+            r.request_id: start + len(p) for r, start, p in zip(self.sampled, self.starts(), self.proposals)
+        }
 
 
 def prepare_for_cpu(model: nn.Module) -> None:
@@ -112,8 +126,13 @@ class ModelRunner:
         rows_of = pending.rows_by_request() if pending is not None else {}
         for s in batch:
             r = s.request
-            slices.append(SequenceSlice(self.kv.block_tables[r.request_id], r.num_computed, s.num_new))
-            tokens.extend(r.token_ids[r.num_computed : r.num_computed + s.num_new])
+            # A proposal is verified as extra query rows after the sequence's own tokens, each row's
+            # logits sampled (see engine/speculative.py); its requests have no pending token.
+            verify = s.samples and bool(r.proposal)
+            slices.append(
+                SequenceSlice(self.kv.block_tables[r.request_id], r.num_computed, s.num_new, verify)
+            )
+            tokens.extend((r.token_ids + r.proposal)[r.num_computed : r.num_computed + s.num_new])
             if r.has_pending_token:
                 pending_at.append(len(tokens) - 1)
                 pending_rows.append(rows_of[r.request_id])
@@ -127,17 +146,30 @@ class ModelRunner:
             # A step of partial prefills only: the K/V writes are all it produces.
             mx.async_eval([c for layer in self.cache for c in layer.state()])
             return None, rows
-        if len(rows) < len(batch):
-            logits = logits[mx.array(rows)]
+        # Logit rows: one per sequence, or 1 + len(proposal) for a verifying one; keep the sampled ones.
+        logit_rows, owner, at = [], [], 0  # owner: the index in ``rows`` each kept logit row belongs to
+        for i, s in enumerate(batch):
+            n = 1 + len(s.request.proposal) if slices[i].want_all_logits else 1
+            if s.samples:
+                owner.extend([owner[-1] + 1 if owner else 0] * n)
+                logit_rows.extend(range(at, at + n))
+            at += n
+        if len(logit_rows) < at:
+            logits = logits[mx.array(logit_rows)]
         allowed = None
         if masks is not None:
             mx.async_eval(logits)
             allowed = masks([batch[i].request for i in rows], logits.shape[-1])
+            if allowed is not None and len(owner) > len(rows):
+                allowed = allowed[mx.array(owner)]
         sampler_rows = []
         for i in rows:
             r = batch[i].request
             output_ids = r.output_ids[: r.num_known_tokens - r.num_prompt_tokens]
-            sampler_rows.append(SamplerRow(r.params, r.prompt_ids, output_ids, r.next_rng_key()))
+            keys = r.next_rng_keys(1 + len(r.proposal))
+            for j, key in enumerate(keys):
+                # Row j is emitted only if proposal[:j] is: its penalties see exactly those tokens.
+                sampler_rows.append(SamplerRow(r.params, r.prompt_ids, output_ids + r.proposal[:j], key))
         result = sample(logits, sampler_rows, allowed)
         mx.async_eval(
             [

@@ -27,8 +27,9 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.request.num_computed + self.num_new == len(self.request.token_ids)
+        """Whether this step reaches the end of the known tokens (and of the proposal, if any), so new
+        tokens are sampled."""
+        return self.num_new == self.request.num_to_compute
 
 
 class Scheduler:
@@ -58,7 +59,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_uncomputed, budget)
+            num_new = min(request.num_to_compute, budget)
+            # A proposal that does not fit the budget is cut (to nothing if not even its first token fits).
+            del request.proposal[max(0, num_new - request.num_uncomputed) :]
             try:
                 victims = self._make_room(request, num_new)
             except Exception as e:  # noqa: BLE001 - this request fails alone
@@ -137,6 +140,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        request.proposal.clear()
         request.num_computed = 0
         self.num_preemptions += 1
         request.status = Status.WAITING

@@ -85,6 +85,20 @@ class KVCacheManager:
             hashes.append(block_hash)
             self.pool.register(table[i], block_hash)
 
+    def trim(self, seq_id: str, num_tokens: int) -> None:
+        """Return the blocks past the first ``num_tokens`` tokens (K/V of rejected speculative tokens).
+
+        Those blocks were never registered: registration only covers tokens the host knows to be the
+        sequence's own, and they lie before ``num_tokens``."""
+        table = self.block_tables.get(seq_id)
+        if table is None:
+            return
+        keep = self.blocks_needed(num_tokens)
+        if len(self._hashes.get(seq_id, [])) > keep:
+            raise RuntimeError(f"trimming registered blocks of {seq_id}")
+        self.pool.release(table[keep:])
+        del table[keep:]
+
     def free(self, seq_id: str) -> None:
         """Return a sequence's blocks (they stay in the prefix cache until reused)."""
         self.pool.release(self.block_tables.pop(seq_id, []))
