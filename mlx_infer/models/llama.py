@@ -18,6 +18,7 @@ from mlx_infer.models.base import (
     rope_frequencies,
     rope_scale,
 )
+from mlx_infer.models.rope_config import resolve_rope
 
 
 @dataclass
@@ -32,9 +33,10 @@ class ModelArgs(BaseModelArgs):
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     max_position_embeddings: int = 4096
-    rope_theta: float = 10000.0
+    rope_theta: float | None = None
     rope_traditional: bool = False
     rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None  # transformers >= 5 keeps rope_theta here
     tie_word_embeddings: bool = True
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -45,6 +47,9 @@ class ModelArgs(BaseModelArgs):
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        self.rope_theta, self.rope_scaling = resolve_rope(
+            self.model_type, self.rope_theta, self.rope_scaling, self.rope_parameters, 10000.0
+        )
 
 
 class Attention(nn.Module):

@@ -29,6 +29,12 @@ class ModelArgs(qwen3.ModelArgs):
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    num_local_experts: int | None = None  # transformers >= 5 saves num_experts under this name
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_local_experts is not None:
+            self.num_experts = self.num_local_experts
 
     def is_sparse(self, layer_idx: int) -> bool:
         return (
