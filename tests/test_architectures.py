@@ -17,16 +17,26 @@ import pytest
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.loading import load
 from mlx_infer.models.base import LayerKV
+from mlx_infer.models.state import LayerState
 
 TINY = Path(__file__).parent / "oracle" / "tiny"
 BLOCK = 4
 NUM_BLOCKS = 128
-# float32 on both sides; summation orders differ, so a few ulps of the logits' scale (about 1).
+NUM_SLOTS = 4  # recurrent-state slots (hybrid models): one per sequence of the batch test
+# float32 on both sides; summation orders differ, so a few ulps of the logits' scale (about 1). Where
+# transformers' own float32 error (against float64, recorded as float32_noise) is larger, as over long
+# linear-attention recurrences, a few times that.
 TOL = 2e-4
 
 
-def new_cache(model) -> list[LayerKV]:
-    return [LayerKV(NUM_BLOCKS, BLOCK, *model.kv_shape(), mx.float32) for _ in model.layers]
+def new_cache(model) -> list[LayerKV | LayerState]:
+    specs = model.state_specs() if hasattr(model, "state_specs") else [None] * len(model.layers)
+    return [
+        LayerKV(NUM_BLOCKS, BLOCK, *model.kv_shape(), mx.float32)
+        if spec is None
+        else LayerState(NUM_SLOTS, spec)
+        for spec in specs
+    ]
 
 
 def forward(model, cache, slices: list[SequenceSlice], tokens) -> np.ndarray:
@@ -46,11 +56,12 @@ def arch(request):
     folder = TINY / request.param
     ref = np.load(folder / "reference.npz")
     prompts = [(ref[f"tokens_{i}"], ref[f"logits_{i}"]) for i in range(2)]
-    return request.param, load(str(folder)).model, prompts
+    tol = max(TOL, 5 * float(ref["float32_noise"])) if "float32_noise" in ref else TOL
+    return request.param, load(str(folder)).model, prompts, tol
 
 
 def test_chunked_prefill_then_decode_equals_transformers(arch):
-    name, model, prompts = arch
+    name, model, prompts, tol = arch
     for seed, (tokens, want) in enumerate(prompts):
         table = block_table(seed, len(tokens))
         cache, done, rows = new_cache(model), 0, []
@@ -62,11 +73,11 @@ def test_chunked_prefill_then_decode_equals_transformers(arch):
             done += n
         got = np.concatenate(rows)
         err = float(np.abs(got - want).max())
-        assert err <= TOL, f"{name}: max |logit - transformers'| = {err:.2e} over {len(tokens)} positions"
+        assert err <= tol, f"{name}: max |logit - transformers'| = {err:.2e} over {len(tokens)} positions"
 
 
 def test_batch_of_four_mixing_lengths_equals_each_alone(arch):
-    _, model, prompts = arch
+    _, model, prompts, _ = arch
     long_tokens, short_tokens = prompts[1][0], prompts[0][0]
     # (tokens, already computed): a fresh long prefill, a decode step, a continued chunk, a short prefill.
     cases = [(long_tokens[:70], 0), (long_tokens[:41], 40), (short_tokens, 9), (short_tokens[:6], 0)]
@@ -81,9 +92,12 @@ def test_batch_of_four_mixing_lengths_equals_each_alone(arch):
         alone.append(forward(model, cache, [SequenceSlice(table, c, len(toks) - c)], toks[c:])[-1])
 
     cache = new_cache(model)
-    for (toks, c), table in zip(cases, tables):
+    for i, ((toks, c), table) in enumerate(zip(cases, tables)):
         if c:
-            forward(model, cache, [SequenceSlice(table, 0, c)], toks[:c])
-    slices = [SequenceSlice(t, c, len(toks) - c) for (toks, c), t in zip(cases, tables)]
+            forward(model, cache, [SequenceSlice(table, 0, c, state_slot=i)], toks[:c])
+    slices = [
+        SequenceSlice(table, c, len(toks) - c, state_slot=i)
+        for i, ((toks, c), table) in enumerate(zip(cases, tables))
+    ]
     batched = forward(model, cache, slices, np.concatenate([toks[c:] for toks, c in cases]))
     np.testing.assert_allclose(batched, np.stack(alone), atol=1e-5, rtol=0)

@@ -18,6 +18,7 @@ class SequenceSlice:
     num_computed: int  # tokens already in the cache before this step
     num_new: int  # tokens this step appends (and computes)
     want_all_logits: bool = False  # logits for every new token instead of only the last one
+    state_slot: int | None = None  # recurrent-state slot (hybrid models); None: the sequence's batch index
 
 
 def build_metadata(slices: list[SequenceSlice], block_size: int) -> BatchMetadata:
@@ -77,4 +78,7 @@ def build_metadata(slices: list[SequenceSlice], block_size: int) -> BatchMetadat
         q_positions=mx.array(q_positions),
         logits_index=logits_index,
         block_size=block_size,
+        state_slots=mx.array(
+            [i if s.state_slot is None else s.state_slot for i, s in enumerate(slices)], dtype=mx.int32
+        ),
     )

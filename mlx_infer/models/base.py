@@ -49,6 +49,7 @@ class BatchMetadata:
     q_positions: mx.array  # [B, Qmax] position of each padded query (padding: 0, so no row is fully masked)
     logits_index: mx.array | None  # rows of T whose logits are wanted (None: all rows)
     block_size: int
+    state_slots: mx.array | None = None  # [B] recurrent-state slot of each sequence (models/state.py)
 
     @property
     def batch_size(self) -> int:

@@ -18,6 +18,7 @@ position of one full forward) for each prompt ``i``, and ``versions`` (transform
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 OUT = Path(__file__).parent / "tiny"
 VOCAB = 128
@@ -65,6 +66,43 @@ ARCHS: dict[str, dict] = {
 }
 
 
+def _hybrid(model_type: str, **extra) -> dict:
+    """Qwen3-Next / Qwen3.5 text configs: Gated DeltaNet layers between gated full-attention layers,
+    grouped value heads (4 value heads over 2 key heads) and partial RoPE."""
+    return dict(
+        copy.deepcopy(_BASE), model_type=model_type, num_hidden_layers=4, head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 3000.0, "partial_rotary_factor": 0.5},
+        **extra,
+    )
+
+
+_HYBRID_MOE = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+)
+# The vision tower of a composite checkpoint: as small as its config allows (the text forward never runs it,
+# but its tensors are in the file, as in real checkpoints, for sanitize() to drop).
+_TINY_VISION = dict(
+    depth=1, hidden_size=16, intermediate_size=16, num_heads=2, patch_size=2, out_hidden_size=64,
+    num_position_embeddings=16,
+)
+
+ARCHS.update({
+    "qwen3_next": _hybrid(
+        "qwen3_next", **_HYBRID_MOE, decoder_sparse_step=1, mlp_only_layers=[2], norm_topk_prob=True
+    ),
+    "qwen3_5_text": _hybrid("qwen3_5_text"),
+    "qwen3_5_moe_text": _hybrid("qwen3_5_moe_text", **_HYBRID_MOE),
+    # Composite (image-text) checkpoints: the text model under model.language_model, a vision tower beside it.
+    "qwen3_5": dict(model_type="qwen3_5", text_config=_hybrid("qwen3_5_text"), vision_config=_TINY_VISION,
+                    tie_word_embeddings=False),
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe", text_config=_hybrid("qwen3_5_moe_text", **_HYBRID_MOE),
+                        vision_config=_TINY_VISION, tie_word_embeddings=False),
+})
+
+
 def init_weights(model: torch.nn.Module, seed: int) -> None:
     """Weights large enough that logits spread over several units (transformers' 0.02 init makes them
     all nearly equal, and a comparison of nearly equal numbers proves little).
@@ -91,11 +129,13 @@ def write_word_tokenizer(folder: Path) -> None:
 
 
 def make(name: str, kwargs: dict) -> None:
-    kwargs = dict(kwargs)
+    kwargs = copy.deepcopy(kwargs)
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    auto = AutoModelForImageTextToText if "text_config" in kwargs else AutoModelForCausalLM
+    # The eager (per-expert loop) experts: the reference implementation, and the one that runs in float64.
+    model = auto.from_config(config, dtype=torch.float32, experts_implementation="eager").eval()
     init_weights(model, seed=sum(map(ord, name)))
     folder = OUT / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -109,11 +149,21 @@ def make(name: str, kwargs: dict) -> None:
         with torch.no_grad():
             logits = model(torch.tensor(tokens[None], dtype=torch.long)).logits[0].float().numpy()
         arrays[f"tokens_{i}"], arrays[f"logits_{i}"] = tokens, logits
+    # transformers' own float32 rounding error (against the same model in float64): where it is
+    # larger than the default tolerance (long recurrences), test_architectures scales its tolerance by it.
+    model.double()
+    noise = 0.0
+    for i in range(len(PROMPT_LENGTHS)):
+        with torch.no_grad():
+            exact = model(torch.tensor(arrays[f"tokens_{i}"][None], dtype=torch.long)).logits[0].numpy()
+        noise = max(noise, float(np.abs(arrays[f"logits_{i}"] - exact).max()))
+    arrays["float32_noise"] = np.array(noise, dtype=np.float64)
     versions = {"transformers": transformers.__version__, "torch": torch.__version__}
     arrays["versions"] = np.array(json.dumps(versions))
     np.savez_compressed(folder / "reference.npz", **arrays)
     spread = float(np.std(arrays["logits_1"]))
-    print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, logit std {spread:.2f}")
+    print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, logit std {spread:.2f}, "
+          f"float32 noise {noise:.1e}")
 
 
 def main(names: list[str]) -> None:

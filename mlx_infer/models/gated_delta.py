@@ -1,0 +1,176 @@
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5): the causal convolution and the gated delta rule, in pure MLX.
+
+A linear-attention layer keeps, per sequence, the last ``K - 1`` inputs of its depthwise convolution
+(``[K - 1, conv_dim]``) and a state matrix per value head (``[Hv, Dk, Dv]``) instead of K/V. A step
+carries a flattened ragged batch (``[T]`` rows of ``B`` sequences): :class:`Ragged` lays it out as
+``[B, Qmax]`` (padding after each sequence's rows), the convolution and the recurrence run per
+sequence from the state read out of its slot, and padded rows leave the state untouched (decay 1,
+``beta`` 0).
+
+The recurrence comes in the two forms transformers has (``torch_chunk_gated_delta_rule`` for
+prefill, ``torch_recurrent_gated_delta_rule`` for decode), step for step the same arithmetic, so either
+equals transformers' float32 forward to rounding.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_infer.models.base import BatchMetadata
+from mlx_infer.models.step_memo import StepMemo
+
+CHUNK = 64  # transformers' chunk_gated_delta_rule default (and FLA's)
+
+_layouts = StepMemo()
+
+
+class Ragged:
+    """The step's rows as ``[B, Qmax]``: built once per step, shared by every linear-attention layer."""
+
+    def __init__(self, meta: BatchMetadata):
+        self.batch = meta.batch_size
+        self.q_max = meta.max_query_len
+        self.pad_index = meta.q_pad_index
+        self.unpad_index = meta.q_unpad_index
+        q_lens = mx.array(meta.query_lens, dtype=mx.int32)
+        self.query_lens = q_lens
+        # [B, Qmax] 1 for real rows, 0 for padding
+        self.valid = (mx.arange(self.q_max, dtype=mx.int32)[None, :] < q_lens[:, None]).astype(mx.float32)
+
+    @staticmethod
+    def of(meta: BatchMetadata) -> Ragged:
+        return _layouts.get(meta, "ragged", lambda: Ragged(meta))
+
+    def pad(self, x: mx.array) -> mx.array:
+        """``[T, ...]`` -> ``[B, Qmax, ...]`` (padding rows repeat a real row; callers mask them)."""
+        if self.pad_index is None:
+            return x[:, None]
+        return x[self.pad_index]
+
+    def unpad(self, x: mx.array) -> mx.array:
+        """``[B, Qmax, ...]`` -> ``[T, ...]``."""
+        if self.unpad_index is None:
+            return x[:, 0]
+        return x.reshape(self.batch * self.q_max, *x.shape[2:])[self.unpad_index]
+
+
+def causal_conv1d(
+    x: mx.array, window: mx.array, weight: mx.array, layout: Ragged
+) -> tuple[mx.array, mx.array]:
+    """Depthwise causal convolution of ``x`` ``[B, Q, C]`` continuing from ``window`` ``[B, K-1, C]``
+    (each sequence's previous inputs), with ``weight`` ``[C, K]``; no activation.
+
+    Returns the output ``[B, Q, C]`` and each sequence's new window: its last ``K - 1`` inputs, which
+    end at its own length, not at the padded ``Q``.
+    """
+    k = weight.shape[-1]
+    ext = mx.concatenate([window.astype(x.dtype), x], axis=1)  # [B, K-1+Q, C]
+    q = x.shape[1]
+    out = ext[:, 0:q] * weight[:, 0]
+    for j in range(1, k):
+        out = out + ext[:, j : j + q] * weight[:, j]
+    if layout.pad_index is None:  # every sequence has exactly Q new rows
+        new_window = ext[:, q:]
+    else:
+        idx = layout.query_lens[:, None] + mx.arange(k - 1, dtype=mx.int32)[None, :]  # [B, K-1]
+        new_window = mx.take_along_axis(ext, idx[:, :, None], axis=1)
+    return out, new_window
+
+
+def l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
+    """As transformers (and FLA): ``x / sqrt(sum(x^2) + eps)``."""
+    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+def prepare_qk(q: mx.array, k: mx.array, num_v_heads: int) -> tuple[mx.array, mx.array]:
+    """L2-normalised float32 ``q`` (also scaled by ``Dk ** -0.5``) and ``k``, each key head repeated for
+    the value heads it serves (head ``h`` of ``v`` reads key head ``h // (Hv / Hk)``)."""
+    ratio = num_v_heads // k.shape[-2]
+    q, k = l2norm(q.astype(mx.float32)), l2norm(k.astype(mx.float32))
+    if ratio > 1:
+        q, k = mx.repeat(q, ratio, axis=-2), mx.repeat(k, ratio, axis=-2)
+    return q * (q.shape[-1] ** -0.5), k
+
+
+def recurrent_gated_delta(
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """One token per sequence: ``q``/``k`` ``[B, H, Dk]`` (prepared), ``v`` ``[B, H, Dv]``, ``g``/``beta``
+    ``[B, H]``, ``state`` ``[B, H, Dk, Dv]`` -> (``[B, H, Dv]``, new state).
+
+    The delta rule: decay the state, read what it predicts for ``k``, write back ``beta`` times the
+    error, then read it with ``q``.
+    """
+    state = state * mx.exp(g)[..., None, None]
+    predicted = (k[..., None, :] @ state)[..., 0, :]
+    delta = (v - predicted) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return (q[..., None, :] @ state)[..., 0, :], state
+
+
+def chunk_gated_delta(
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array, chunk: int = CHUNK
+) -> tuple[mx.array, mx.array]:
+    """Whole sequences at once: ``q``/``k`` ``[B, L, H, Dk]`` (prepared), ``v`` ``[B, L, H, Dv]``,
+    ``g``/``beta`` ``[B, L, H]`` (float32), ``state`` ``[B, H, Dk, Dv]`` -> (``[B, L, H, Dv]``, state).
+
+    transformers' ``torch_chunk_gated_delta_rule``: within each chunk of ``chunk`` tokens the updates
+    are condensed into matrix products (the UT transform, one triangular solve), then one sequential
+    pass over the chunks carries the state.
+    """
+    b, length, h, dk = k.shape
+    dv = v.shape[-1]
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # [B, H, L, D]
+    g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)  # [B, H, L]
+    pad = -length % chunk
+    if pad:
+        q, k, v = (mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (q, k, v))
+        g, beta = (mx.pad(x, [(0, 0), (0, 0), (0, pad)]) for x in (g, beta))
+    n = (length + pad) // chunk
+    v_beta = v * beta[..., None]
+    k_beta = k * beta[..., None]
+    q, k, k_beta, v_beta = (x.reshape(b, h, n, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    cum = mx.cumsum(g.reshape(b, h, n, chunk), axis=-1)  # log of the decay since the chunk's start
+
+    upper = mx.triu(mx.ones((chunk, chunk), dtype=mx.bool_), k=1)
+    pairwise = mx.exp(mx.where(upper, -mx.inf, cum[..., :, None] - cum[..., None, :]))
+    k_t = k.swapaxes(-1, -2)
+    ut = (k_beta @ k_t) * pairwise
+    intra = (q @ k_t) * pairwise
+    decayed_k_beta = k_beta * mx.exp(cum)[..., None]
+    # transformers solves with unitriangular=True: the strictly lower part over an identity diagonal.
+    lower = mx.tril(ut, k=-1) + mx.eye(chunk, dtype=ut.dtype)
+    # The triangular solve has only a CPU kernel; on a GPU stream MLX would refuse it.
+    solved = mx.linalg.solve_triangular(
+        lower, mx.concatenate([v_beta, decayed_k_beta], axis=-1), upper=False, stream=mx.cpu
+    )
+    new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
+
+    q = q * mx.exp(cum)[..., None]
+    k = k * mx.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = mx.exp(cum[..., -1])[..., None, None]  # [B, H, N, 1, 1]
+    outs = []
+    for i in range(n):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        outs.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k[:, :, i].swapaxes(-1, -2) @ v_new
+    out = mx.concatenate(outs, axis=2)[:, :, :length]  # [B, H, L, Dv]
+    return out.transpose(0, 2, 1, 3), state
+
+
+def gated_delta_rule(
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """``[B, Q, ...]`` inputs: the step form for one token per sequence, the chunked form otherwise."""
+    if q.shape[1] == 1:
+        out, state = recurrent_gated_delta(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+        return out[:, None], state
+    return chunk_gated_delta(q, k, v, g, beta, state)
+
+
+def decay_and_beta(a: mx.array, b: mx.array, a_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:
+    """Per-token log decay ``g = -exp(A_log) * softplus(a + dt_bias)`` and write strength
+    ``beta = sigmoid(b)``, in float32 as transformers computes them."""
+    g = -mx.exp(a_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + dt_bias.astype(mx.float32))
+    return g, mx.sigmoid(b.astype(mx.float32))
