@@ -16,8 +16,8 @@ import pytest
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.loading import load
+from mlx_infer.models import base
 from mlx_infer.models.base import LayerKV
-from mlx_infer.models.state import LayerState
 
 TINY = Path(__file__).parent / "oracle" / "tiny"
 BLOCK = 4
@@ -29,14 +29,8 @@ NUM_SLOTS = 4  # recurrent-state slots (hybrid models): one per sequence of the 
 TOL = 2e-4
 
 
-def new_cache(model) -> list[LayerKV | LayerState]:
-    specs = model.state_specs() if hasattr(model, "state_specs") else [None] * len(model.layers)
-    return [
-        LayerKV(NUM_BLOCKS, BLOCK, *model.kv_shape(), mx.float32)
-        if spec is None
-        else LayerState(NUM_SLOTS, spec)
-        for spec in specs
-    ]
+def new_cache(model, num_blocks: int = NUM_BLOCKS, block: int = BLOCK, dtype=mx.float32) -> list[LayerKV]:
+    return base.new_cache(model, num_blocks, block, dtype, num_state_slots=NUM_SLOTS)
 
 
 def forward(model, cache, slices: list[SequenceSlice], tokens) -> np.ndarray:

@@ -24,9 +24,11 @@ import sys
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
-from mlx_infer.models.base import LayerKV
+from mlx_infer.models.base import LayerKV, new_cache
+from mlx_infer.models.state import LayerState
 
 MADV_DONTNEED = 4  # Linux
 
@@ -68,26 +70,36 @@ def drop_pages(array: mx.array, start: int, stop: int) -> int:
 
 
 def allocate_pools(
-    num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype
-) -> list[LayerKV]:
-    """Every layer's K/V pools at ``num_blocks`` blocks, evaluated one layer at a time and dropped
-    (where pages can be dropped) so that at most one layer's pools are ever resident here."""
-    cache = []
-    for _ in range(num_layers):
-        layer = LayerKV(num_blocks, block_size, n_kv_heads, head_dim, dtype)
+    model: nn.Module, num_blocks: int, block_size: int, dtype: mx.Dtype, num_state_slots: int = 1
+) -> list[LayerKV | LayerState]:
+    """Every layer's cache (``model.kv_layout()``) at ``num_blocks`` blocks (recurrent layers:
+    ``num_state_slots`` sequence states), each pool evaluated and dropped (where pages can be dropped)
+    in turn, so that at most one layer's pools are ever resident here."""
+    cache = new_cache(model, num_blocks, block_size, dtype, num_state_slots)
+    for layer in owned(cache) + states(cache):
         mx.eval(layer.state())
         for pool in layer.state():
             drop_pages(pool, 0, pool.nbytes)
-        cache.append(layer)
     return cache
 
 
-def drop_blocks(cache: list[LayerKV], blocks: Sequence[range]) -> int:
+def owned(cache: list[LayerKV | LayerState]) -> list[LayerKV]:
+    """Each distinct K/V pool holder of ``cache`` once (layers sharing a source's pools hold none)."""
+    return list({id(layer): layer for layer in cache if isinstance(layer, LayerKV)}.values())
+
+
+def states(cache: list[LayerKV | LayerState]) -> list[LayerState]:
+    """The recurrent layers' state slots (not paged: a block range means nothing to them)."""
+    return [layer for layer in cache if isinstance(layer, LayerState)]
+
+
+def drop_blocks(cache: list[LayerKV | LayerState], blocks: Sequence[range]) -> int:
     """Give back the memory of block ranges in every layer's pools (their K/V is no longer needed);
     returns the bytes given back."""
-    mx.eval([a for layer in cache for a in layer.state()])  # no step may still be writing them
+    layers = owned(cache)
+    mx.eval([a for layer in layers for a in layer.state()])  # no step may still be writing them
     dropped = 0
-    for layer in cache:
+    for layer in layers:
         for pool in layer.state():
             block_bytes = pool.nbytes // layer.num_blocks
             for r in blocks:

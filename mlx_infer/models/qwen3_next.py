@@ -23,6 +23,7 @@ from mlx_infer.models.base import (
     BaseModelArgs,
     BatchMetadata,
     CausalLM,
+    KVSpec,
     LayerKV,
     apply_rope,
     attention,
@@ -295,9 +296,10 @@ class Model(CausalLM):
             return SparseMoeBlock(args)
         return MLP(args.hidden_size, args.intermediate_size)
 
-    def state_specs(self) -> list[StateSpec | None]:
-        """Per layer: the recurrent state a linear-attention layer keeps, None for a K/V layer."""
-        return [layer.linear_attn.state_spec() if layer.is_linear else None for layer in self.layers]
+    def kv_layout(self) -> list[KVSpec | StateSpec]:
+        """A linear-attention layer keeps a recurrent state per sequence, a full-attention one paged K/V."""
+        kv = KVSpec(*self.kv_shape())
+        return [layer.linear_attn.state_spec() if layer.is_linear else kv for layer in self.layers]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         # Multi-token-prediction heads (speculative drafting in other engines) are not used here.

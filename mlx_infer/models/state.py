@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from mlx_infer.models.base import BatchMetadata
+if TYPE_CHECKING:  # base imports this module (new_cache builds LayerState)
+    from mlx_infer.models.base import BatchMetadata
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,9 @@ class StateSpec:
 
     shapes: tuple[tuple[int, ...], ...]
     dtype: mx.Dtype = mx.float32
+
+    # A layer of kv_layout() that keeps a state keeps no K/V pool (KVSpec's counterpart).
+    owns_pool = False
 
     def bytes_per_slot(self) -> int:
         return sum(math.prod(s) for s in self.shapes) * self.dtype.size
