@@ -81,6 +81,11 @@ def render(plan: Plan) -> str:
             f"{human_bytes(plan.kv_bytes)}  {plan.kv_bytes_per_token} B a token ({plan.kv_cache_dtype}) x "
             f"{plan.context} tokens x {seqs}",
         ),
+        *(
+            [("state", f"{human_bytes(plan.state_bytes)}  recurrent state (linear attention) x {seqs}")]
+            if plan.state_bytes
+            else []
+        ),
         ("scratch", f"{human_bytes(plan.scratch_bytes)}  activations, logits, K/V pool copies in prefill"),
         (
             "total",
@@ -90,8 +95,9 @@ def render(plan: Plan) -> str:
         ("largest", largest),
         ("decode bound", f"{decode}: {gbs:.1f} GB/s, {plan.bandwidth_source}"),
     ]
-    if plan.fits and plan.kv_bytes > plan.default_kv_pool_bytes:
-        gib = -(-plan.kv_bytes * 100 // 2**30) / 100  # rounded up, so the pool holds every block
+    pool_bytes = plan.kv_bytes + plan.state_bytes  # the engine takes both out of the --kv-memory budget
+    if plan.fits and pool_bytes > plan.default_kv_pool_bytes:
+        gib = -(-pool_bytes * 100 // 2**30) / 100  # rounded up, so the pool holds every block
         rows.append(
             (
                 "note",

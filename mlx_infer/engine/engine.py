@@ -34,9 +34,16 @@ from mlx_infer.engine.speculative import (
     accepted_length,
 )
 from mlx_infer.engine.stop import StopMatcher
-from mlx_infer.errors import ContextTooLong, EngineFailure, InvalidRequest, RequestFailed
+from mlx_infer.errors import (
+    ContextTooLong,
+    EngineFailure,
+    InvalidRequest,
+    RequestFailed,
+    UnsupportedArchitecture,
+)
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.memory import PoolMemory, describe_pool, kv_budget_bytes
+from mlx_infer.plan import planner
 from mlx_infer.sampling import SamplingParams
 
 log = logging.getLogger("mlx_infer")
@@ -81,10 +88,13 @@ class _StepProgress:
     batch: list[ScheduledRequest] | None = None
 
 
-def pool_num_blocks(config: EngineConfig, max_context: int, kv_bytes_per_token: int) -> int:
-    """KV blocks that fit the memory budget, and no more than every running sequence at full context
-    could use when no explicit budget is given."""
-    tokens = kv_budget_bytes(config.kv_memory) // kv_bytes_per_token
+def pool_num_blocks(
+    config: EngineConfig, max_context: int, kv_bytes_per_token: int, state_bytes: int = 0
+) -> int:
+    """KV blocks that fit the memory budget once ``state_bytes`` (the recurrent-state slots) are taken
+    out of it, and no more than every running sequence at full context could use when no explicit
+    budget is given."""
+    tokens = max(kv_budget_bytes(config.kv_memory) - state_bytes, 0) // kv_bytes_per_token
     if config.kv_memory is None:
         tokens = min(tokens, config.scheduler.max_num_seqs * max_context)
     return max(1, tokens // config.block_size)
@@ -107,10 +117,15 @@ class Engine:
         self.max_context = min(max_context, self.config.max_context or max_context)
         dtype = kv_pool_dtype(self.config.kv_cache_dtype, activation_dtype(model))
         per_token = kv_bytes_per_token(model, dtype)
-        num_blocks = self.config.num_blocks or pool_num_blocks(self.config, self.max_context, per_token)
+        # Hybrid models: one recurrent-state slot per sequence that may run, out of the same budget.
+        state_slots, self.state_bytes = hybrid_state(model, self.config)
+        num_blocks = self.config.num_blocks or pool_num_blocks(
+            self.config, self.max_context, per_token, self.state_bytes
+        )
         bs = self.config.block_size
         chunk_blocks = max(1, self.config.kv_chunk_tokens // bs)
-        self.kv = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching, chunk_blocks)
+        prefix_caching = self.config.enable_prefix_caching and not state_slots
+        self.kv = KVCacheManager(num_blocks, bs, prefix_caching, chunk_blocks, num_state_slots=state_slots)
         self.kv_block_bytes = bs * per_token
         self.runner = ModelRunner(model, self.kv, dtype)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
@@ -126,6 +141,15 @@ class Engine:
         self.proposer = _make_proposer(self.config.speculative, draft_model, num_blocks, bs)
         idle_release = self.config.kv_idle_release
         log.info(describe_pool(self.kv.pool, bs, self.kv_block_bytes, dtype_name(dtype), idle_release))
+        if state_slots:
+            log.info(
+                "Recurrent state: %d slots of %.1f KiB (one per running sequence), %.1f MiB; prefix caching "
+                "off for this hybrid model (a cached prefix would need its recurrent state at the block "
+                "boundary, which is not checkpointed): every prompt is computed in full",
+                state_slots,
+                self.state_bytes / state_slots / 1024,
+                self.state_bytes / 2**20,
+            )
 
     # ---- requests in -------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -486,6 +510,25 @@ class Engine:
             self.proposer.release(request_id)
 
 
+def hybrid_state(model: nn.Module, config: EngineConfig) -> tuple[int, int]:
+    """(state slots, their bytes) for a model whose layers keep a recurrent state (0, 0 otherwise):
+    ``max_num_seqs`` slots, so a running sequence always finds one.
+
+    Refuses speculative decoding for such a model: verification moves a sequence back past rejected
+    tokens, which a recurrent state (unlike K/V) cannot undo."""
+    per_sequence = planner.layout_state_bytes(model.kv_layout())
+    if not per_sequence:
+        return 0, 0
+    if config.speculative.method is not None:
+        raise UnsupportedArchitecture(
+            f"speculative decoding (--speculative {config.speculative.method}) is not supported for "
+            f"{getattr(model.args, 'model_type', 'this')} models: their linear-attention layers keep a "
+            "recurrent state that cannot be rolled back past rejected draft tokens"
+        )
+    slots = config.scheduler.max_num_seqs
+    return slots, slots * per_sequence
+
+
 def _make_proposer(
     config: SpeculativeConfig, draft_model: nn.Module | None, num_blocks: int, block_size: int
 ) -> Proposer | None:
@@ -529,3 +572,5 @@ def check_block_accounting(engine: Engine) -> None:
     unreferenced = sum(1 for c in kv.pool.ref_counts if c == 0)
     if kv.pool.num_free != unreferenced:
         raise RuntimeError(f"{kv.pool.num_free} free blocks but {unreferenced} unreferenced")
+    if kv.state_slots is not None and set(kv.state_slots.owners()) - live:
+        raise RuntimeError("recurrent-state slots held by finished requests")

@@ -98,7 +98,9 @@ class ModelRunner:
         """(Re)allocate every layer's pools at the full budget, resident only once written (see
         kv/pages.py). Called on the constructing thread: the pools are touched by every step,
         whichever thread runs it."""
-        self.cache = allocate_pools(self.model, self.kv.pool.num_blocks, self.kv.block_size, self.kv_dtype)
+        kv = self.kv
+        slots = max(1, kv.num_state_slots)
+        self.cache = allocate_pools(self.model, kv.pool.num_blocks, kv.block_size, self.kv_dtype, slots)
 
     def release_idle_memory(self) -> int:
         """Unreserve the pool's unreferenced top chunks, forget the free blocks of the others, and give
@@ -127,9 +129,8 @@ class ModelRunner:
             # A proposal is verified as extra query rows after the sequence's own tokens, each row's
             # logits sampled (see engine/speculative.py); its requests have no pending token.
             verify = s.samples and bool(r.proposal)
-            slices.append(
-                SequenceSlice(self.kv.block_tables[r.request_id], r.num_computed, s.num_new, verify)
-            )
+            table, slot = self.kv.block_tables[r.request_id], self.kv.state_slot(r.request_id)
+            slices.append(SequenceSlice(table, r.num_computed, s.num_new, verify, slot))
             tokens.extend((r.token_ids + r.proposal)[r.num_computed : r.num_computed + s.num_new])
             if r.has_pending_token:
                 pending_at.append(len(tokens) - 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlx_infer.kv.block_pool import BlockHash, BlockPool, hash_block
+from mlx_infer.kv.state_slots import StateSlotPool
 
 
 class KVCacheManager:
@@ -15,8 +16,11 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         chunk_blocks: int | None = None,
         min_chunks: int = 1,
+        num_state_slots: int = 0,
     ):
+        """``num_state_slots``: recurrent-state slots (hybrid models; 0: the model keeps no state)."""
         self.pool = BlockPool(num_blocks, chunk_blocks, min_chunks)
+        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[str, list[int]] = {}
@@ -60,11 +64,17 @@ class KVCacheManager:
         (preemption) register afterwards with :meth:`register`.
         """
         table = self.block_tables.setdefault(seq_id, [])
+        slots = self.state_slots
+        new_slot = slots is not None and not slots.holds(seq_id)
+        if new_slot and not slots.acquire(seq_id):
+            return False
         total = num_computed + num_new
         missing = self.blocks_needed(total) - len(table)
         if missing > 0:
             blocks = self.pool.allocate(missing)
             if blocks is None:
+                if new_slot:
+                    slots.release(seq_id)
                 return False
             table.extend(blocks)
         if register:
@@ -100,9 +110,19 @@ class KVCacheManager:
         del table[keep:]
 
     def free(self, seq_id: str) -> None:
-        """Return a sequence's blocks (they stay in the prefix cache until reused)."""
+        """Return a sequence's blocks (they stay in the prefix cache until reused) and its state slot."""
         self.pool.release(self.block_tables.pop(seq_id, []))
         self._hashes.pop(seq_id, None)
+        if self.state_slots is not None:
+            self.state_slots.release(seq_id)
+
+    def state_slot(self, seq_id: str) -> int | None:
+        """The sequence's recurrent-state slot (None for models without recurrent layers)."""
+        return None if self.state_slots is None else self.state_slots.slot(seq_id)
+
+    @property
+    def num_state_slots(self) -> int:
+        return 0 if self.state_slots is None else self.state_slots.num_slots
 
     @property
     def usage(self) -> float:

@@ -63,6 +63,8 @@ class Plan:
     decode_tok_s_bound_batch: float  # all max_num_seqs together at the planned context
     bandwidth_bytes_s: float
     bandwidth_source: str
+    # Recurrent state of max_num_seqs sequences (hybrid models' linear-attention layers; in total_bytes).
+    state_bytes: int = 0
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,6 +80,12 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str
 def layout_bytes_per_token(layout: list[KVSpec], dtype: str) -> int:
     """K and V bytes of one token over the layers of ``layout`` that own pools."""
     return sum(kv_bytes_per_token(1, s.n_kv_heads, s.head_dim, dtype) for s in layout if s.owns_pool)
+
+
+def layout_state_bytes(layout: list) -> int:
+    """Recurrent-state bytes of one sequence over the layers of ``layout`` that keep a state
+    (``models/state.py``'s ``StateSpec``: a fixed size per sequence, whatever its length)."""
+    return sum(s.bytes_per_slot() for s in layout if hasattr(s, "bytes_per_slot"))
 
 
 def check_kv_dtype(choice: str) -> None:
@@ -151,13 +159,15 @@ def make_plan(
     context = context or model_max
     seq_tokens = _blocks(context) * BLOCK_SIZE
     kv_bytes = max_num_seqs * seq_tokens * per_token
+    # The engine keeps one state slot per sequence that may run (engine.hybrid_state).
+    state_bytes = max_num_seqs * layout_state_bytes(meta.model.kv_layout())
     fixed_scratch = _fixed_scratch(meta.model, compute_dtype, max_num_seqs, step_tokens)
     pool_copies = min(POOL_COPY_LAYERS, n_layers) / n_layers  # of the pool, see the module's docstring
     scratch = fixed_scratch + int(kv_bytes * pool_copies)
-    total = weights_bytes + kv_bytes + scratch
+    total = weights_bytes + kv_bytes + state_bytes + scratch
     budget, budget_source = memory_budget()
-    # The most pool tokens the budget leaves once weights and the fixed scratch are counted.
-    free = budget - weights_bytes - fixed_scratch
+    # The most pool tokens the budget leaves once weights, states and the fixed scratch are counted.
+    free = budget - weights_bytes - fixed_scratch - state_bytes
     pool_tokens = int(free / (per_token * (1 + pool_copies))) if free > 0 else 0
     bandwidth, bandwidth_source = memory_bandwidth()
     # kv/memory.kv_budget_bytes without --kv-memory, the weights being what is loaded by then.
@@ -188,6 +198,7 @@ def make_plan(
         decode_tok_s_bound_batch=max_num_seqs * bandwidth / (read + max_num_seqs * context_read),
         bandwidth_bytes_s=bandwidth,
         bandwidth_source=bandwidth_source,
+        state_bytes=state_bytes,
     )
 
 

@@ -1,0 +1,150 @@
+"""Hybrid models (Gated DeltaNet + attention) in the engine: recurrent state slots beside the KV blocks.
+
+The tiny random checkpoints of ``tests/oracle/tiny`` (already checked against transformers by
+test_architectures) run through the engine: greedy output equals an uncached full forward per token,
+through chunked prefill, batching, slot reuse, and preemption with recomputation.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from engine_helpers import CharTokenizer, greedy_reference
+
+from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
+from mlx_infer.engine.scheduler import SchedulerConfig
+from mlx_infer.engine.speculative import SpeculativeConfig
+from mlx_infer.errors import UnsupportedArchitecture
+from mlx_infer.loading import load
+from mlx_infer.models.base import LayerKV
+from mlx_infer.models.gated_delta import chunk_gated_delta, recurrent_gated_delta
+from mlx_infer.models.state import LayerState
+from mlx_infer.plan.planner import make_plan
+from mlx_infer.sampling import SamplingParams
+
+TINY = Path(__file__).parent / "oracle" / "tiny"
+# One prompt longer than a DeltaNet chunk (64), so prefill runs the chunked form across chunks.
+PROMPTS = [list(range(5, 23)), [3, 4, 5], [(7 * i) % 60 + 3 for i in range(90)], [9] * 20]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_moe_text", "qwen3_next"])
+def hybrid(request):
+    model = load(str(TINY / request.param)).model
+    return model, [greedy_reference(model, p, MAX_TOKENS, eos=None) for p in PROMPTS]
+
+
+def make_engine(model, num_blocks=64, budget=512, max_seqs=8, **config) -> Engine:
+    config = EngineConfig(
+        block_size=4,
+        num_blocks=num_blocks,
+        kv_cache_dtype="float32",
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
+        **config,
+    )
+    return Engine(model, CharTokenizer(), 256, config)
+
+
+def run_all(engine: Engine, prompts) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+    return [tokens[i] for i in ids]
+
+
+@pytest.mark.parametrize(
+    "num_blocks,budget,max_seqs",
+    [(64, 512, 8), (30, 16, 4), (64, 7, 8), (64, 512, 1)],
+    ids=["roomy", "preempting", "tiny-budget", "one-at-a-time"],
+)
+def test_engine_greedy_equals_full_recompute(hybrid, num_blocks, budget, max_seqs):
+    """Batched, chunked (the tiny budget cuts prompts into uneven chunks) and preempted runs all give the
+    tokens of a full forward over the whole sequence at every step; with one sequence at a time, every
+    request reuses slot 0 after the one before it."""
+    model, references = hybrid
+    engine = make_engine(model, num_blocks=num_blocks, budget=budget, max_seqs=max_seqs)
+    assert run_all(engine, PROMPTS) == references
+    if num_blocks == 30:
+        # 30 blocks of 4 cannot hold the four sequences (45 blocks): someone was preempted and recomputed.
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.kv.pool.num_used == 0 and engine.kv.state_slots.num_used == 0
+    check_block_accounting(engine)
+
+
+def test_prefix_caching_is_off_and_said_so(hybrid, caplog):
+    model, references = hybrid
+    with caplog.at_level(logging.INFO, logger="mlx_infer"):
+        engine = make_engine(model)
+    assert not engine.kv.enable_prefix_caching
+    assert "prefix caching off for this hybrid model" in caplog.text
+    # The same prompt twice, one after the other: computed in full both times, same tokens.
+    assert run_all(engine, PROMPTS[2:3]) == run_all(engine, PROMPTS[2:3]) == references[2:3]
+    assert engine.kv.hit_rate() == 0
+
+
+def test_speculative_decoding_is_refused(hybrid):
+    model, _ = hybrid
+    with pytest.raises(UnsupportedArchitecture, match="recurrent state"):
+        make_engine(model, speculative=SpeculativeConfig(method="ngram"))
+
+
+def test_kv_and_state_allocation_equal_the_plan(hybrid):
+    """The pools and state slots the engine allocates are what the planner predicts, and the state
+    comes out of the same budget as the blocks."""
+    model, _ = hybrid
+    folder = str(TINY / model.args.model_type)
+    seqs = 3
+    plan = make_plan(folder, context=256, max_num_seqs=seqs, kv_cache_dtype="float32")
+    engine = make_engine(model, num_blocks=None, max_seqs=seqs, kv_memory=plan.kv_bytes / 2**30)
+    cache = engine.runner.cache
+    kv_bytes = sum(a.nbytes for c in cache if isinstance(c, LayerKV) for a in c.state())
+    state_bytes = sum(a.nbytes for c in cache if isinstance(c, LayerState) for a in c.state())
+    num_tokens = engine.kv.pool.num_blocks * engine.config.block_size
+    assert kv_bytes == num_tokens * plan.kv_bytes_per_token
+    assert state_bytes == plan.state_bytes > 0
+    block_bytes = engine.config.block_size * plan.kv_bytes_per_token
+    assert engine.kv.pool.num_blocks == (plan.kv_bytes - plan.state_bytes) // block_bytes
+
+
+def _random_delta_inputs(batch: int, length: int, heads: int = 4, dk: int = 16, dv: int = 8):
+    rng = np.random.default_rng(0)
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    q, k = normal(batch, length, heads, dk), normal(batch, length, heads, dk)
+    q = q / mx.linalg.norm(q, axis=-1, keepdims=True) * dk**-0.5
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    g = -mx.abs(normal(batch, length, heads)) * 0.3
+    beta = mx.sigmoid(normal(batch, length, heads))
+    return q, k, normal(batch, length, heads, dv), g, beta, normal(batch, heads, dk, dv)
+
+
+def test_chunked_form_equals_token_by_token_recurrence():
+    """150 tokens (three 64-token chunks, the last one padded) from a nonzero state: the chunked prefill
+    form and the decode step form give the same outputs and final state."""
+    q, k, v, g, beta, state = _random_delta_inputs(2, 150)
+    out, final = chunk_gated_delta(q, k, v, g, beta, state)
+    s, steps = state, []
+    for t in range(150):
+        o, s = recurrent_gated_delta(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
+        steps.append(o)
+    np.testing.assert_allclose(np.array(out), np.array(mx.stack(steps, axis=1)), atol=1e-4)
+    np.testing.assert_allclose(np.array(final), np.array(s), atol=1e-4)
+
+
+def test_padded_rows_leave_the_state_alone():
+    """A ragged batch pads shorter sequences: rows with no decay and no write change nothing."""
+    q, k, v, g, beta, state = _random_delta_inputs(1, 100)
+    out, final = chunk_gated_delta(q[:, :70], k[:, :70], v[:, :70], g[:, :70], beta[:, :70], state)
+    keep = (mx.arange(100) < 70).astype(mx.float32)[None, :, None]
+    padded_out, padded_final = chunk_gated_delta(q, k, v, g * keep, beta * keep, state)
+    np.testing.assert_allclose(np.array(padded_out[:, :70]), np.array(out), atol=1e-5)
+    np.testing.assert_allclose(np.array(padded_final), np.array(final), atol=1e-5)
