@@ -27,6 +27,7 @@ from mlx_infer.kv.memory import device_memory_bytes
 from mlx_infer.kv.pages import allocate_pools
 from mlx_infer.loading import LoadedModel, load
 from mlx_infer.models.base import BatchMetadata, LayerKV
+from mlx_infer.plan.planner import layout_state_bytes
 
 from .channel import StepChannel
 from .pipeline import PipelineShard, shard_pipeline
@@ -166,5 +167,22 @@ def load_sharded(
     are never materialized, so a rank's peak memory follows its share of the model.
     """
     shards: list[Shard] = []
-    loaded = load(spec, keep_quantized=keep_quantized, prepare=lambda model: shards.append(transform(model)))
+
+    def prepare(model: nn.Module) -> None:
+        refuse_recurrent_state(model)
+        shards.append(transform(model))
+
+    loaded = load(spec, keep_quantized=keep_quantized, prepare=prepare)
     return loaded, shards[0]
+
+
+def refuse_recurrent_state(model: nn.Module) -> None:
+    """Hybrid models (linear-attention layers with a per-sequence recurrent state) are not sharded: the
+    followers' state slots would have to follow rank 0's slot pool, which the step broadcast does not
+    carry yet."""
+    if layout_state_bytes(model.kv_layout()):
+        kind = getattr(model.args, "model_type", "this model")
+        raise DistributedError(
+            f"{kind} has linear-attention layers with a recurrent state: distributed (sharded) serving "
+            "does not support hybrid models yet; run it on one host"
+        )

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from engine_helpers import CharTokenizer, greedy_reference
 
+from distributed.runtime import load_sharded
 from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.engine.speculative import SpeculativeConfig
-from mlx_infer.errors import UnsupportedArchitecture
+from mlx_infer.errors import DistributedError, UnsupportedArchitecture
 from mlx_infer.loading import load
 from mlx_infer.models.base import LayerKV
 from mlx_infer.models.gated_delta import chunk_gated_delta, recurrent_gated_delta
@@ -148,3 +149,11 @@ def test_padded_rows_leave_the_state_alone():
     padded_out, padded_final = chunk_gated_delta(q, k, v, g * keep, beta * keep, state)
     np.testing.assert_allclose(np.array(padded_out[:, :70]), np.array(out), atol=1e-5)
     np.testing.assert_allclose(np.array(padded_final), np.array(final), atol=1e-5)
+
+
+def test_distributed_refuses_hybrid_models():
+    def never(model):
+        raise AssertionError("a hybrid model must be refused before it is sharded")
+
+    with pytest.raises(DistributedError, match="hybrid models"):
+        load_sharded(str(TINY / "qwen3_5_text"), never)
