@@ -58,6 +58,10 @@ def fuse_projections(model: nn.Module) -> str:
         if _fusable(module, ("q_proj", "k_proj", "v_proj")):
             _fuse_group(module, ("q_proj", "k_proj", "v_proj"))
             fused_attention += 1
+        # Other input projections a module declares as reading one input (e.g. a DeltaNet's q|k|v, z, b, a).
+        for names in getattr(type(module), "fused_projections", ()):
+            if _fusable(module, names):
+                _fuse_group(module, names)
     for parent, name, new in replacements:
         setattr(parent, name, new)
     transposed = 0

@@ -94,15 +94,23 @@ def prepare_qk(q: mx.array, k: mx.array, num_v_heads: int) -> tuple[mx.array, mx
 
 
 def recurrent_gated_delta(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    keep: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """One token per sequence: ``q``/``k`` ``[B, H, Dk]`` (prepared), ``v`` ``[B, H, Dv]``, ``g``/``beta``
-    ``[B, H]``, ``state`` ``[B, H, Dk, Dv]`` -> (``[B, H, Dv]``, new state).
+    ``[B, H]``, ``state`` ``[B, H, Dk, Dv]`` -> (``[B, H, Dv]``, new state). ``keep`` ``[B]`` (0 or 1)
+    scales the incoming state: 0 starts a sequence from zeros.
 
     The delta rule: decay the state, read what it predicts for ``k``, write back ``beta`` times the
     error, then read it with ``q``.
     """
-    state = state * mx.exp(g)[..., None, None]
+    decay = mx.exp(g) if keep is None else mx.exp(g) * keep[:, None]
+    state = state * decay[..., None, None]
     predicted = (k[..., None, :] @ state)[..., 0, :]
     delta = (v - predicted) * beta[..., None]
     state = state + k[..., :, None] * delta[..., None, :]
@@ -160,13 +168,14 @@ def chunk_gated_delta(
 
 
 def gated_delta_rule(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array, keep: mx.array
 ) -> tuple[mx.array, mx.array]:
-    """``[B, Q, ...]`` inputs: the step form for one token per sequence, the chunked form otherwise."""
+    """``[B, Q, ...]`` inputs: the step form for one token per sequence, the chunked form otherwise;
+    ``keep`` ``[B]`` as for :func:`recurrent_gated_delta`."""
     if q.shape[1] == 1:
-        out, state = recurrent_gated_delta(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+        out, state = recurrent_gated_delta(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, keep)
         return out[:, None], state
-    return chunk_gated_delta(q, k, v, g, beta, state)
+    return chunk_gated_delta(q, k, v, g, beta, state * keep[:, None, None, None])
 
 
 def decay_and_beta(a: mx.array, b: mx.array, a_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:

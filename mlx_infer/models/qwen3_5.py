@@ -37,6 +37,8 @@ class ModelArgs(qwen3_next.ModelArgs):
 
 
 class GatedDeltaNet(qwen3_next.GatedDeltaNet):
+    fused_projections = (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),)
+
     def make_projections(self, args: ModelArgs) -> None:
         d = args.hidden_size
         self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)

@@ -33,7 +33,7 @@ from mlx_infer.models.base import (
 from mlx_infer.models.gated_delta import Ragged, causal_conv1d, decay_and_beta, gated_delta_rule, prepare_qk
 from mlx_infer.models.llama import MLP
 from mlx_infer.models.rope_config import resolve_rope
-from mlx_infer.models.state import LayerState, StateSpec
+from mlx_infer.models.state import LayerState, StateSpec, continuing
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -177,6 +177,9 @@ class GatedDeltaNet(nn.Module):
     Subclasses differ only in :meth:`project` (how the input projections are laid out).
     """
 
+    # Input projections over the same input: one product on the CPU backend (models/fused.py).
+    fused_projections = (("in_proj_qkvz", "in_proj_ba"),)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.num_k_heads = args.linear_num_key_heads
@@ -225,6 +228,8 @@ class GatedDeltaNet(nn.Module):
         layout = Ragged.of(meta)
         qkv, z, b, a = self.project(x)
         window, recurrent = state.read(meta)
+        keep = continuing(meta)  # 0: the sequence starts here, from zero state
+        window = window * keep[:, None, None]
         mixed, window = causal_conv1d(layout.pad(qkv), window, self.conv1d.weight[:, 0, :], layout)
         mixed = nn.silu(mixed)
         bsz, q_max = mixed.shape[:2]
@@ -236,7 +241,7 @@ class GatedDeltaNet(nn.Module):
         g, beta = decay_and_beta(layout.pad(a), layout.pad(b), self.A_log, self.dt_bias)
         # Padding rows must leave the state as it is: no decay (g = 0) and no write (beta = 0).
         valid = layout.valid[..., None]
-        out, recurrent = gated_delta_rule(q, k, v, g * valid, beta * valid, recurrent)
+        out, recurrent = gated_delta_rule(q, k, v, g * valid, beta * valid, recurrent, keep)
         state.write(meta, [window, recurrent])
         out = layout.unpad(out).astype(x.dtype)  # [T, Hv, Dv]
         return self.out_proj(self.norm(out, z).reshape(n, -1))

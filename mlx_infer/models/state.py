@@ -5,6 +5,10 @@ length) and receives a :class:`LayerState`: one MLX array per spec shape with a 
 The KV manager's slot pool (``kv/state_slots.py``) gives each running sequence a slot; the step's
 ``BatchMetadata.state_slots`` says which row each sequence reads and writes, so layers never learn
 about requests or paging.
+
+A slot holds whatever its previous sequence left: a sequence that starts at position 0 this step (a new
+request, or one recomputed after preemption) must start from zeros, which :func:`continuing` tells the
+layer (it folds the zeroing into its first decay, at no extra pass over the state).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+
+from mlx_infer import cpu_kernels
 
 if TYPE_CHECKING:  # base imports this module (new_cache builds LayerState)
     from mlx_infer.models.base import BatchMetadata
@@ -34,36 +40,48 @@ class StateSpec:
 
 
 class LayerState:
-    """The state arrays of one recurrent layer, ``[num_slots, *shape]`` each."""
+    """The state arrays of one recurrent layer.
+
+    Each is stored as ``[num_slots, 1, size]`` (a slot's state one contiguous row): the layout the native
+    CPU KV write takes, so a step's rows are copied into their slots in place, as K/V rows are into a
+    pool, instead of through MLX's generic scatter.
+    """
 
     def __init__(self, num_slots: int, spec: StateSpec):
         self.spec = spec
-        self.arrays = [mx.zeros((num_slots, *shape), dtype=spec.dtype) for shape in spec.shapes]
+        self.arrays = [mx.zeros((num_slots, 1, math.prod(shape)), dtype=spec.dtype) for shape in spec.shapes]
 
     @property
     def num_slots(self) -> int:
         return self.arrays[0].shape[0]
 
     def read(self, meta: BatchMetadata) -> list[mx.array]:
-        """Each sequence's rows, ``[B, *shape]`` per array; zeros for a sequence that starts at position
-        0 this step (a new request, or one recomputed after preemption), whatever its slot held."""
+        """Each sequence's rows as they are in its slot, ``[B, *shape]`` per array (see
+        :func:`continuing` for the sequences that must start from zeros)."""
         slots = meta.state_slots
-        continuing = (meta.context_lens > mx.array(meta.query_lens, dtype=mx.int32)).astype(self.spec.dtype)
-        rows = []
-        for arr in self.arrays:
-            r = arr[slots]
-            rows.append(r * continuing.reshape(-1, *([1] * (r.ndim - 1))))
-        return rows
+        return [arr[slots].reshape(-1, *shape) for arr, shape in zip(self.arrays, self.spec.shapes)]
 
     def write(self, meta: BatchMetadata, values: list[mx.array]) -> None:
-        """Scatter each sequence's new rows into its slot. Like ``LayerKV.write``, dropping the old
-        references first lets the scatter reuse (donate) the arrays' buffers instead of copying them."""
+        """Copy each sequence's new rows into its slot. Like ``LayerKV.write``, dropping the old references
+        first lets the write reuse (donate) the arrays' buffers instead of copying them."""
         arrays, self.arrays = self.arrays, []
+        slots = meta.state_slots
         for i, v in enumerate(values):
             arr = arrays[i]
             arrays[i] = None  # type: ignore[call-overload]
-            arr[meta.state_slots] = v.astype(arr.dtype)
-            self.arrays.append(arr)
+            rows = v.reshape(v.shape[0], 1, -1)
+            native = cpu_kernels.kv_write(arr, rows, slots)
+            if native is None:
+                arr[slots] = rows.astype(arr.dtype)
+                native = arr
+            self.arrays.append(native)
 
     def state(self) -> list[mx.array]:
         return list(self.arrays)
+
+
+def continuing(meta: BatchMetadata) -> mx.array:
+    """``[B]`` float32: 1 for a sequence that continues from its slot's state, 0 for one that starts at
+    position 0 this step."""
+    started = meta.context_lens > mx.array(meta.query_lens, dtype=mx.int32)
+    return started.astype(mx.float32)
