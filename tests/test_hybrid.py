@@ -16,13 +16,14 @@ import pytest
 from engine_helpers import CharTokenizer, greedy_reference
 
 from distributed.runtime import load_sharded
+from mlx_infer import cpu_kernels
 from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.engine.speculative import SpeculativeConfig
 from mlx_infer.errors import DistributedError, UnsupportedArchitecture
 from mlx_infer.loading import load
 from mlx_infer.models.base import LayerKV
-from mlx_infer.models.gated_delta import chunk_gated_delta, recurrent_gated_delta
+from mlx_infer.models.gated_delta import chunk_gated_delta, decode_step, recurrent_gated_delta
 from mlx_infer.models.state import LayerState
 from mlx_infer.plan.planner import make_plan
 from mlx_infer.sampling import SamplingParams
@@ -157,3 +158,18 @@ def test_distributed_refuses_hybrid_models():
 
     with pytest.raises(DistributedError, match="hybrid models"):
         load_sharded(str(TINY / "qwen3_5_text"), never)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
+def test_native_decode_step_equals_the_reference(monkeypatch):
+    """The native CPU kernel's decode step against the pure-MLX one, reading states out of scattered
+    slots of a larger array, one sequence starting from zeros (keep 0) over a slot holding garbage."""
+    q, k, v, g, beta, _ = _random_delta_inputs(3, 1)
+    q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
+    pool = mx.random.normal((6, 1, 4 * 16 * 8), key=mx.random.key(1))
+    slots, keep = mx.array([4, 0, 2]), mx.array([1.0, 0.0, 1.0])
+    out, rows = decode_step(q, k, v, g, beta, pool, slots, keep)
+    monkeypatch.setattr(cpu_kernels, "gated_delta_step", lambda *args: None)
+    want_out, want_rows = decode_step(q, k, v, g, beta, pool, slots, keep)
+    np.testing.assert_allclose(np.array(out), np.array(want_out), atol=1e-5)
+    np.testing.assert_allclose(np.array(rows[:, : 4 * 16 * 8]), np.array(want_rows), atol=1e-5)

@@ -162,6 +162,18 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array, dims: int) -> mx.array | Non
     return _native.rope(x, cos, sin, dims)
 
 
+def gated_delta_step(
+    pool: mx.array, slots: mx.array, q: mx.array, k: mx.array, v: mx.array, decay: mx.array, beta: mx.array
+) -> mx.array | None:
+    """One decode step of the gated delta rule, each sequence's state read from its row of ``pool``
+    (``[S, 1, H * Dk * Dv]``), as one op: ``[B, H * Dk * Dv + H * Dv]``, the new states then the outputs
+    (see ``src/gated_delta.h``); None where the kernel does not apply (the caller computes it with MLX
+    ops, ``models/gated_delta.py``)."""
+    if pool.dtype != mx.float32 or not applies():
+        return None
+    return _native.gated_delta_step(pool, slots, q, k, v, decay, beta)
+
+
 def kv_write(pool: mx.array, rows: mx.array, slots: mx.array, column: int = 0) -> mx.array | None:
     """``pool`` with ``rows`` written at ``slots`` as one op (in place when the pool is donated); None
     where the kernel does not apply. ``rows`` is ``[T, n_kv, D]``, or ``[T, W]`` whose row ``t`` holds

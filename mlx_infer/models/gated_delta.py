@@ -17,6 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_infer import cpu_kernels
 from mlx_infer.models.base import BatchMetadata
 from mlx_infer.models.step_memo import StepMemo
 
@@ -167,15 +168,29 @@ def chunk_gated_delta(
     return out.transpose(0, 2, 1, 3), state
 
 
-def gated_delta_rule(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array, keep: mx.array
+def decode_step(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    pool: mx.array,
+    slots: mx.array,
+    keep: mx.array,
 ) -> tuple[mx.array, mx.array]:
-    """``[B, Q, ...]`` inputs: the step form for one token per sequence, the chunked form otherwise;
-    ``keep`` ``[B]`` as for :func:`recurrent_gated_delta`."""
-    if q.shape[1] == 1:
-        out, state = recurrent_gated_delta(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, keep)
-        return out[:, None], state
-    return chunk_gated_delta(q, k, v, g, beta, state * keep[:, None, None, None])
+    """One token per sequence, each state read from its row of the slot array ``pool``
+    (``[S, 1, H * Dk * Dv]``): (``[B, H, Dv]`` outputs, ``[B, W]`` rows whose first ``H * Dk * Dv``
+    values are the new states). One native op on the CPU backend, :func:`recurrent_gated_delta`
+    otherwise (the reference, and the fallback)."""
+    b, h, dk = k.shape
+    dv = v.shape[-1]
+    decay = mx.exp(g) * keep[:, None]
+    rows = cpu_kernels.gated_delta_step(pool, slots, q, k, v, decay, beta)
+    if rows is not None:
+        return rows[:, h * dk * dv :].reshape(b, h, dv), rows
+    state = pool[slots].reshape(b, h, dk, dv)
+    out, state = recurrent_gated_delta(q, k, v, g, beta, state, keep)
+    return out, state.reshape(b, -1)
 
 
 def decay_and_beta(a: mx.array, b: mx.array, a_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:

@@ -30,7 +30,14 @@ from mlx_infer.models.base import (
     rope_frequencies,
     rope_scale,
 )
-from mlx_infer.models.gated_delta import Ragged, causal_conv1d, decay_and_beta, gated_delta_rule, prepare_qk
+from mlx_infer.models.gated_delta import (
+    Ragged,
+    causal_conv1d,
+    chunk_gated_delta,
+    decay_and_beta,
+    decode_step,
+    prepare_qk,
+)
 from mlx_infer.models.llama import MLP
 from mlx_infer.models.rope_config import resolve_rope
 from mlx_infer.models.state import LayerState, StateSpec, continuing
@@ -227,9 +234,8 @@ class GatedDeltaNet(nn.Module):
         n = x.shape[0]
         layout = Ragged.of(meta)
         qkv, z, b, a = self.project(x)
-        window, recurrent = state.read(meta)
         keep = continuing(meta)  # 0: the sequence starts here, from zero state
-        window = window * keep[:, None, None]
+        window = state.read(meta, 0) * keep[:, None, None]
         mixed, window = causal_conv1d(layout.pad(qkv), window, self.conv1d.weight[:, 0, :], layout)
         mixed = nn.silu(mixed)
         bsz, q_max = mixed.shape[:2]
@@ -239,9 +245,16 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(bsz, q_max, self.num_v_heads, self.head_v_dim).astype(mx.float32)
         q, k = prepare_qk(q, k, self.num_v_heads)
         g, beta = decay_and_beta(layout.pad(a), layout.pad(b), self.A_log, self.dt_bias)
-        # Padding rows must leave the state as it is: no decay (g = 0) and no write (beta = 0).
-        valid = layout.valid[..., None]
-        out, recurrent = gated_delta_rule(q, k, v, g * valid, beta * valid, recurrent, keep)
+        if q_max == 1:
+            out, recurrent = decode_step(
+                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.arrays[1], meta.state_slots, keep
+            )
+            out = out[:, None]
+        else:
+            # Padding rows must leave the state as it is: no decay (g = 0) and no write (beta = 0).
+            valid = layout.valid[..., None]
+            initial = state.read(meta, 1) * keep[:, None, None, None]
+            out, recurrent = chunk_gated_delta(q, k, v, g * valid, beta * valid, initial)
         state.write(meta, [window, recurrent])
         out = layout.unpad(out).astype(x.dtype)  # [T, Hv, Dv]
         return self.out_proj(self.norm(out, z).reshape(n, -1))

@@ -55,24 +55,24 @@ class LayerState:
     def num_slots(self) -> int:
         return self.arrays[0].shape[0]
 
-    def read(self, meta: BatchMetadata) -> list[mx.array]:
-        """Each sequence's rows as they are in its slot, ``[B, *shape]`` per array (see
+    def read(self, meta: BatchMetadata, index: int) -> mx.array:
+        """Each sequence's rows of array ``index`` as they are in its slot, ``[B, *shape]`` (see
         :func:`continuing` for the sequences that must start from zeros)."""
-        slots = meta.state_slots
-        return [arr[slots].reshape(-1, *shape) for arr, shape in zip(self.arrays, self.spec.shapes)]
+        return self.arrays[index][meta.state_slots].reshape(-1, *self.spec.shapes[index])
 
     def write(self, meta: BatchMetadata, values: list[mx.array]) -> None:
-        """Copy each sequence's new rows into its slot. Like ``LayerKV.write``, dropping the old references
-        first lets the write reuse (donate) the arrays' buffers instead of copying them."""
+        """Copy each sequence's new rows into its slot: ``values[i]`` is ``[B, *shape]``, or ``[B, W]``
+        rows whose first ``size`` values are the state. Like ``LayerKV.write``, dropping the old
+        references first lets the write reuse (donate) the arrays' buffers instead of copying them."""
         arrays, self.arrays = self.arrays, []
         slots = meta.state_slots
         for i, v in enumerate(values):
             arr = arrays[i]
             arrays[i] = None  # type: ignore[call-overload]
-            rows = v.reshape(v.shape[0], 1, -1)
+            rows = v.reshape(v.shape[0], -1)
             native = cpu_kernels.kv_write(arr, rows, slots)
             if native is None:
-                arr[slots] = rows.astype(arr.dtype)
+                arr[slots] = rows[:, None, : arr.shape[-1]].astype(arr.dtype)
                 native = arr
             self.arrays.append(native)
 
