@@ -12,11 +12,13 @@ Also the base of ``qwen3_5`` (other input projections, dense or all-sparse MLPs)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_infer import cpu_kernels
 from mlx_infer.errors import InvalidCheckpoint
 from mlx_infer.models import qwen3_moe
 from mlx_infer.models.base import (
@@ -117,6 +119,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
+        native = cpu_kernels.rms_norm(x, self.weight, self.eps, offset=True)  # one op on the CPU backend
+        if native is not None:
+            return native
         out = mx.fast.rms_norm(x.astype(mx.float32), 1.0 + self.weight.astype(mx.float32), self.eps)
         return out.astype(x.dtype)
 
@@ -130,8 +135,15 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        normed = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps).astype(x.dtype) * self.weight
-        return (normed * nn.silu(gate.astype(mx.float32))).astype(x.dtype)
+        normed = cpu_kernels.rms_norm(x, self.weight, self.eps)  # one op on the CPU backend
+        if normed is None:
+            normed = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps).astype(x.dtype) * self.weight
+        return _silu_gate(normed, gate).astype(x.dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def _silu_gate(x: mx.array, gate: mx.array) -> mx.array:
+    return x * nn.silu(gate.astype(mx.float32))
 
 
 class Attention(nn.Module):
