@@ -14,6 +14,8 @@ equals transformers' float32 forward to rounding.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -191,6 +193,31 @@ def decode_step(
     state = pool[slots].reshape(b, h, dk, dv)
     out, state = recurrent_gated_delta(q, k, v, g, beta, state, keep)
     return out, state.reshape(b, -1)
+
+
+@functools.cache
+def decode_prelude(key_heads: int, key_dim: int, value_heads: int, value_dim: int):
+    """One compiled function for a decode step's inputs to the recurrence (one token per sequence), so
+    the convolution, its activation, the q/k normalisation and the gates are a few fused kernels rather
+    than the hundred small ops they are as a graph (the fixed cost per op is what a decode step pays).
+
+    ``(qkv [B, C], window [B, K-1, C], weight [K, C], a, b [B, Hv], A_log, dt_bias [Hv], keep [B])`` ->
+    ``(q, k [B, Hv, Dk] prepared, v [B, Hv, Dv], g, beta [B, Hv], new window)``, the same arithmetic as
+    :func:`causal_conv1d`, :func:`prepare_qk` and :func:`decay_and_beta`.
+    """
+
+    def prelude(qkv, window, weight, a, b, a_log, dt_bias, keep):
+        ext = mx.concatenate([window * keep[:, None, None], qkv[:, None].astype(window.dtype)], axis=1)
+        mixed = nn.silu((ext * weight).sum(axis=1))
+        n = mixed.shape[0]
+        q = mixed[:, : key_heads * key_dim].reshape(n, key_heads, key_dim)
+        k = mixed[:, key_heads * key_dim : 2 * key_heads * key_dim].reshape(n, key_heads, key_dim)
+        v = mixed[:, 2 * key_heads * key_dim :].reshape(n, value_heads, value_dim).astype(mx.float32)
+        q, k = prepare_qk(q, k, value_heads)
+        g, beta = decay_and_beta(a, b, a_log, dt_bias)
+        return q, k, v, g, beta, ext[:, 1:]
+
+    return mx.compile(prelude)
 
 
 def decay_and_beta(a: mx.array, b: mx.array, a_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:

@@ -37,6 +37,7 @@ from mlx_infer.models.gated_delta import (
     causal_conv1d,
     chunk_gated_delta,
     decay_and_beta,
+    decode_prelude,
     decode_step,
     prepare_qk,
 )
@@ -243,10 +244,32 @@ class GatedDeltaNet(nn.Module):
         )
 
     def __call__(self, x: mx.array, state: LayerState, meta: BatchMetadata) -> mx.array:
-        n = x.shape[0]
-        layout = Ragged.of(meta)
         qkv, z, b, a = self.project(x)
         keep = continuing(meta)  # 0: the sequence starts here, from zero state
+        if meta.max_query_len == 1:
+            out, window, recurrent = self.decode(qkv, b, a, state, meta, keep)
+        else:
+            out, window, recurrent = self.prefill(qkv, b, a, state, meta, keep)
+        state.write(meta, [window, recurrent])
+        return self.out_proj(self.norm(out.astype(x.dtype), z).reshape(x.shape[0], -1))
+
+    def decode(
+        self, qkv: mx.array, b: mx.array, a: mx.array, state: LayerState, meta: BatchMetadata, keep: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """One token per sequence: (output [B, Hv, Dv], new window, new state rows)."""
+        prelude = decode_prelude(self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
+        weight = self.conv1d.weight[:, 0, :].T
+        q, k, v, g, beta, window = prelude(
+            qkv, state.read(meta, 0), weight, a, b, self.A_log, self.dt_bias, keep
+        )
+        out, recurrent = decode_step(q, k, v, g, beta, state.arrays[1], meta.state_slots, keep)
+        return out, window, recurrent
+
+    def prefill(
+        self, qkv: mx.array, b: mx.array, a: mx.array, state: LayerState, meta: BatchMetadata, keep: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Sequences of any length, padded to ``[B, Qmax]``: (output [T, Hv, Dv], new window, new state)."""
+        layout = Ragged.of(meta)
         window = state.read(meta, 0) * keep[:, None, None]
         mixed, window = causal_conv1d(layout.pad(qkv), window, self.conv1d.weight[:, 0, :], layout)
         mixed = nn.silu(mixed)
@@ -257,19 +280,11 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(bsz, q_max, self.num_v_heads, self.head_v_dim).astype(mx.float32)
         q, k = prepare_qk(q, k, self.num_v_heads)
         g, beta = decay_and_beta(layout.pad(a), layout.pad(b), self.A_log, self.dt_bias)
-        if q_max == 1:
-            out, recurrent = decode_step(
-                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.arrays[1], meta.state_slots, keep
-            )
-            out = out[:, None]
-        else:
-            # Padding rows must leave the state as it is: no decay (g = 0) and no write (beta = 0).
-            valid = layout.valid[..., None]
-            initial = state.read(meta, 1) * keep[:, None, None, None]
-            out, recurrent = chunk_gated_delta(q, k, v, g * valid, beta * valid, initial)
-        state.write(meta, [window, recurrent])
-        out = layout.unpad(out).astype(x.dtype)  # [T, Hv, Dv]
-        return self.out_proj(self.norm(out, z).reshape(n, -1))
+        # Padding rows must leave the state as it is: no decay (g = 0) and no write (beta = 0).
+        valid = layout.valid[..., None]
+        initial = state.read(meta, 1) * keep[:, None, None, None]
+        out, recurrent = chunk_gated_delta(q, k, v, g * valid, beta * valid, initial)
+        return layout.unpad(out), window, recurrent
 
 
 class SparseMoeBlock(qwen3_moe.SparseMoeBlock):
