@@ -84,6 +84,12 @@ def _kernel_gguf_matmul(
     return out.reshape(*x.shape[:-1], raw.shape[0])
 
 
+def _kernel_gated_delta_step(*args: mx.array, launch: Launcher = metal_launch) -> mx.array | None:
+    from mlx_infer.metal_kernels.gated_delta import gated_delta_step
+
+    return gated_delta_step(*args, launch=launch)
+
+
 def _cpu_paged_attention(
     queries: mx.array,
     key_pool: mx.array,
@@ -123,20 +129,24 @@ def _cpu_quantized_matmul(
 def bind(kernels: bool, launch: Launcher = metal_launch) -> None:
     """Point the entry points (and ``USE_KERNELS``) at the kernels, launched by ``launch``, or at the
     references. Done once at import; tests re-bind with the emulator's launch and bind back."""
-    global USE_KERNELS, paged_attention, quantized_matmul, gguf_matmul
+    global USE_KERNELS, paged_attention, quantized_matmul, gguf_matmul, gated_delta_step
     USE_KERNELS = kernels
     if not kernels:
         paged_attention = _cpu_paged_attention
         quantized_matmul = _cpu_quantized_matmul
         gguf_matmul = gguf_reference.gguf_matmul
+        # The native CPU kernel where it applies; None tells models/gated_delta.py to use its MLX step.
+        gated_delta_step = cpu_kernels.gated_delta_step
     else:
         paged_attention = partial(_kernel_paged_attention, launch=launch)
         quantized_matmul = partial(_kernel_quantized_matmul, launch=launch)
         gguf_matmul = partial(_kernel_gguf_matmul, launch=launch)
+        gated_delta_step = partial(_kernel_gated_delta_step, launch=launch)
 
 
 USE_KERNELS: bool
 paged_attention: Callable[..., mx.array]
 quantized_matmul: Callable[..., mx.array]
 gguf_matmul: Callable[..., mx.array]
+gated_delta_step: Callable[..., mx.array | None]  # Gated DeltaNet decode step, or None: the MLX step
 bind(mx.metal.is_available() and os.environ.get("MLX_INFER_KERNELS", "") != "reference")

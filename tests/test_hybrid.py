@@ -17,12 +17,16 @@ from engine_helpers import CharTokenizer, greedy_reference
 
 from distributed.runtime import load_sharded
 from mlx_infer import cpu_kernels
+from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.engine.speculative import SpeculativeConfig
 from mlx_infer.errors import DistributedError, UnsupportedArchitecture
 from mlx_infer.loading import load
-from mlx_infer.models.base import LayerKV
+from mlx_infer.metal_kernels import dispatch
+from mlx_infer.metal_kernels import gated_delta as metal_gated_delta
+from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
+from mlx_infer.models.base import LayerKV, new_cache
 from mlx_infer.models.gated_delta import chunk_gated_delta, decode_step, recurrent_gated_delta
 from mlx_infer.models.state import LayerState
 from mlx_infer.plan.planner import make_plan
@@ -160,16 +164,66 @@ def test_distributed_refuses_hybrid_models():
         load_sharded(str(TINY / "qwen3_5_text"), never)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
-def test_native_decode_step_equals_the_reference(monkeypatch):
-    """The native CPU kernel's decode step against the pure-MLX one, reading states out of scattered
-    slots of a larger array, one sequence starting from zeros (keep 0) over a slot holding garbage."""
+def _decode_step_case():
+    """A decode step's inputs: states read out of scattered slots of a larger array, one sequence starting
+    from zeros (keep 0) over a slot holding garbage."""
     q, k, v, g, beta, _ = _random_delta_inputs(3, 1)
-    q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
     pool = mx.random.normal((6, 1, 4 * 16 * 8), key=mx.random.key(1))
     slots, keep = mx.array([4, 0, 2]), mx.array([1.0, 0.0, 1.0])
-    out, rows = decode_step(q, k, v, g, beta, pool, slots, keep)
-    monkeypatch.setattr(cpu_kernels, "gated_delta_step", lambda *args: None)
-    want_out, want_rows = decode_step(q, k, v, g, beta, pool, slots, keep)
-    np.testing.assert_allclose(np.array(out), np.array(want_out), atol=1e-5)
-    np.testing.assert_allclose(np.array(rows[:, : 4 * 16 * 8]), np.array(want_rows), atol=1e-5)
+    return q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool, slots, keep
+
+
+def _reference_decode_step(monkeypatch, *case):
+    monkeypatch.setattr(dispatch, "gated_delta_step", lambda *args: None)
+    out, rows = decode_step(*case)
+    monkeypatch.undo()
+    return np.array(out), np.array(rows)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
+def test_native_decode_step_equals_the_reference(monkeypatch):
+    case = _decode_step_case()
+    out, rows = decode_step(*case)
+    want_out, want_rows = _reference_decode_step(monkeypatch, *case)
+    np.testing.assert_allclose(np.array(out), want_out, atol=1e-5)
+    np.testing.assert_allclose(np.array(rows[:, : 4 * 16 * 8]), want_rows, atol=1e-5)
+
+
+@pytest.mark.skipif(not toolchain_available(), reason="the Metal emulator needs `pip install ziglang`")
+def test_metal_decode_step_equals_the_reference(monkeypatch):
+    """The Metal kernel body, run by the emulator (out-of-bounds and unwritten outputs are faults)."""
+    q, k, v, g, beta, pool, slots, keep = case = _decode_step_case()
+    rows = metal_gated_delta.gated_delta_step(
+        pool, slots, q, k, v, mx.exp(g) * keep[:, None], beta, launch=Emulator().launch
+    )
+    want_out, want_rows = _reference_decode_step(monkeypatch, *case)
+    state = 4 * 16 * 8
+    np.testing.assert_allclose(np.array(rows[:, :state]), want_rows, atol=1e-5)
+    np.testing.assert_allclose(np.array(rows[:, state:]).reshape(want_out.shape), want_out, atol=1e-5)
+
+
+@pytest.mark.skipif(not toolchain_available(), reason="the Metal emulator needs `pip install ziglang`")
+def test_hybrid_model_through_the_emulated_metal_kernels():
+    """As on a Mac: every decode step's recurrence (and attention) through the Metal kernels, run by the
+    emulator; prefill, then token-by-token decode, equals transformers."""
+    folder = TINY / "qwen3_5_text"
+    ref = np.load(folder / "reference.npz")
+    tokens, want = ref["tokens_0"], ref["logits_0"]
+    model = load(str(folder)).model
+    launched: list[str] = []
+
+    def launch(spec, **kw):
+        launched.append(spec.name)
+        return Emulator().launch(spec, **kw)
+
+    saved = dispatch.USE_KERNELS
+    dispatch.bind(True, launch)
+    try:
+        cache, rows = new_cache(model, 16, 4, mx.float32), []
+        for start, n in [(0, 15)] + [(i, 1) for i in range(15, len(tokens))]:
+            meta = build_metadata([SequenceSlice(list(range(8)), start, n, want_all_logits=True)], 4)
+            rows.append(np.array(model(mx.array(tokens[start : start + n]), cache, meta)))
+    finally:
+        dispatch.bind(saved)
+    assert "gated_delta_step" in launched
+    assert float(np.abs(np.concatenate(rows) - want).max()) < 2e-4

@@ -19,7 +19,6 @@ import functools
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_infer import cpu_kernels
 from mlx_infer.models.base import BatchMetadata
 from mlx_infer.models.step_memo import StepMemo
 
@@ -182,12 +181,14 @@ def decode_step(
 ) -> tuple[mx.array, mx.array]:
     """One token per sequence, each state read from its row of the slot array ``pool``
     (``[S, 1, H * Dk * Dv]``): (``[B, H, Dv]`` outputs, ``[B, W]`` rows whose first ``H * Dk * Dv``
-    values are the new states). One native op on the CPU backend, :func:`recurrent_gated_delta`
-    otherwise (the reference, and the fallback)."""
+    values are the new states). One kernel where there is one (Metal, or the native CPU kernel; see
+    ``metal_kernels/dispatch.py``), :func:`recurrent_gated_delta` otherwise (the reference)."""
+    from mlx_infer.metal_kernels import dispatch
+
     b, h, dk = k.shape
     dv = v.shape[-1]
     decay = mx.exp(g) * keep[:, None]
-    rows = cpu_kernels.gated_delta_step(pool, slots, q, k, v, decay, beta)
+    rows = dispatch.gated_delta_step(pool, slots, q, k, v, decay, beta)
     if rows is not None:
         return rows[:, h * dk * dv :].reshape(b, h, dv), rows
     state = pool[slots].reshape(b, h, dk, dv)
