@@ -143,12 +143,13 @@ class Engine:
         log.info(describe_pool(self.kv.pool, bs, self.kv_block_bytes, dtype_name(dtype), idle_release))
         if state_slots:
             log.info(
-                "Recurrent state: %d slots of %.1f KiB (one per running sequence), %.1f MiB; prefix caching "
-                "off for this hybrid model (a cached prefix would need its recurrent state at the block "
-                "boundary, which is not checkpointed): every prompt is computed in full",
+                "Recurrent state: %d slot%s (one per running sequence) of %s, %s of the KV budget; prefix "
+                "caching off for this hybrid model (a cached prefix would need its recurrent state at the "
+                "block boundary, which is not checkpointed): every prompt is computed in full",
                 state_slots,
-                self.state_bytes / state_slots / 1024,
-                self.state_bytes / 2**20,
+                "" if state_slots == 1 else "s",
+                planner.human_bytes(self.state_bytes / state_slots),
+                planner.human_bytes(self.state_bytes),
             )
 
     # ---- requests in -------------------------------------------------------------------------
