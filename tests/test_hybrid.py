@@ -84,15 +84,47 @@ def test_engine_greedy_equals_full_recompute(hybrid, num_blocks, budget, max_seq
     check_block_accounting(engine)
 
 
-def test_prefix_caching_is_off_and_said_so(hybrid, caplog):
+def test_prefix_cache_resumes_from_saved_states(hybrid, caplog):
+    """A prompt that extends an earlier sequence (the next chat turn), or repeats an earlier prompt,
+    starts from the recurrent state saved at the last block boundary both share: cached tokens are
+    reported, and the tokens equal a full recompute."""
     model, references = hybrid
     with caplog.at_level(logging.INFO, logger="mlx_infer"):
         engine = make_engine(model)
-    assert not engine.kv.enable_prefix_caching
-    assert "prefix caching off for this hybrid model" in caplog.text
-    # The same prompt twice, one after the other: computed in full both times, same tokens.
-    assert run_all(engine, PROMPTS[2:3]) == run_all(engine, PROMPTS[2:3]) == references[2:3]
-    assert engine.kv.hit_rate() == 0
+    assert "prefix caching up to block boundaries where a state was saved" in caplog.text
+    prompt = PROMPTS[2]  # 90 tokens: its prefill ends at 88 (a boundary), then 2 more
+    first = run_all(engine, [prompt])[0]
+    assert first == references[2]
+    # The first sequence computed 90 + 11 tokens: states saved at 88 and at every boundary of its decode.
+    turn = prompt + first + [7, 8, 9, 10, 11]
+    again, cached = _run_counting_cache(engine, [prompt, turn])
+    assert again == [references[2], greedy_reference(model, turn, MAX_TOKENS, eos=None)]
+    assert cached == [88, 100]
+    assert engine.kv.pool.num_used == 0 and engine.kv.state_slots.num_used == 0
+    check_block_accounting(engine)
+
+
+def _run_counting_cache(engine: Engine, prompts) -> tuple[list[list[int]], list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs, cached = [], []
+    for p in prompts:  # one after the other, so the second can find the first's states
+        request_id = engine.add_request(p, params)
+        tokens = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.extend(out.token_ids)
+                if out.finished:
+                    cached.append(out.num_cached_tokens)
+        outputs.append(tokens)
+        assert request_id not in engine.kv.block_tables
+    return outputs, cached
+
+
+def test_without_prefix_caching_nothing_is_saved(hybrid):
+    model, references = hybrid
+    engine = make_engine(model, enable_prefix_caching=False)
+    assert engine.kv.checkpoints is None
+    assert _run_counting_cache(engine, [PROMPTS[2], PROMPTS[2]]) == ([references[2]] * 2, [0, 0])
 
 
 def test_speculative_decoding_is_refused(hybrid):
@@ -102,8 +134,8 @@ def test_speculative_decoding_is_refused(hybrid):
 
 
 def test_kv_and_state_allocation_equal_the_plan(hybrid):
-    """The pools and state slots the engine allocates are what the planner predicts, and the state
-    comes out of the same budget as the blocks."""
+    """The pools and state slots the engine allocates, and the states it may save for prefix caching,
+    are what the planner predicts, and they come out of the same budget as the blocks."""
     model, _ = hybrid
     folder = str(TINY / model.args.model_type)
     seqs = 3
@@ -114,7 +146,9 @@ def test_kv_and_state_allocation_equal_the_plan(hybrid):
     state_bytes = sum(a.nbytes for c in cache if isinstance(c, LayerState) for a in c.state())
     num_tokens = engine.kv.pool.num_blocks * engine.config.block_size
     assert kv_bytes == num_tokens * plan.kv_bytes_per_token
-    assert state_bytes == plan.state_bytes > 0
+    # Slots are allocated up front; the saved states (as many) as prefixes are cached, within the budget.
+    assert engine.state_bytes == plan.state_bytes == 2 * state_bytes > 0
+    assert engine.kv.checkpoints.capacity == engine.kv.num_state_slots == seqs
     block_bytes = engine.config.block_size * plan.kv_bytes_per_token
     assert engine.kv.pool.num_blocks == (plan.kv_bytes - plan.state_bytes) // block_bytes
 

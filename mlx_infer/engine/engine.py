@@ -117,15 +117,24 @@ class Engine:
         self.max_context = min(max_context, self.config.max_context or max_context)
         dtype = kv_pool_dtype(self.config.kv_cache_dtype, activation_dtype(model))
         per_token = kv_bytes_per_token(model, dtype)
-        # Hybrid models: one recurrent-state slot per sequence that may run, out of the same budget.
-        state_slots, self.state_bytes = hybrid_state(model, self.config)
+        # Hybrid models: one recurrent-state slot per sequence that may run, and as many states saved for
+        # prefix caching, out of the same budget.
+        state_slots, per_sequence = hybrid_state(model, self.config)
+        checkpoints = state_slots if self.config.enable_prefix_caching else 0
+        self.state_bytes = (state_slots + checkpoints) * per_sequence
         num_blocks = self.config.num_blocks or pool_num_blocks(
             self.config, self.max_context, per_token, self.state_bytes
         )
         bs = self.config.block_size
         chunk_blocks = max(1, self.config.kv_chunk_tokens // bs)
-        prefix_caching = self.config.enable_prefix_caching and not state_slots
-        self.kv = KVCacheManager(num_blocks, bs, prefix_caching, chunk_blocks, num_state_slots=state_slots)
+        self.kv = KVCacheManager(
+            num_blocks,
+            bs,
+            self.config.enable_prefix_caching,
+            chunk_blocks,
+            num_state_slots=state_slots,
+            num_state_checkpoints=checkpoints,
+        )
         self.kv_block_bytes = bs * per_token
         self.runner = ModelRunner(model, self.kv, dtype)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
@@ -143,13 +152,14 @@ class Engine:
         log.info(describe_pool(self.kv.pool, bs, self.kv_block_bytes, dtype_name(dtype), idle_release))
         if state_slots:
             log.info(
-                "Recurrent state: %d slot%s (one per running sequence) of %s, %s of the KV budget; prefix "
-                "caching off for this hybrid model (a cached prefix would need its recurrent state at the "
-                "block boundary, which is not checkpointed): every prompt is computed in full",
+                "Recurrent state: %d slot%s (one per running sequence) of %s; %s",
                 state_slots,
                 "" if state_slots == 1 else "s",
-                planner.human_bytes(self.state_bytes / state_slots),
-                planner.human_bytes(self.state_bytes),
+                planner.human_bytes(per_sequence),
+                f"prefix caching up to block boundaries where a state was saved (the last one each sequence "
+                f"reached; {checkpoints} kept, {planner.human_bytes(checkpoints * per_sequence)})"
+                if checkpoints
+                else "prefix caching off",
             )
 
     # ---- requests in -------------------------------------------------------------------------
@@ -512,8 +522,8 @@ class Engine:
 
 
 def hybrid_state(model: nn.Module, config: EngineConfig) -> tuple[int, int]:
-    """(state slots, their bytes) for a model whose layers keep a recurrent state (0, 0 otherwise):
-    ``max_num_seqs`` slots, so a running sequence always finds one.
+    """(state slots, bytes of one sequence's state) for a model whose layers keep a recurrent state
+    (0, 0 otherwise): ``max_num_seqs`` slots, so a running sequence always finds one.
 
     Refuses speculative decoding for such a model: verification moves a sequence back past rejected
     tokens, which a recurrent state (unlike K/V) cannot undo."""
@@ -526,8 +536,7 @@ def hybrid_state(model: nn.Module, config: EngineConfig) -> tuple[int, int]:
             f"{getattr(model.args, 'model_type', 'this')} models: their linear-attention layers keep a "
             "recurrent state that cannot be rolled back past rejected draft tokens"
         )
-    slots = config.scheduler.max_num_seqs
-    return slots, slots * per_sequence
+    return config.scheduler.max_num_seqs, per_sequence
 
 
 def _make_proposer(

@@ -20,6 +20,7 @@ from mlx_infer.kv.pages import allocate_pools, drop_blocks
 from mlx_infer.loading.policy import cpu_backend
 from mlx_infer.models.fused import fuse_projections
 from mlx_infer.models.native_block import native_blocks
+from mlx_infer.models.state import LayerState
 from mlx_infer.plan import planner
 from mlx_infer.sampling import SampleResult, SamplerRow, sample
 
@@ -99,6 +100,7 @@ class ModelRunner:
         kv/pages.py). Called on the constructing thread: the pools are touched by every step,
         whichever thread runs it."""
         kv = self.kv
+        kv.forget_states()  # saved recurrent states may come from the graph of a failed step
         slots = max(1, kv.num_state_slots)
         self.cache = allocate_pools(self.model, kv.pool.num_blocks, kv.block_size, self.kv_dtype, slots)
 
@@ -106,6 +108,7 @@ class ModelRunner:
         """Unreserve the pool's unreferenced top chunks, forget the free blocks of the others, and give
         back the memory of both; returns the bytes."""
         pool = self.kv.pool
+        self.kv.forget_states()  # what prefix caching saved of hybrid models' states goes with the blocks
         released = pool.release_idle_chunks() + pool.forget_free_blocks()
         return drop_blocks(self.cache, released) if released else 0
 
@@ -139,11 +142,13 @@ class ModelRunner:
         inputs = mx.array(np.asarray(tokens, dtype=np.int32))
         if pending_at:
             inputs[mx.array(pending_at)] = pending.result.tokens[mx.array(pending_rows)]
+        self._load_checkpoints(batch)
         logits = self.model(inputs, self.cache, meta)
+        saved = self._save_checkpoints(batch)
         rows = [i for i, s in enumerate(batch) if s.samples]
         if not rows:
             # A step of partial prefills only: the K/V writes are all it produces.
-            mx.async_eval([c for layer in self.cache for c in layer.state()])
+            mx.async_eval([c for layer in self.cache for c in layer.state()] + saved)
             return None, rows
         # Logit rows: one per sequence, or 1 + len(proposal) for a verifying one; keep the sampled ones.
         logit_rows, owner, at = [], [], 0  # owner: the index in ``rows`` each kept logit row belongs to
@@ -176,5 +181,37 @@ class ModelRunner:
                 for a in (result.tokens, result.logprobs, result.top_ids, result.top_logprobs)
                 if a is not None
             ]
+            + saved  # computed now, so they hold no reference to the state arrays the next step writes
         )
         return result, rows
+
+    def _states(self) -> list[LayerState]:
+        return [layer for layer in self.cache if isinstance(layer, LayerState)]
+
+    def _load_checkpoints(self, batch: list[ScheduledRequest]) -> None:
+        """Hybrid models: a sequence that starts from a cached prefix gets the recurrent state saved where
+        that prefix ends, in its slot, before the step reads it."""
+        for s in batch:
+            rows = self.kv.restores.pop(s.request.request_id, None)
+            if rows is None:
+                continue
+            slot = mx.array([self.kv.state_slot(s.request.request_id)], dtype=mx.int32)
+            for i, layer in enumerate(self._states()):
+                n = len(layer.arrays)
+                layer.put(slot, rows[i * n : (i + 1) * n])
+
+    def _save_checkpoints(self, batch: list[ScheduledRequest]) -> list[mx.array]:
+        """Hybrid models with prefix caching: the state of each sequence whose computed tokens end on a
+        block boundary after this step, for later prompts with the same prefix (kv/state_slots.py)."""
+        kv = self.kv
+        if kv.checkpoints is None:
+            return []
+        saved = []
+        for s in batch:
+            r = s.request
+            end = r.num_computed + s.num_new
+            if end % kv.block_size == 0:
+                rows = [a for layer in self._states() for a in layer.save(kv.state_slot(r.request_id))]
+                kv.save_state(r.request_id, end, rows)
+                saved += rows
+        return saved

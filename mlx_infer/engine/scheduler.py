@@ -59,7 +59,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_to_compute, budget)
+            num_new = self._chunk(request, min(request.num_to_compute, budget))
             # A proposal that does not fit the budget is cut (to nothing if not even its first token fits).
             del request.proposal[max(0, num_new - request.num_uncomputed) :]
             try:
@@ -101,6 +101,16 @@ class Scheduler:
             budget -= num_new
         return scheduled
 
+    def _chunk(self, request: Request, num_new: int) -> int:
+        """Hybrid models with prefix caching: a chunk of several tokens ends on the last block boundary it
+        crosses (the rest follows next step), so that the recurrent state is saved there and a later
+        prompt with the same prefix can start from it (kv/state_slots.py)."""
+        if self.kv.checkpoints is None or num_new <= 1:
+            return num_new
+        bs = self.kv.block_size
+        boundary = (request.num_computed + num_new) // bs * bs
+        return boundary - request.num_computed if boundary > request.num_computed else num_new
+
     def _make_room(self, request: Request, num_new: int) -> list[Request]:
         """Allocate a running request's blocks for this step, preempting the newest running requests
         until they fit; returns the preempted ones (the request itself, last, if even that was short)."""
@@ -119,7 +129,7 @@ class Scheduler:
         """Move the oldest waiting request to running with blocks for its first chunk; returns the chunk's
         length, or None (holding nothing) when the pool is short."""
         request.num_computed = self.kv.find_cached_prefix(request.request_id, request.token_ids)
-        num_new = min(request.num_uncomputed, budget)
+        num_new = self._chunk(request, min(request.num_uncomputed, budget))
         if not self.kv.allocate(request.request_id, request.token_ids, request.num_computed, num_new):
             # Hand back the prefix blocks too: a waiting request must hold nothing, or it could
             # starve the running ones it waits for.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlx_infer.kv.block_pool import BlockHash, BlockPool, hash_block
-from mlx_infer.kv.state_slots import StateSlotPool
+from mlx_infer.kv.state_slots import StateCheckpoints, StateSlotPool
 
 
 class KVCacheManager:
@@ -17,10 +17,20 @@ class KVCacheManager:
         chunk_blocks: int | None = None,
         min_chunks: int = 1,
         num_state_slots: int = 0,
+        num_state_checkpoints: int = 0,
     ):
-        """``num_state_slots``: recurrent-state slots (hybrid models; 0: the model keeps no state)."""
+        """``num_state_slots``: recurrent-state slots (hybrid models; 0: the model keeps no state);
+        ``num_state_checkpoints``: how many saved states prefix caching may keep for them."""
         self.pool = BlockPool(num_blocks, chunk_blocks, min_chunks)
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
+        # Hybrid models: a cached prefix is usable only up to a block whose end has a saved state.
+        self.checkpoints = (
+            StateCheckpoints(num_state_checkpoints)
+            if num_state_slots and num_state_checkpoints and enable_prefix_caching
+            else None
+        )
+        self._saved: dict[str, tuple[int, list]] = {}  # seq -> (blocks covered, state rows) not yet hashed
+        self.restores: dict[str, list] = {}  # seq -> state rows to load into its slot before its next step
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[str, list[int]] = {}
@@ -51,7 +61,42 @@ class KVCacheManager:
             self.pool.acquire(block)
             table.append(block)
             hashes.append(parent)
+        if self.checkpoints is not None:
+            self._cut_to_checkpoint(seq_id)
         return len(table) * self.block_size
+
+    def _cut_to_checkpoint(self, seq_id: str) -> None:
+        """Keep only the prefix blocks up to the last one with a saved state (hybrid models: the recurrent
+        layers need their state there), and note that state for the runner to load."""
+        table, hashes = self.block_tables[seq_id], self._hashes[seq_id]
+        keep = next((i + 1 for i in range(len(hashes) - 1, -1, -1) if hashes[i] in self.checkpoints), 0)
+        self.pool.hits -= len(table) - keep
+        self.pool.release(table[keep:])
+        del table[keep:], hashes[keep:]
+        if keep:
+            self.restores[seq_id] = self.checkpoints.get(hashes[-1])
+
+    def forget_states(self) -> None:
+        """Drop every saved state (idle release; pools reallocated after a failed step)."""
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
+            self._saved.clear()
+            self.restores.clear()
+
+    def save_state(self, seq_id: str, num_tokens: int, rows: list) -> None:
+        """The sequence's state after its first ``num_tokens`` tokens (a block boundary): kept as a
+        checkpoint under that block's hash once the block is registered (its last token may still be
+        pending now)."""
+        if self.checkpoints is not None:
+            self._saved[seq_id] = (num_tokens // self.block_size, rows)
+            self._checkpoint(seq_id)
+
+    def _checkpoint(self, seq_id: str) -> None:
+        saved = self._saved.get(seq_id)
+        hashes = self._hashes.get(seq_id, [])
+        if saved is not None and 0 < saved[0] <= len(hashes):
+            self.checkpoints.put(hashes[saved[0] - 1], saved[1])
+            del self._saved[seq_id]
 
     def allocate(
         self, seq_id: str, token_ids: Sequence[int], num_computed: int, num_new: int, register: bool = True
@@ -94,6 +139,8 @@ class KVCacheManager:
             block_hash = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             hashes.append(block_hash)
             self.pool.register(table[i], block_hash)
+        if self.checkpoints is not None:
+            self._checkpoint(seq_id)
 
     def trim(self, seq_id: str, num_tokens: int) -> None:
         """Return the blocks past the first ``num_tokens`` tokens (K/V of rejected speculative tokens).
@@ -111,6 +158,10 @@ class KVCacheManager:
 
     def free(self, seq_id: str) -> None:
         """Return a sequence's blocks (they stay in the prefix cache until reused) and its state slot."""
+        if self.checkpoints is not None:
+            self._checkpoint(seq_id)
+            self._saved.pop(seq_id, None)
+            self.restores.pop(seq_id, None)
         self.pool.release(self.block_tables.pop(seq_id, []))
         self._hashes.pop(seq_id, None)
         if self.state_slots is not None:

@@ -9,6 +9,12 @@ from zeros whichever slot it gets: layers zero the state of a sequence that star
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
+import mlx.core as mx
+
+from mlx_infer.kv.block_pool import BlockHash
+
 
 class StateSlotPool:
     def __init__(self, num_slots: int):
@@ -42,3 +48,35 @@ class StateSlotPool:
 
     def owners(self) -> dict[str, int]:
         return dict(self._owner)
+
+
+class StateCheckpoints:
+    """Recurrent states saved where a block ends, keyed by that block's prefix hash, so a later prompt with
+    the same prefix can start from the state instead of from zero (prefix caching for hybrid models).
+
+    Each entry is one sequence's rows of every state array (a few MB for a large model), so there are at
+    most ``capacity`` of them, least recently used dropped first; the engine budgets them beside the slots.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[BlockHash, list[mx.array]] = OrderedDict()
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, block_hash: BlockHash) -> list[mx.array]:
+        self._entries.move_to_end(block_hash)
+        return self._entries[block_hash]
+
+    def put(self, block_hash: BlockHash, rows: list[mx.array]) -> None:
+        self._entries[block_hash] = rows
+        self._entries.move_to_end(block_hash)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()

@@ -62,10 +62,14 @@ class LayerState:
 
     def write(self, meta: BatchMetadata, values: list[mx.array]) -> None:
         """Copy each sequence's new rows into its slot: ``values[i]`` is ``[B, *shape]``, or ``[B, W]``
-        rows whose first ``size`` values are the state. Like ``LayerKV.write``, dropping the old
-        references first lets the write reuse (donate) the arrays' buffers instead of copying them."""
+        rows whose first ``size`` values are the state."""
+        self.put(meta.state_slots, values)
+
+    def put(self, slots: mx.array, values: list[mx.array]) -> None:
+        """Rows ``values[i]`` (``[n, ...]``, the state first) into ``slots`` (``[n]``). Like
+        ``LayerKV.write``, dropping the old references first lets the write reuse (donate) the arrays'
+        buffers instead of copying them."""
         arrays, self.arrays = self.arrays, []
-        slots = meta.state_slots
         for i, v in enumerate(values):
             arr = arrays[i]
             arrays[i] = None  # type: ignore[call-overload]
@@ -75,6 +79,11 @@ class LayerState:
                 arr[slots] = rows[:, None, : arr.shape[-1]].astype(arr.dtype)
                 native = arr
             self.arrays.append(native)
+
+    def save(self, slot: int) -> list[mx.array]:
+        """Copies of one slot's rows (a gather, so later in-place writes to the slot leave them alone)."""
+        index = mx.array([slot], dtype=mx.int32)
+        return [mx.take(arr, index, axis=0) for arr in self.arrays]
 
     def state(self) -> list[mx.array]:
         return list(self.arrays)

@@ -159,8 +159,9 @@ def make_plan(
     context = context or model_max
     seq_tokens = _blocks(context) * BLOCK_SIZE
     kv_bytes = max_num_seqs * seq_tokens * per_token
-    # The engine keeps one state slot per sequence that may run (engine.hybrid_state).
-    state_bytes = max_num_seqs * layout_state_bytes(meta.model.kv_layout())
+    # The engine keeps one state slot per sequence that may run and as many states saved for prefix
+    # caching (engine.hybrid_state).
+    state_bytes = 2 * max_num_seqs * layout_state_bytes(meta.model.kv_layout())
     fixed_scratch = _fixed_scratch(meta.model, compute_dtype, max_num_seqs, step_tokens)
     pool_copies = min(POOL_COPY_LAYERS, n_layers) / n_layers  # of the pool, see the module's docstring
     scratch = fixed_scratch + int(kv_bytes * pool_copies)
