@@ -17,6 +17,8 @@ MODEL_TYPES: dict[str, str] = {
     "qwen3_moe": "qwen3_moe",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "gemma4_text": "gemma4",
+    "gemma4": "gemma4",
     "phi3": "phi3",
 }
 

@@ -9,6 +9,7 @@ per-expert tensors ``mlp.experts.{e}.{gate,up,down}_proj.weight``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -91,10 +92,18 @@ class QuantizedSwitchLinear(nn.Module):
 
 
 class SwitchGLU(nn.Module):
-    """SwiGLU experts applied to each (token, chosen expert) pair."""
+    """Gated experts (SwiGLU unless ``activation`` says otherwise) applied to each (token, chosen
+    expert) pair."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        activation: Callable[[mx.array], mx.array] = nn.silu,
+    ):
         super().__init__()
+        self.activation = activation
         self.gate_proj = SwitchLinear(dim, hidden_dim, num_experts)
         self.up_proj = SwitchLinear(dim, hidden_dim, num_experts)
         self.down_proj = SwitchLinear(hidden_dim, dim, num_experts)
@@ -109,7 +118,7 @@ class SwitchGLU(nn.Module):
         inverse = mx.argsort(order)
         rows = x[order // top_k][:, None, :]  # [T*k, 1, D]
         idx = flat[order]
-        h = nn.silu(self.gate_proj(rows, idx)) * self.up_proj(rows, idx)
+        h = self.activation(self.gate_proj(rows, idx)) * self.up_proj(rows, idx)
         out = self.down_proj(h, idx)[inverse]  # [T*k, 1, D] back in (token, slot) order
         return out.reshape(n_tokens, top_k, -1)
 
