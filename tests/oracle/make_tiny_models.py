@@ -74,6 +74,14 @@ ARCHS: dict[str, dict] = {
         },
     ),
     "phi3": dict(_BASE, model_type="phi3", partial_rotary_factor=0.5, tie_word_embeddings=False),
+    # YaRN: a 32-token original context stretched 4x, so the 150-token prompt uses both the interpolated
+    # and the extrapolated frequencies, and the attention factor (mscale) is not 1.
+    "qwen3_yarn": dict(
+        _BASE, model_type="qwen3", head_dim=24, tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        },
+    ),
     # Gemma 4 small ("E2B"-like): per-layer inputs, the last two layers (one of each type) reading the
     # K/V of layers 2 and 3 with double-wide MLPs, wider global heads with proportional (partial) RoPE.
     "gemma4_text": dict(
