@@ -33,6 +33,7 @@ from mlx_infer.models.base import (
     BaseModelArgs,
     BatchMetadata,
     CausalLM,
+    KVSpec,
     LayerKV,
     apply_rope,
     attention,
@@ -313,6 +314,12 @@ class Model(CausalLM):
         # Layer i attends over cache[kv_sources[i]]: its own pool, or its source's.
         self.kv_sources = [
             i if (source := args.kv_source(i)) is None else source for i in range(args.num_hidden_layers)
+        ]
+
+    def kv_layout(self) -> list[KVSpec]:
+        """Global layers' pools may be wider than sliding ones'; a KV-shared layer owns none."""
+        return [
+            KVSpec(*self.args.layer_kv_shape(j), None if j == i else j) for i, j in enumerate(self.kv_sources)
         ]
 
     def embed(self, tokens: mx.array) -> mx.array:
