@@ -1,0 +1,134 @@
+"""Gemma 4 beyond the logits test of test_architectures: KV sharing through the engine and its prefix
+cache, what the pools and the planner count, and the config shapes of the published checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from engine_helpers import CharTokenizer
+from mlx.utils import tree_flatten
+
+from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.engine.runner import kv_bytes_per_token
+from mlx_infer.engine.scheduler import SchedulerConfig
+from mlx_infer.kv.pages import owned
+from mlx_infer.loading import load
+from mlx_infer.models import gemma4
+from mlx_infer.plan import make_plan
+from mlx_infer.plan.weights import read_metadata
+from mlx_infer.sampling import SamplingParams
+
+TINY = Path(__file__).parent / "oracle" / "tiny"
+# float32 pools and weights on both sides: the test_architectures tolerance, on log-probabilities.
+TOL = 2e-4
+# google/gemma-4-E2B-it's text_config (the values that shape the layers and their caches).
+E2B = {
+    "model_type": "gemma4_text", "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35,
+    "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+    "num_kv_shared_layers": 20, "hidden_size_per_layer_input": 256, "vocab_size": 262144,
+    "vocab_size_per_layer_input": 262144, "use_double_wide_mlp": True, "sliding_window": 512,
+    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7, "final_logit_softcapping": 30.0,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny gemma4_text checkpoint (layers 4 and 5 read layers 2 and 3) and transformers' logits."""
+    folder = TINY / "gemma4_text"
+    ref = np.load(folder / "reference.npz")
+    return folder, ref["tokens_1"].tolist(), ref["logits_1"]
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - np.log(np.exp(x - x.max()).sum()) - x.max()
+
+
+def test_engine_prefix_cache_feeds_the_shared_layers(tiny):
+    """A second request whose first 60 tokens are cached: the shared layers read, from blocks an
+    earlier request's source layers wrote, what transformers computes over the whole prompt."""
+    folder, tokens, want = tiny
+    config = EngineConfig(
+        block_size=4, num_blocks=96, enable_prefix_caching=True, kv_cache_dtype="float32",
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+    )  # fmt: skip
+    engine = Engine(load(str(folder)).model, CharTokenizer(), 256, config)
+    # Six layers, four pools: the shared layers hold their sources' very objects.
+    cache = engine.runner.cache
+    assert len(cache) == 6 and len(owned(cache)) == 4
+    assert cache[4] is cache[2] and cache[5] is cache[3]
+    for n, cached in ((60, 0), (150, 60)):
+        rid = engine.add_request(tokens[:n], SamplingParams(max_tokens=1, logprobs=5))
+        outputs = []
+        while engine.has_unfinished():
+            outputs += [o for o in engine.step() if o.request_id == rid]
+        assert outputs[-1].num_cached_tokens == cached
+        (chosen,) = [lp for o in outputs for lp in (o.logprobs or [])]
+        expected = log_softmax(want[n - 1])
+        assert chosen.token_id == int(np.argmax(expected))
+        got = dict(chosen.top)
+        err = max(abs(lp - expected[t]) for t, lp in got.items())
+        assert err <= TOL, f"prompt of {n}: max |logprob - transformers'| = {err:.2e}"
+
+
+def test_kv_bytes_count_only_pool_owning_layers(tiny):
+    folder, _, _ = tiny
+    model = load(str(folder)).model
+    # Layers 0..3 own pools (two KV heads; 16 values in sliding layers, 32 in global ones); 4 and 5 none.
+    owners = 2 * (2 * 16 + 2 * 32 + 2 * 16 + 2 * 32) * 4
+    assert kv_bytes_per_token(model, mx.float32) == owners
+    assert make_plan(str(folder), kv_cache_dtype="float32").kv_bytes_per_token == owners
+
+
+@pytest.mark.parametrize("name", ["gemma4_text", "gemma4"])
+def test_planned_weights_equal_what_load_holds(name):
+    """The per-layer embedding table and projections, the double-wide MLPs and the experts are all
+    counted: the plan's bytes are the loaded parameters' bytes."""
+    folder = TINY / name
+    held = sum(p.nbytes for _, p in tree_flatten(load(str(folder)).model.parameters()))
+    assert make_plan(str(folder)).weights_bytes == held
+
+
+def test_e2b_layers_caches_and_sources():
+    """E2B's 35 layers: the last 20 read layer 13 (sliding) or 14 (global), as transformers'
+    ``kv_sharing_modes`` picks them; global pools are 512 wide; only 15 layers own pools."""
+    model = gemma4.Model(gemma4.ModelArgs.from_dict(E2B))
+    layout = model.kv_layout()
+    assert [s.source for s in layout[:15]] == [None] * 15
+    assert [s.source for s in layout[15:]] == [14 if (i + 1) % 5 == 0 else 13 for i in range(15, 35)]
+    assert {(s.n_kv_heads, s.head_dim) for s in layout[:15]} == {(1, 256), (1, 512)}
+    assert layout[19] == gemma4.KVSpec(1, 512, 14)
+    assert kv_bytes_per_token(model, mx.float16) == 2 * 2 * (12 * 256 + 3 * 512)
+    # Shared layers carry no K/V projections; their MLPs are twice as wide.
+    assert "k_proj" not in model.layers[20].self_attn and "k_proj" in model.layers[14].self_attn
+    assert model.layers[20].mlp.gate_proj.weight.shape == (2 * 6144, 1536)
+    assert model.layers[14].mlp.gate_proj.weight.shape == (6144, 1536)
+
+
+def test_global_layers_from_per_layer_config_or_global_keys():
+    """transformers 5 saves ``per_layer_config``; Google's configs give ``global_head_dim`` and, with
+    keys as values, ``num_global_key_value_heads``."""
+    base = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "head_dim": 16}
+    overrides = {"1": {"head_dim": 32, "num_key_value_heads": 1}}
+    saved = gemma4.ModelArgs.from_dict({**base, "per_layer_config": overrides})
+    assert [saved.layer_kv_shape(i) for i in range(2)] == [(4, 16), (1, 32)]
+    k_eq_v = gemma4.ModelArgs.from_dict(
+        {**base, "global_head_dim": 64, "attention_k_eq_v": True, "num_global_key_value_heads": 2}
+    )
+    assert [k_eq_v.layer_kv_shape(i) for i in range(2)] == [(4, 16), (2, 64)]
+    # Without keys as values the global layers keep num_key_value_heads, as transformers does.
+    plain = gemma4.ModelArgs.from_dict({**base, "global_head_dim": 64, "num_global_key_value_heads": 2})
+    assert plain.layer_kv_shape(1) == (4, 64)
+
+
+def test_decode_reads_a_row_of_the_per_layer_table_and_top_k_of_the_experts():
+    """The planner's decode bound: the per-layer table is a lookup, and 2 of 4 experts run per token."""
+    text = {t.name: t.read_fraction for t in read_metadata(str(TINY / "gemma4_text"), "cpu", None).tensors}
+    assert text["model.embed_tokens_per_layer.weight"] == 0.0
+    assert text["model.per_layer_model_projection.weight"] == 1.0
+    moe = {t.name: t.read_fraction for t in read_metadata(str(TINY / "gemma4"), "cpu", None).tensors}
+    assert moe["model.layers.0.experts.switch_glu.gate_proj.weight"] == 0.5
+    assert moe["model.layers.0.mlp.gate_proj.weight"] == 1.0
