@@ -62,6 +62,13 @@ class TensorShard:
 def shard_tensor(model: nn.Module, group: mx.distributed.Group) -> TensorShard:
     """Split every block of ``model`` (in place) into this rank's share; refuse shapes that do not divide."""
     size, rank = group.size(), group.rank()
+    if getattr(model, "needs_per_layer_inputs", False) or len(set(model.kv_layout())) > 1:
+        name = getattr(model.args, "model_type", type(model).__module__)
+        raise DistributedError(
+            f"{name}: tensor parallelism splits layers that all keep the same K/V and "
+            "take only the hidden state; this model's layers differ (K/V sizes, K/V shared across "
+            "layers, or per-layer inputs); use the pipeline strategy or one process"
+        )
     shard = TensorShard(group, model.embed(mx.array([0])).dtype)
     n_kv_heads = head_dim = None
     for layer in model.layers:

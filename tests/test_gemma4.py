@@ -11,12 +11,16 @@ import pytest
 from engine_helpers import CharTokenizer
 from mlx.utils import tree_flatten
 
+from mlx_infer.distributed import shard_pipeline, shard_tensor
+from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.runner import kv_bytes_per_token
 from mlx_infer.engine.scheduler import SchedulerConfig
+from mlx_infer.errors import DistributedError
 from mlx_infer.kv.pages import owned
 from mlx_infer.loading import load
 from mlx_infer.models import gemma4
+from mlx_infer.models.base import new_cache
 from mlx_infer.plan import make_plan
 from mlx_infer.plan.weights import read_metadata
 from mlx_infer.sampling import SamplingParams
@@ -132,3 +136,57 @@ def test_decode_reads_a_row_of_the_per_layer_table_and_top_k_of_the_experts():
     moe = {t.name: t.read_fraction for t in read_metadata(str(TINY / "gemma4"), "cpu", None).tensors}
     assert moe["model.layers.0.experts.switch_glu.gate_proj.weight"] == 0.5
     assert moe["model.layers.0.mlp.gate_proj.weight"] == 1.0
+
+
+class FakeGroup:
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def random_gemma4(**overrides) -> gemma4.Model:
+    """Six layers, the last two reading layers 2 and 3, no per-layer inputs unless asked for."""
+    config = {
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32, "vocab_size": 128,
+        "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 3,
+        "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 0, **overrides,
+    }  # fmt: skip
+    mx.random.seed(0)
+    model = gemma4.Model(gemma4.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+def test_distributed_refuses_what_its_stages_and_shards_cannot_run():
+    with pytest.raises(DistributedError, match="per-layer inputs"):
+        shard_pipeline(random_gemma4(hidden_size_per_layer_input=8), FakeGroup(0, 2))
+    # Even stages: layers 4 and 5 (second stage) read layer 2 and 3, the first stage's.
+    with pytest.raises(DistributedError, match="layer 4 reads the K/V of layer 2"):
+        shard_pipeline(random_gemma4(), FakeGroup(1, 2))
+    with pytest.raises(DistributedError, match="tensor parallelism"):
+        shard_tensor(random_gemma4(), FakeGroup(0, 2))
+
+
+def test_a_pipeline_stage_keeps_a_shared_layer_with_its_source():
+    """Stages of layers 0-1 and 2-5: the second holds both sources and both readers, its pools
+    renumbered, and the two stages compute what one process does."""
+    full, first, second = random_gemma4(), random_gemma4(), random_gemma4()
+    shard_pipeline(first, FakeGroup(0, 2), [1, 2])
+    shard_pipeline(second, FakeGroup(1, 2), [1, 2])
+    assert second.kv_layout() == [
+        gemma4.KVSpec(2, 16), gemma4.KVSpec(2, 32), gemma4.KVSpec(2, 16, 0), gemma4.KVSpec(2, 32, 1)
+    ]  # fmt: skip
+    tokens = mx.array(list(range(3, 40)))
+    meta = build_metadata([SequenceSlice(list(range(10)), 0, 37)], 4)
+    want = full(tokens, new_cache(full, 10, 4, mx.float32), meta)
+    h = first.embed(tokens)
+    for model in (first, second):
+        for layer, kv in zip(model.layers, new_cache(model, 10, 4, mx.float32)):
+            h = layer(h, kv, meta)
+    np.testing.assert_allclose(np.array(first.logits(h, meta)), np.array(want), atol=1e-5, rtol=0)

@@ -316,6 +316,12 @@ class Model(CausalLM):
             i if (source := args.kv_source(i)) is None else source for i in range(args.num_hidden_layers)
         ]
 
+    @property
+    def needs_per_layer_inputs(self) -> bool:
+        """Whether its layers take per-layer inputs beside the hidden state, so that they cannot run
+        one by one from the hidden state alone (as a pipeline stage runs them)."""
+        return bool(self.args.hidden_size_per_layer_input)
+
     def kv_layout(self) -> list[KVSpec]:
         """Global layers' pools may be wider than sliding ones'; a KV-shared layer owns none."""
         return [
