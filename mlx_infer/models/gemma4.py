@@ -157,16 +157,16 @@ class ModelArgs(BaseModelArgs):
         return max(j for j in range(first_shared) if self.layer_types[j] == kind)
 
 
-def rope_wavelengths(head_dim: int, params: dict[str, Any]) -> mx.array | None:
-    """``mx.fast.rope`` frequencies (wavelengths) of a layer type's RoPE over the whole head; None
-    for plain RoPE. Proportional RoPE rotates the first ``partial_rotary_factor`` of the pairs with
-    exponents over ``head_dim``; an infinite wavelength leaves the other pairs as they are."""
+def rope_pairs(head_dim: int, params: dict[str, Any]) -> tuple[int, mx.array | None]:
+    """(pairs that rotate, their ``mx.fast.rope`` frequencies) of a layer type's RoPE; None for the
+    frequencies of plain RoPE. Proportional RoPE rotates the first ``partial_rotary_factor`` of the
+    ``head_dim / 2`` pairs (dimension ``i`` with ``i + head_dim / 2``), with exponents over the whole
+    ``head_dim``; the other pairs stay as they are (transformers gives them frequency 0)."""
     if scaling_type(params) != "proportional":
-        return None
+        return head_dim // 2, None
     angles = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
     exponents = mx.arange(0, 2 * angles, 2, dtype=mx.float32) / head_dim
-    rotated = params.get("factor", 1.0) * params["rope_theta"] ** exponents
-    return mx.concatenate([rotated, mx.full((head_dim // 2 - angles,), mx.inf, dtype=mx.float32)])
+    return angles, params.get("factor", 1.0) * params["rope_theta"] ** exponents
 
 
 class Attention(nn.Module):
@@ -188,10 +188,18 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(self.head_dim, self.eps)
         params = args.rope_parameters[args.layer_types[layer_idx]]
         self.rope_base = float(params["rope_theta"])
-        self._freqs = rope_wavelengths(self.head_dim, params)
+        self.rope_pairs, self._freqs = rope_pairs(self.head_dim, params)
 
     def rope(self, x: mx.array, positions: mx.array) -> mx.array:
-        return apply_rope(x, positions, self.head_dim, self.rope_base, False, 1.0, self._freqs)
+        n, half = self.rope_pairs, self.head_dim // 2
+        if n == half:
+            return apply_rope(x, positions, self.head_dim, self.rope_base, False, 1.0, self._freqs)
+        if n == 0:
+            return x
+        # Only the rotating pairs go through RoPE (a zero frequency is not one mx.fast.rope takes).
+        pairs = mx.concatenate([x[..., :n], x[..., half : half + n]], axis=-1)
+        r = apply_rope(pairs, positions, 2 * n, self.rope_base, False, 1.0, self._freqs)
+        return mx.concatenate([r[..., :n], x[..., n:half], r[..., n:], x[..., half + n :]], axis=-1)
 
     def __call__(self, x: mx.array, kv: LayerKV, meta: BatchMetadata) -> mx.array:
         """``kv``: this layer's pool, or for a shared layer its source's, which it only reads."""
