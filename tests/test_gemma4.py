@@ -51,15 +51,28 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x - x.max()).sum()) - x.max()
 
 
+def make_engine(folder: Path, num_blocks: int = 96, budget: int = 64) -> Engine:
+    config = EngineConfig(
+        block_size=4, num_blocks=num_blocks, enable_prefix_caching=True, kv_cache_dtype="float32",
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget),
+    )  # fmt: skip
+    return Engine(load(str(folder)).model, CharTokenizer(), 256, config)
+
+
+def generate(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    return [out[i] for i in ids]
+
+
 def test_engine_prefix_cache_feeds_the_shared_layers(tiny):
     """A second request whose first 60 tokens are cached: the shared layers read, from blocks an
     earlier request's source layers wrote, what transformers computes over the whole prompt."""
     folder, tokens, want = tiny
-    config = EngineConfig(
-        block_size=4, num_blocks=96, enable_prefix_caching=True, kv_cache_dtype="float32",
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
-    )  # fmt: skip
-    engine = Engine(load(str(folder)).model, CharTokenizer(), 256, config)
+    engine = make_engine(folder)
     # Six layers, four pools: the shared layers hold their sources' very objects.
     cache = engine.runner.cache
     assert len(cache) == 6 and len(owned(cache)) == 4
@@ -76,6 +89,17 @@ def test_engine_prefix_cache_feeds_the_shared_layers(tiny):
         got = dict(chosen.top)
         err = max(abs(lp - expected[t]) for t, lp in got.items())
         assert err <= TOL, f"prompt of {n}: max |logprob - transformers'| = {err:.2e}"
+
+
+def test_preempted_batched_generation_equals_each_alone(tiny):
+    """Three sequences in a pool too small for all: preempted ones are recomputed (sources and the
+    layers reading them alike) and every answer equals the one generated alone."""
+    folder, tokens, _ = tiny
+    prompts = [tokens[:30], tokens[40:75], tokens[80:100]]
+    alone = [generate(make_engine(folder), [p], 16)[0] for p in prompts]
+    engine = make_engine(folder, num_blocks=14, budget=16)  # the longest alone needs 13 blocks
+    assert generate(engine, prompts, 16) == alone
+    assert engine.scheduler.num_preemptions > 0
 
 
 def test_kv_bytes_count_only_pool_owning_layers(tiny):
