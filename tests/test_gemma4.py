@@ -214,3 +214,19 @@ def test_a_pipeline_stage_keeps_a_shared_layer_with_its_source():
         for layer, kv in zip(model.layers, new_cache(model, 10, 4, mx.float32)):
             h = layer(h, kv, meta)
     np.testing.assert_allclose(np.array(first.logits(h, meta)), np.array(want), atol=1e-5, rtol=0)
+
+
+def test_shared_layers_run_only_the_rows_whose_logits_are_wanted(tiny):
+    """A ragged step of two prompt chunks (one after 40 cached tokens) and a decode row: past the
+    first shared layer only each sequence's last row goes on, and its logits are transformers'."""
+    folder, tokens, want = tiny
+    model = load(str(folder)).model
+    cache = new_cache(model, 128, 4, mx.float32)
+    tables = [list(range(0, 40)), list(range(40, 80)), list(range(80, 120))]
+    warm = [SequenceSlice(tables[0], 0, 40), SequenceSlice(tables[2], 0, 99)]
+    model(mx.array(tokens[:40] + tokens[:99]), cache, build_metadata(warm, 4))
+    step = [SequenceSlice(tables[0], 40, 110), SequenceSlice(tables[1], 0, 23)]
+    meta = build_metadata([*step, SequenceSlice(tables[2], 99, 1)], 4)
+    assert gemma4.last_rows_only(meta) is not None
+    got = np.array(model(mx.array(tokens[40:150] + tokens[:23] + tokens[99:100]), cache, meta))
+    np.testing.assert_allclose(got, want[[149, 22, 99]], atol=TOL, rtol=0)

@@ -22,7 +22,7 @@ What differs from Gemma 3 (whose MLP, residual and text-tower renaming it reuses
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -167,6 +167,25 @@ def rope_pairs(head_dim: int, params: dict[str, Any]) -> tuple[int, mx.array | N
     angles = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
     exponents = mx.arange(0, 2 * angles, 2, dtype=mx.float32) / head_dim
     return angles, params.get("factor", 1.0) * params["rope_theta"] ** exponents
+
+
+def last_rows_only(meta: BatchMetadata) -> BatchMetadata | None:
+    """``meta`` cut to each sequence's last row, when those are the only rows whose logits it wants
+    (one per sequence); None when it wants every row or several rows of a sequence (verification)."""
+    rows = meta.logits_index
+    if rows is None or rows.shape[0] != meta.batch_size:
+        return None
+    positions = meta.positions[rows]
+    return replace(
+        meta,
+        positions=positions,
+        slot_mapping=meta.slot_mapping[rows],
+        query_lens=(1,) * meta.batch_size,
+        q_pad_index=None,
+        q_unpad_index=None,
+        q_positions=positions[:, None],
+        logits_index=None,
+    )
 
 
 class Attention(nn.Module):
@@ -352,7 +371,14 @@ class Model(CausalLM):
     def __call__(self, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata) -> mx.array:
         h = self.embed(tokens)
         per_layer = self.per_layer_inputs(tokens, h) if self.args.hidden_size_per_layer_input else None
+        first_shared = self.args.num_hidden_layers - self.args.num_kv_shared_layers
         for i, layer in enumerate(self.layers):
+            if i == first_shared and (last := last_rows_only(meta)) is not None:
+                # From here on layers write no K/V, so only the rows whose logits the step wants
+                # matter (as transformers does): a prompt chunk goes on as one decode row.
+                rows = meta.logits_index
+                h, meta = h[rows], last
+                per_layer = None if per_layer is None else per_layer[rows]
             h = layer(h, cache[self.kv_sources[i]], meta, None if per_layer is None else per_layer[:, i])
         return self.logits(h, meta)
 
