@@ -119,8 +119,12 @@ class ModelArgs(BaseModelArgs):
         self.layer_types = [*self.layer_types[:-1], "full_attention"]
         self.rope_parameters = self.rope_parameters or _DEFAULT_ROPE
         for kind in set(self.layer_types):
-            params = self.rope_parameters.get(kind) or {}
-            resolve_rope(self.model_type, None, None, params, 10_000.0, _ROPE_TYPES)
+            params = self.rope_parameters.get(kind)
+            if not params or "rope_theta" not in params:
+                raise UnsupportedArchitecture(
+                    f"gemma4: rope_parameters gives no rope_theta for {kind!r} layers"
+                )
+            resolve_rope(self.model_type, None, None, params, 10_000.0, _ROPE_TYPES)  # refuses other types
         if self.num_kv_shared_layers >= self.num_hidden_layers:
             raise UnsupportedArchitecture("gemma4: every layer shares K/V, so no layer computes any")
         first_shared = self.num_hidden_layers - self.num_kv_shared_layers
