@@ -18,6 +18,7 @@ MODEL_TYPES: dict[str, str] = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "phi3": "phi3",
+    "gpt_oss": "gpt_oss",
 }
 
 # Encoders (bidirectional, no KV cache): embedding models only, built by mlx_infer.embedding.

@@ -18,6 +18,7 @@ position of one full forward) for each prompt ``i``, and ``versions`` (transform
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -62,6 +63,12 @@ ARCHS: dict[str, dict] = {
         },
     ),
     "phi3": dict(_BASE, model_type="phi3", partial_rotary_factor=0.5, tie_word_embeddings=False),
+    # Window 8 so the long prompt crosses it; a swiglu_limit of 1 so the experts' clamps bite.
+    "gpt_oss": dict(
+        _BASE, model_type="gpt_oss", num_hidden_layers=4, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, swiglu_limit=1.0, rope_parameters=copy.deepcopy(_BASE["rope_parameters"]),
+    ),
 }
 
 
