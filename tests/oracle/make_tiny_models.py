@@ -72,6 +72,12 @@ ARCHS: dict[str, dict] = {
 }
 
 
+# name -> the ARCHS entry whose checkpoint is written with its MoE experts in MXFP4, as gpt-oss's official
+# checkpoints are; the logits are those of transformers' own dequantizing loader on that folder.
+MXFP4: dict[str, str] = {"gpt_oss_mxfp4": "gpt_oss"}
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
 def init_weights(model: torch.nn.Module, seed: int) -> None:
     """Weights large enough that logits spread over several units (transformers' 0.02 init makes them
     all nearly equal, and a comparison of nearly equal numbers proves little).
@@ -97,7 +103,42 @@ def write_word_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2", "bos_token": "w1"}))
 
 
-def make(name: str, kwargs: dict) -> None:
+def mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """OCP MXFP4 of ``w`` [..., in] (NumPy reference): per 32 values an E8M0 exponent
+    ``floor(log2(max|x|)) - 2`` (FP4's largest exponent) and each value rounded to the nearest FP4
+    (E2M1) value, clamped at 6. Returns (blocks uint8 [..., in / 32, 16] with the low nibble first,
+    scales uint8 [..., in / 32]) as gpt-oss checkpoints store them."""
+    groups = w.reshape(*w.shape[:-1], -1, 32).astype(np.float64)
+    amax = np.abs(groups).max(axis=-1, keepdims=True)
+    exponent = np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - 2
+    scaled = np.clip(groups / 2.0**exponent, -6.0, 6.0)
+    codes = np.abs(np.abs(scaled)[..., None] - FP4_VALUES).argmin(axis=-1) + 8 * (scaled < 0)
+    pairs = codes.reshape(*codes.shape[:-1], 16, 2).astype(np.uint8)
+    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
+    return np.ascontiguousarray(blocks), np.ascontiguousarray((exponent[..., 0] + 127).astype(np.uint8))
+
+
+def save_mxfp4(model: torch.nn.Module, folder: Path) -> None:
+    """Rewrite ``folder``'s checkpoint with every ``experts.{gate_up,down}_proj`` ([E, in, out]) as MXFP4
+    ``_blocks``/``_scales`` of its ``[E, out, in]`` transpose, and the config's quantization_config."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for key, value in model.state_dict().items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4(value.transpose(1, 2).numpy())
+            tensors[f"{key}_blocks"] = torch.from_numpy(blocks)
+            tensors[f"{key}_scales"] = torch.from_numpy(scales)
+        else:
+            tensors[key] = value.contiguous()
+    (folder / "model.safetensors").unlink()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": None}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def make(name: str, kwargs: dict, mxfp4_experts: bool = False) -> None:
     kwargs = dict(kwargs)
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     config._attn_implementation = "eager"
@@ -108,6 +149,14 @@ def make(name: str, kwargs: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     write_word_tokenizer(folder)
+    if mxfp4_experts:
+        from transformers import Mxfp4Config
+
+        save_mxfp4(model, folder)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True),
+            attn_implementation="eager",
+        ).eval()
 
     rng = np.random.default_rng(7)
     arrays: dict[str, np.ndarray] = {}
@@ -124,8 +173,11 @@ def make(name: str, kwargs: dict) -> None:
 
 
 def main(names: list[str]) -> None:
-    for name in names or sorted(ARCHS):
-        make(name, ARCHS[name])
+    for name in names or sorted([*ARCHS, *MXFP4]):
+        if name in MXFP4:
+            make(name, ARCHS[MXFP4[name]], mxfp4_experts=True)
+        else:
+            make(name, ARCHS[name])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""gpt-oss specifics beyond the logits test of test_architectures.py (which covers both tiny folders:
+float experts, and MXFP4 experts against transformers' dequantizing loader)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_infer.errors import InvalidCheckpoint
+from mlx_infer.loading import hf, load
+from mlx_infer.loading.build import build_model
+from mlx_infer.models.qwen3_moe import QuantizedSwitchLinear
+
+TINY = Path(__file__).parent / "oracle" / "tiny"
+FP4 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def test_mxfp4_experts_load_as_mlx_mxfp4_without_dequantizing():
+    loaded = load(str(TINY / "gpt_oss_mxfp4"))
+    experts = loaded.model.model.layers[1].mlp.experts
+    raw = hf.read_weights(TINY / "gpt_oss_mxfp4")
+    blocks = np.array(raw["model.layers.1.mlp.experts.gate_up_proj_blocks"])
+    scales = np.array(raw["model.layers.1.mlp.experts.gate_up_proj_scales"]).astype(np.int32)
+    # The checkpoint's values, decoded with NumPy: [E, 2I, in], gate and up rows interleaved.
+    values = np.stack([FP4[blocks & 15], FP4[blocks >> 4]], axis=-1).reshape(*blocks.shape[:-1], 32)
+    values = (values * 2.0 ** (scales - 127)[..., None]).reshape(*blocks.shape[:2], -1)
+    for name, rows in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+        layer = experts[name]
+        assert isinstance(layer, QuantizedSwitchLinear) and layer.mode == "mxfp4"
+        assert layer.weight.dtype == mx.uint32 and layer.scales.dtype == mx.uint8
+        w = mx.dequantize(layer.weight, layer.scales, None, group_size=32, bits=4, mode="mxfp4")
+        np.testing.assert_array_equal(np.array(w.astype(mx.float32)), values[:, rows])
+    assert "mxfp4 MoE experts kept" in loaded.weight_policy
+
+
+def test_blocks_that_are_not_mxfp4_are_an_invalid_checkpoint():
+    folder = TINY / "gpt_oss_mxfp4"
+    weights = hf.read_weights(folder)
+    name = "model.layers.0.mlp.experts.down_proj_blocks"
+    weights[name] = weights[name].reshape(*weights[name].shape[:2], -1)  # [E, out, in / 2]: no 16-byte blocks
+    with pytest.raises(InvalidCheckpoint, match="not MXFP4 blocks"):
+        build_model(hf.read_config(folder), weights, folder.name)
