@@ -18,7 +18,6 @@ position of one full forward) for each prompt ``i``, and ``versions`` (transform
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import sys
@@ -63,11 +62,24 @@ ARCHS: dict[str, dict] = {
         },
     ),
     "phi3": dict(_BASE, model_type="phi3", partial_rotary_factor=0.5, tie_word_embeddings=False),
-    # Window 8 so the long prompt crosses it; a swiglu_limit of 1 so the experts' clamps bite.
+    # YaRN: a 32-token original context stretched 4x, so the 150-token prompt uses both the interpolated
+    # and the extrapolated frequencies, and the attention factor (mscale) is not 1.
+    "qwen3_yarn": dict(
+        _BASE, model_type="qwen3", head_dim=24, tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        },
+    ),
+    # Window 8 so the long prompt crosses it; a swiglu_limit of 1 so the experts' clamps bite; YaRN as
+    # gpt-oss's own (beta 32/1, truncate false) over a 32-token original context.
     "gpt_oss": dict(
         _BASE, model_type="gpt_oss", num_hidden_layers=4, head_dim=16, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"] * 2, num_local_experts=4, num_experts_per_tok=2,
-        intermediate_size=32, swiglu_limit=1.0, rope_parameters=copy.deepcopy(_BASE["rope_parameters"]),
+        intermediate_size=32, swiglu_limit=1.0,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 32,
+        },
     ),
 }
 
