@@ -43,3 +43,34 @@ def test_blocks_that_are_not_mxfp4_are_an_invalid_checkpoint():
     weights[name] = weights[name].reshape(*weights[name].shape[:2], -1)  # [E, out, in / 2]: no 16-byte blocks
     with pytest.raises(InvalidCheckpoint, match="not MXFP4 blocks"):
         build_model(hf.read_config(folder), weights, folder.name)
+
+
+def test_tensor_parallel_shards_sum_to_the_whole_model():
+    """Two tensor-parallel shards (each rank's heads with their sinks, its slice of every expert), their
+    attention and MoE outputs summed as the all_sum would: the unsharded logits."""
+    from test_distributed import FakeGroup
+
+    from mlx_infer.distributed import shard_tensor
+    from mlx_infer.engine.batch import SequenceSlice, build_metadata
+    from mlx_infer.models.base import new_cache
+
+    folder = str(TINY / "gpt_oss")
+    whole = load(folder).model
+    shards = [load(folder).model for _ in range(2)]
+    for rank, model in enumerate(shards):
+        shard_tensor(model, FakeGroup(rank, 2))
+    tokens = mx.array(np.arange(3, 40) % 128, dtype=mx.int32)
+    meta = build_metadata([SequenceSlice(list(range(10)), 0, len(tokens))], 4)
+    expected = whole(tokens, new_cache(whole, 10, 4, mx.float32), meta)
+
+    caches = [new_cache(m, 10, 4, mx.float32) for m in shards]
+    h = shards[0].embed(tokens)
+    for i, block in enumerate(shards[0].layers):
+        parts = [m.layers[i] for m in shards]
+        normed = block.input_layernorm(h)
+        h = h + sum(p.self_attn.inner(normed, cache[i], meta) for p, cache in zip(parts, caches))
+        normed = block.post_attention_layernorm(h)
+        h = h + sum(p.mlp.inner(normed) for p in parts)
+    got = shards[0].logits(h, meta)
+    assert shards[0].layers[0].self_attn.inner.sinks.shape == (2,)
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-5, rtol=0)
