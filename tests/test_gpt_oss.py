@@ -74,3 +74,18 @@ def test_tensor_parallel_shards_sum_to_the_whole_model():
     got = shards[0].logits(h, meta)
     assert shards[0].layers[0].self_attn.inner.sinks.shape == (2,)
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("keep_quantized", [None, False, True])
+def test_planned_weights_equal_what_load_holds(keep_quantized):
+    """The memory plan counts MXFP4 experts as the 4.25 bits a value they stay at under every weight
+    policy (serve's fit check would otherwise refuse gpt-oss-20b as 84 GB of float32)."""
+    from mlx.utils import tree_flatten
+
+    from mlx_infer.plan.planner import make_plan
+
+    for name in ("gpt_oss", "gpt_oss_mxfp4"):
+        loaded = load(str(TINY / name), keep_quantized=keep_quantized)
+        held = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
+        plan = make_plan(str(TINY / name), keep_quantized=keep_quantized, backend="cpu")
+        assert plan.weights_bytes == held, name
