@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_kernels import EMU, needs_emulator
 
 from mlx_infer.errors import InvalidCheckpoint
 from mlx_infer.loading import hf, load
@@ -89,3 +90,39 @@ def test_planned_weights_equal_what_load_holds(keep_quantized):
         held = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
         plan = make_plan(str(TINY / name), keep_quantized=keep_quantized, backend="cpu")
         assert plan.weights_bytes == held, name
+
+
+@pytest.fixture
+def emulated_kernels():
+    """The dispatch bound to the Metal kernels, launched by the emulator; yields the kernels' names."""
+    from mlx_infer.metal_kernels import dispatch
+
+    launched: list[str] = []
+
+    def launch(spec, **kw):
+        launched.append(spec.name)
+        return EMU(spec, **kw)
+
+    saved = dispatch.USE_KERNELS
+    dispatch.bind(True, launch)
+    yield launched
+    dispatch.bind(saved)
+
+
+@needs_emulator
+def test_the_metal_kernels_give_transformers_logits(emulated_kernels):
+    """The whole model through the kernel dispatch as on a Mac (the Metal attention kernel with sinks, run
+    by the emulator): the long prompt's logits, chunked then decoded, equal transformers' as on the CPU."""
+    from test_architectures import TOL, block_table, forward, new_cache
+
+    from mlx_infer.engine.batch import SequenceSlice
+
+    model = load(str(TINY / "gpt_oss_mxfp4")).model
+    ref = np.load(TINY / "gpt_oss_mxfp4" / "reference.npz")
+    tokens, want = ref["tokens_1"][:40], ref["logits_1"][:40]
+    table, cache, rows, done = block_table(0, len(tokens)), new_cache(model), [], 0
+    for n in (30, 9, 1):  # a chunk past the window of 8, a second one, a decode step
+        rows.append(forward(model, cache, [SequenceSlice(table, done, n, True)], tokens[done : done + n]))
+        done += n
+    assert np.abs(np.concatenate(rows) - want).max() <= TOL
+    assert "paged_attention_sinks" in emulated_kernels
