@@ -5,7 +5,8 @@ MLX affine arrays (``weight`` uint32, ``scales``, ``biases``) losslessly. Any ot
 BF16, ...) makes ``mx.load`` fail or round, so such files are read tensor by tensor and dequantized
 exactly to float32 with the ``gguf`` package; the policy may re-quantize them (see ``policy.py``).
 When the K-quant kernels will run them (``kquant_blocks``), Q4_K/Q5_K/Q6_K matrices are instead kept
-as their raw blocks (uint8 ``[rows, bytes per row]``) for layers that compute on them directly.
+as their raw blocks (uint8 ``[rows, bytes per row]``) for layers that compute on them directly. MXFP4
+tensors (gpt-oss's experts) become MLX ``mxfp4`` weights and scales (``gguf_mxfp4.py``), as exact.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gguf.quants import dequantize
 from mlx_infer.errors import InvalidCheckpoint, UnsupportedArchitecture
 from mlx_infer.loading.gguf_config import hf_config, llama3_scaling
 from mlx_infer.loading.gguf_file import GGUFHeader, read_header, tensor_bytes
+from mlx_infer.loading.gguf_mxfp4 import mxfp4_from_gguf
 from mlx_infer.loading.hf import one_line
 
 Q = GGMLQuantizationType
@@ -62,6 +64,13 @@ HF_NAMES: dict[MODEL_TENSOR, str] = {
 }
 ARCH_OVERRIDES: dict[str, dict[MODEL_TENSOR, str]] = {
     "phi3": {MODEL_TENSOR.FFN_UP: L + "mlp.gate_up_proj"},  # Phi-3 keeps gate and up fused
+    "gpt-oss": {  # mlx_infer/models/gpt_oss.py's names; sinks arrive as ``sinks.weight`` (its sanitize)
+        MODEL_TENSOR.ATTN_SINKS: L + "self_attn.sinks",
+        MODEL_TENSOR.FFN_GATE_INP: L + "mlp.router",
+        MODEL_TENSOR.FFN_GATE_EXP: L + "mlp.experts.gate_proj",
+        MODEL_TENSOR.FFN_UP_EXP: L + "mlp.experts.up_proj",
+        MODEL_TENSOR.FFN_DOWN_EXP: L + "mlp.experts.down_proj",
+    },
 }
 # Tensors that are not weights of a module but RoPE parameters, folded into the config.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -158,6 +167,10 @@ def _read_tensors(
     """
     weights, kinds, blocks = {}, {}, {}
     for name, info in header.tensors.items():
+        if info.qtype == Q.MXFP4:  # gpt-oss's experts: MLX's own mxfp4, never dequantized
+            scales_name = name.removesuffix(".weight") + ".scales"
+            weights[name], weights[scales_name] = mxfp4_from_gguf(tensor_bytes(path, info), info.shape)
+            continue
         if kquant_blocks and info.qtype in BLOCK_KINDS and len(info.shape) == 2:
             weights[name] = mx.array(np.array(tensor_bytes(path, info)))
             blocks[name] = BLOCK_KINDS[info.qtype]

@@ -22,6 +22,7 @@ MODEL_TYPES = {
     "qwen3moe": "qwen3_moe",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
+    "gpt-oss": "gpt_oss",
 }
 
 
@@ -136,4 +137,16 @@ def _phi3(config: dict[str, Any], get, head_dim: int) -> None:
         config["partial_rotary_factor"] = int(rotary) / head_dim
 
 
-_ARCH_EXTRAS = {"gemma3": _gemma3, "qwen3moe": _qwen3moe, "phi3": _phi3}
+def _gpt_oss(config: dict[str, Any], get, head_dim: int) -> None:
+    config["num_local_experts"] = int(get("expert_count"))
+    config["num_experts_per_tok"] = int(get("expert_used_count"))
+    config["intermediate_size"] = int(get("expert_feed_forward_length"))
+    config["sliding_window"] = int(get("attention.sliding_window", 128))
+    # Layer types: llama.cpp's set_swa_pattern(2) (sliding layers first) is models/gpt_oss.py's default.
+    if config["rope_scaling"] is not None:
+        # gpt-oss's own config: YaRN with beta 32/1 and no rounding of the ramp's ends (truncate false).
+        fast, slow = get("rope.scaling.yarn_beta_fast", 32.0), get("rope.scaling.yarn_beta_slow", 1.0)
+        config["rope_scaling"].update(beta_fast=float(fast), beta_slow=float(slow), truncate=False)
+
+
+_ARCH_EXTRAS = {"gemma3": _gemma3, "qwen3moe": _qwen3moe, "phi3": _phi3, "gpt-oss": _gpt_oss}

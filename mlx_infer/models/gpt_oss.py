@@ -170,6 +170,9 @@ class Model(CausalLM):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = super().sanitize(weights)
+        # GGUF files name the sinks like a module's weight.
+        weights = {k.removesuffix(".sinks.weight") + ".sinks" if k.endswith(".sinks.weight") else k: v
+                   for k, v in weights.items()}
         for i in range(self.args.num_hidden_layers):
             prefix = f"model.layers.{i}.mlp.experts"
             if f"{prefix}.gate_up_proj_blocks" in weights:

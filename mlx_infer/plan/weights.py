@@ -163,6 +163,8 @@ def _gguf_metadata(path: Path, backend: str, keep_quantized: bool | None) -> Met
             tensors.append(Tensor(dtype="float16", bits=affine[t.qtype], group_size=32, **common))
         elif exact:
             tensors.append(Tensor(dtype="float32" if t.qtype == Q.F32 else "float16", **common))
+        elif t.qtype == Q.MXFP4:  # gpt-oss's experts, read as MLX mxfp4 (loading/gguf_mxfp4.py)
+            tensors.append(Tensor(dtype="uint8", bits=4, group_size=32, mode="mxfp4", expert=True, **common))
         elif raw_blocks and t.qtype in BLOCK_KINDS and len(t.shape) == 2:
             tensors.append(Tensor(dtype="float32", gguf_bytes=t.nbytes, **common))
         else:
@@ -184,7 +186,7 @@ def _gguf_read_fraction(name: str, tied: bool, config: dict[str, Any]) -> float:
     if name == "token_embd.weight" and not tied:
         return 0.0  # a lookup reads one row per token; the untied head is read instead
     if "_exps." in name:
-        return config["num_experts_per_tok"] / config["num_experts"]
+        return config["num_experts_per_tok"] / (config.get("num_experts") or config["num_local_experts"])
     return 1.0
 
 
