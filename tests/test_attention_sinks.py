@@ -50,8 +50,9 @@ def as_read(pool: mx.array) -> np.ndarray:
     return np.array(q.astype(mx.float32), dtype=np.float64) * np.array(scales, dtype=np.float64)[..., None]
 
 
-def dense_oracle(q, key_pool, value_pool, tables, meta, scale, window, sinks) -> np.ndarray:
-    """softmax([scores, sink]) without the sink's column, times the values, one query at a time."""
+def dense_oracle(q, key_pool, value_pool, tables, meta, scale, window, sinks, softcap=None) -> np.ndarray:
+    """softmax([scores, sink]) without the sink's column, times the values, one query at a time (the
+    scores soft-capped first when ``softcap``)."""
     q, keys, values = np.array(q, dtype=np.float64), as_read(key_pool), as_read(value_pool)
     seq_of = np.repeat(np.arange(len(SHAPES)), [n for _, n in SHAPES])
     rep = N_HEADS // N_KV
@@ -62,20 +63,25 @@ def dense_oracle(q, key_pool, value_pool, tables, meta, scale, window, sinks) ->
         js = np.arange(lo, pos + 1)
         slots = np.array(tables[seq])[js // BLOCK] * BLOCK + js % BLOCK
         for h in range(N_HEADS):
-            logits = np.append(keys[slots, h // rep] @ q[t, h] * scale, sinks[h])
+            scores = keys[slots, h // rep] @ q[t, h] * scale
+            if softcap is not None:
+                scores = np.tanh(scores / softcap) * softcap
+            logits = np.append(scores, sinks[h])
             p = np.exp(logits - logits.max())
             out[t, h] = (p[:-1] / p.sum()) @ values[slots, h // rep]
     return out
 
 
-def attend(path: str, q, kp, vp, meta, scale, window, sinks) -> mx.array:
+def attend(path: str, q, kp, vp, meta, scale, window, sinks, softcap=None) -> mx.array:
     if path == "reference":
-        return reference.paged_attention(q, kp, vp, meta, scale, window, None, sinks)
+        return reference.paged_attention(q, kp, vp, meta, scale, window, softcap, sinks)
     if path == "cpu":
         assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
-        return cpu_kernels.paged_attention(q, kp, vp, meta, scale, window, None, sinks)
+        return cpu_kernels.paged_attention(q, kp, vp, meta, scale, window, softcap, sinks)
     parts = 64 if path == "metal-split" else None  # 300 keys -> 5 partitions, the reduce adds the sink
-    return pa.paged_attention(q, kp, vp, meta, scale, window, None, sinks, launch=EMU, partition_keys=parts)
+    return pa.paged_attention(
+        q, kp, vp, meta, scale, window, softcap, sinks, launch=EMU, partition_keys=parts
+    )
 
 
 PATHS = ["reference", "cpu", pytest.param("metal", marks=needs_emulator),
@@ -91,6 +97,16 @@ def test_attention_with_sinks_equals_dense_softmax(path, dtype, window):
     scale = HEAD_DIM**-0.5
     out = attend(path, q, kp, vp, meta, scale, window, mx.array(SINKS))
     want = dense_oracle(q, kp, vp, tables, meta, scale, window, SINKS)
+    np.testing.assert_allclose(np.array(out), want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sinks_with_soft_capped_scores(path):
+    """Soft-capping (Gemma's) and sinks together: the reference's own soft-capped path included."""
+    q, keys, values, tables, meta = step(seed=11)
+    scale = HEAD_DIM**-0.5
+    out = attend(path, q, keys, values, meta, scale, 7, mx.array(SINKS), softcap=2.0)
+    want = dense_oracle(q, keys, values, tables, meta, scale, 7, SINKS, softcap=2.0)
     np.testing.assert_allclose(np.array(out), want, rtol=0, atol=2e-5)
 
 
