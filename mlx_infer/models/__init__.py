@@ -12,6 +12,7 @@ MODEL_TYPES: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
     "smollm": "llama",
+    "smollm3": "smollm3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",

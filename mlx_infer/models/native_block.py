@@ -94,6 +94,7 @@ class NativeBlock(nn.Module):
             ({n: down[n] for n in _PARAMS}, down.group_size, down.bits),
         )
         self._rope = (attn.head_dim, attn.rope_base, attn.rope_scale, attn._freqs, mx.float32)
+        self._use_rope = getattr(attn, "use_rope", True)
         watched = self._parameters()
         self._watched = ([m for m, _, _ in watched], [n for _, n, _ in watched], [a for _, _, a in watched])
 
@@ -119,6 +120,8 @@ class NativeBlock(nn.Module):
         if not self._applies(x, kv):
             return self._op_by_op(self, x, kv, meta)
         cos, sin = step_tables(meta.positions, *self._rope)
+        if not self._use_rope:  # a NoPE layer (SmolLM3): the identity rotation
+            cos, sin = mx.ones_like(cos), mx.zeros_like(sin)
         # Rebound here, the old pools are referenced by nothing once the step is built: the KV writes
         # take their buffers over (written in place, as LayerKV.write).
         out, kv.keys, kv.values = self._ops(x, kv.keys, kv.values, meta, cos, sin)

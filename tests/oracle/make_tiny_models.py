@@ -62,6 +62,12 @@ ARCHS: dict[str, dict] = {
         },
     ),
     "phi3": dict(_BASE, model_type="phi3", partial_rotary_factor=0.5, tie_word_embeddings=False),
+    # NoPE on layers 1 and 3, which are also the sliding ones.
+    "smollm3": dict(
+        _BASE, model_type="smollm3", num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0],
+        use_sliding_window=True, sliding_window=8, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 3000.0},
+    ),
 }
 
 
