@@ -16,6 +16,7 @@ MODEL_TYPES: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "glm4_moe": "glm4_moe",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "phi3": "phi3",

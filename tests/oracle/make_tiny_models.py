@@ -68,6 +68,15 @@ ARCHS: dict[str, dict] = {
         use_sliding_window=True, sliding_window=8, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 3000.0},
     ),
+    # Layer 0 dense, layers 1-2 MoE: 8 experts in 4 groups of which 2 are kept, a shared expert,
+    # partial rotary, q/k norms, q/k/v biases.
+    "glm4_moe": dict(
+        _BASE, model_type="glm4_moe", num_hidden_layers=3, head_dim=16, partial_rotary_factor=0.5,
+        use_qk_norm=True, attention_bias=True, first_k_dense_replace=1, n_routed_experts=8,
+        num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 3000.0, "partial_rotary_factor": 0.5},
+    ),
 }
 
 
@@ -76,12 +85,16 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     all nearly equal, and a comparison of nearly equal numbers proves little).
 
     Matrices (and embeddings, convolutions): normal with std 1/sqrt(last dim). Vectors (norm weights,
-    biases, per-head decay parameters): their own init plus normal noise of 0.1, which keeps a norm
-    near 1 (or a Gemma-style ``1 + w`` norm near 1) and a log-decay near its intended range.
+    biases, per-head decay parameters, saved buffers such as a router's score correction): their own
+    init plus normal noise of 0.1, which keeps a norm near 1 (or a Gemma-style ``1 + w`` norm near 1)
+    and a log-decay near its intended range.
     """
     gen = torch.Generator().manual_seed(seed)
+    # Saved buffers too (a router's score correction bias), which would otherwise stay zero.
+    saved = model.state_dict()
+    buffers = [(n, b) for n, b in model.named_buffers() if n in saved and b.is_floating_point()]
     with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
+        for _, p in sorted(model.named_parameters()) + sorted(buffers):
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if p.dim() >= 2:
                 p.copy_(noise / math.sqrt(p.shape[-1]))

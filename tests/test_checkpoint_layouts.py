@@ -1,0 +1,57 @@
+"""Checkpoint layouts other than what ``save_pretrained`` wrote into tests/oracle/tiny, loading to the same
+model: Hub extras that must be dropped (GLM's multi-token-prediction layer) and transformers 5's fused
+in-memory expert tensors.
+
+The oracle is the tiny checkpoint itself: the rearranged weights must give its logits exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.loading import open_checkpoint
+from mlx_infer.loading.build import build_model
+from mlx_infer.models.base import LayerKV
+
+TINY = Path(__file__).parent / "oracle" / "tiny"
+
+
+def logits(model) -> np.ndarray:
+    tokens = np.load(TINY / "glm4_moe" / "reference.npz")["tokens_0"]
+    cache = [LayerKV(8, 4, *model.kv_shape(), mx.float32) for _ in model.layers]
+    meta = build_metadata([SequenceSlice(list(range(8)), 0, len(tokens), True)], 4)
+    return np.array(model(mx.array(tokens), cache, meta))
+
+
+def glm4_moe(rearrange) -> np.ndarray:
+    ckpt = open_checkpoint(str(TINY / "glm4_moe"))
+    return logits(build_model(ckpt.config, rearrange(dict(ckpt.weights)), "glm4_moe"))
+
+
+def test_glm4_moe_multi_token_prediction_layer_is_dropped():
+    def with_mtp_layer(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        # GLM-4.5 on the Hub: layer num_hidden_layers is the MTP layer (a decoder layer plus its own
+        # projections and norms), which transformers ignores at load.
+        extra = {k.replace("layers.2.", "layers.3."): v for k, v in weights.items() if ".layers.2." in k}
+        extra["model.layers.3.eh_proj.weight"] = mx.zeros((64, 128))
+        extra["model.layers.3.enorm.weight"] = mx.ones((64,))
+        return {**weights, **extra}
+
+    np.testing.assert_array_equal(glm4_moe(with_mtp_layer), glm4_moe(dict))
+
+
+def test_glm4_moe_fused_expert_tensors_load_like_per_expert_ones():
+    def fused(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        for i in (1, 2):
+            p = f"model.layers.{i}.mlp.experts"
+            per = {n: mx.stack([weights.pop(f"{p}.{e}.{n}_proj.weight") for e in range(8)])
+                   for n in ("gate", "up", "down")}
+            weights[f"{p}.gate_up_proj"] = mx.concatenate([per["gate"], per["up"]], axis=1)
+            weights[f"{p}.down_proj"] = per["down"]
+        return weights
+
+    np.testing.assert_array_equal(glm4_moe(fused), glm4_moe(dict))
