@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 OUT = Path(__file__).parent / "tiny"
 VOCAB = 128
@@ -41,6 +41,17 @@ _BASE = dict(
     # Not the default base, so a loader that misses transformers 5's rope_parameters fails.
     rope_parameters={"rope_type": "default", "rope_theta": 3000.0},
 )
+
+
+def _yarn(**changes) -> dict:
+    """Ministral 3's rope_parameters (YaRN plus ``llama_4_scaling_beta``), scaled down; a fresh dict."""
+    params = {
+        "rope_type": "yarn", "rope_theta": 3000.0, "factor": 16.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.1,
+    }
+    params.update(changes)
+    return {k: v for k, v in params.items() if v is not None}
+
 
 # name -> transformers config kwargs (``model_type`` picks the config class). Keep them small: the
 # folders are committed.
@@ -77,6 +88,24 @@ ARCHS: dict[str, dict] = {
         routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 3000.0, "partial_rotary_factor": 0.5},
     ),
+    # YaRN (attention factor from mscale / mscale_all_dim) and Llama-4 query scaling, both over an
+    # original context of 32 (64 in mistral3) so that the 150-token prompt crosses several of its steps.
+    "ministral3": dict(
+        _BASE, model_type="ministral3", head_dim=32, tie_word_embeddings=False, rope_parameters=_yarn(),
+    ),
+    # The composite (Mistral3ForConditionalGeneration): a tiny vision tower the text model ignores.
+    "mistral3": dict(
+        model_type="mistral3", auto_class="AutoModelForImageTextToText",
+        text_config=dict(
+            _BASE, model_type="ministral3", num_hidden_layers=3, head_dim=16, sliding_window=24,
+            tie_word_embeddings=False,
+            rope_parameters=_yarn(factor=8.0, original_max_position_embeddings=64, mscale=None, mscale_all_dim=None),
+        ),
+        vision_config=dict(
+            model_type="pixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, head_dim=16, image_size=28, patch_size=14,
+        ),
+    ),
 }
 
 
@@ -111,10 +140,11 @@ def write_word_tokenizer(folder: Path) -> None:
 
 def make(name: str, kwargs: dict) -> None:
     kwargs = dict(kwargs)
+    auto_class = getattr(transformers, kwargs.pop("auto_class", "AutoModelForCausalLM"))
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = auto_class.from_config(config, dtype=torch.float32).eval()
     init_weights(model, seed=sum(map(ord, name)))
     folder = OUT / name
     folder.mkdir(parents=True, exist_ok=True)
