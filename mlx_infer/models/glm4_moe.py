@@ -58,10 +58,15 @@ class Attention(qwen2.Attention):
             args, layer_idx, qkv_bias=args.attention_bias, o_bias=False, qk_norm=args.use_qk_norm
         )
         self.rope_dims = args.rope_dims
-        self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling, self.rope_dims)
+        self._freqs = rope_frequencies(
+            self.head_dim, args.rope_theta, args.rope_scaling, self.rope_dims, args.max_position_embeddings
+        )
 
     def rope(self, x: mx.array, positions: mx.array) -> mx.array:
-        return apply_rope(x, positions, self.rope_dims, self.rope_base, False, self.rope_scale, self._freqs)
+        return apply_rope(
+            x, positions, self.rope_dims, self.rope_base, False, self.rope_scale, self._freqs,
+            self.rope_factor,
+        )
 
 
 class Router(nn.Module):

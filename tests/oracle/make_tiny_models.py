@@ -47,7 +47,8 @@ def _yarn(**changes) -> dict:
     """Ministral 3's rope_parameters (YaRN plus ``llama_4_scaling_beta``), scaled down; a fresh dict."""
     params = {
         "rope_type": "yarn", "rope_theta": 3000.0, "factor": 16.0, "original_max_position_embeddings": 32,
-        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5, "llama_4_scaling_beta": 0.1,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5,
+        "llama_4_scaling_beta": 0.1,
     }
     params.update(changes)
     return {k: v for k, v in params.items() if v is not None}
@@ -73,6 +74,14 @@ ARCHS: dict[str, dict] = {
         },
     ),
     "phi3": dict(_BASE, model_type="phi3", partial_rotary_factor=0.5, tie_word_embeddings=False),
+    # YaRN: a 32-token original context stretched 4x, so the 150-token prompt uses both the interpolated
+    # and the extrapolated frequencies, and the attention factor (mscale) is not 1.
+    "qwen3_yarn": dict(
+        _BASE, model_type="qwen3", head_dim=24, tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        },
+    ),
     # NoPE on layers 1 and 3, which are also the sliding ones.
     "smollm3": dict(
         _BASE, model_type="smollm3", num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0],
@@ -98,8 +107,9 @@ ARCHS: dict[str, dict] = {
         model_type="mistral3", auto_class="AutoModelForImageTextToText",
         text_config=dict(
             _BASE, model_type="ministral3", num_hidden_layers=3, head_dim=16, sliding_window=24,
-            tie_word_embeddings=False,
-            rope_parameters=_yarn(factor=8.0, original_max_position_embeddings=64, mscale=None, mscale_all_dim=None),
+            tie_word_embeddings=False, rope_parameters=_yarn(
+                factor=8.0, original_max_position_embeddings=64, mscale=None, mscale_all_dim=None
+            ),
         ),
         vision_config=dict(
             model_type="pixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=1,
