@@ -13,6 +13,8 @@ MODEL_TYPES: dict[str, str] = {
     "mistral": "llama",
     "smollm": "llama",
     "smollm3": "smollm3",
+    "ministral3": "ministral3",
+    "mistral3": "mistral3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
