@@ -53,6 +53,10 @@ def _yarn(**changes) -> dict:
     params.update(changes)
     return {k: v for k, v in params.items() if v is not None}
 
+_PIXTRAL = dict(
+    model_type="pixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    head_dim=16, image_size=28, patch_size=14,
+)
 
 # name -> transformers config kwargs (``model_type`` picks the config class). Keep them small: the
 # folders are committed.
@@ -111,10 +115,16 @@ ARCHS: dict[str, dict] = {
                 factor=8.0, original_max_position_embeddings=64, mscale=None, mscale_all_dim=None
             ),
         ),
-        vision_config=dict(
-            model_type="pixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=2, head_dim=16, image_size=28, patch_size=14,
+        vision_config=_PIXTRAL,
+    ),
+    # Mistral Small 3.x: the composite around a plain Mistral text model, its own head.
+    "mistral3_small": dict(
+        model_type="mistral3", auto_class="AutoModelForImageTextToText", tie_word_embeddings=False,
+        text_config=dict(
+            _BASE, model_type="mistral", head_dim=16, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 3000.0},
         ),
+        vision_config=_PIXTRAL,
     ),
 }
 
