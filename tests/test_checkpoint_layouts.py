@@ -1,6 +1,6 @@
 """Checkpoint layouts other than what ``save_pretrained`` wrote into tests/oracle/tiny, loading to the same
 model: Hub extras that must be dropped (GLM's multi-token-prediction layer) and transformers 5's fused
-in-memory expert tensors.
+in-memory expert tensors; and the memory plan of the new architectures' folders.
 
 The oracle is the tiny checkpoint itself: the rearranged weights must give its logits exactly.
 """
@@ -11,11 +11,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
+from mlx.utils import tree_flatten
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
-from mlx_infer.loading import open_checkpoint
+from mlx_infer.loading import load, open_checkpoint
 from mlx_infer.loading.build import build_model
 from mlx_infer.models.base import LayerKV
+from mlx_infer.plan import make_plan
 
 TINY = Path(__file__).parent / "oracle" / "tiny"
 
@@ -55,3 +58,12 @@ def test_glm4_moe_fused_expert_tensors_load_like_per_expert_ones():
         return weights
 
     np.testing.assert_array_equal(glm4_moe(fused), glm4_moe(dict))
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "mistral3", "smollm3"])
+def test_memory_plan_counts_what_load_holds(name: str):
+    """The planner builds the architecture from config.json alone: the composite's text model only, the
+    MoE's stacked experts."""
+    loaded = load(str(TINY / name))
+    held = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
+    assert make_plan(str(TINY / name)).weights_bytes == held

@@ -16,12 +16,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.errors import InvalidCheckpoint
 from mlx_infer.loading import load, open_checkpoint
 from mlx_infer.loading.build import build_model
 from mlx_infer.models.base import new_cache
+from mlx_infer.plan import make_plan
 
 TINY = Path(__file__).parent / "oracle" / "tiny"
 FP8_MAX = 448.0
@@ -98,7 +100,10 @@ def test_fp8_checkpoint_gives_its_dequantized_model(tmp_path: Path, name: str, b
     assert ckpt.weights[projection].dtype == mx.float32  # the tiny config's dtype
     np.testing.assert_array_equal(np.array(ckpt.weights[projection]), values[projection])
     expected = build_model(ckpt.config, {k: mx.array(v) for k, v in values.items()}, name)
-    np.testing.assert_array_equal(logits(load(str(folder)).model), logits(expected))
+    loaded = load(str(folder))
+    np.testing.assert_array_equal(logits(loaded.model), logits(expected))
+    held = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
+    assert make_plan(str(folder)).weights_bytes == held
 
 
 def test_fp8_scales_that_do_not_cover_the_weight_are_refused(tmp_path: Path):

@@ -14,11 +14,13 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.loading import load, open_checkpoint
 from mlx_infer.loading.build import build_model
 from mlx_infer.models.base import new_cache
+from mlx_infer.plan import make_plan
 
 TINY = Path(__file__).parent / "oracle" / "tiny"
 WORDS = [f"w{i}" for i in range(128)]
@@ -153,5 +155,8 @@ def test_gguf_of_tiny_checkpoint_gives_its_logits(name: str, tmp_path: Path):
     loaded = load(str(tmp_path / "m.gguf"))
     assert loaded.config["model_type"] == config["model_type"]
     assert loaded.config["num_hidden_layers"] == layers
+    # The memory plan counts what the loader keeps (not GLM's multi-token-prediction layer).
+    held = sum(p.nbytes for _, p in tree_flatten(loaded.model.parameters()))
+    assert make_plan(str(tmp_path / "m.gguf")).weights_bytes == held
     expected = build_model(config, dict(ckpt.weights), name)
     np.testing.assert_allclose(logits(loaded.model), logits(expected), atol=1e-5, rtol=0)

@@ -102,7 +102,7 @@ def read_gguf(path: Path, kquant_blocks: bool = False) -> GGUFCheckpoint:
     weights, requantize, kquants = {}, {}, {}
     for name, value in raw.items():
         base, _, suffix = name.rpartition(".")
-        if _block_index(name) >= config["num_hidden_layers"]:
+        if block_index(name) >= config["num_hidden_layers"]:
             continue  # a multi-token-prediction layer (GLM-4.5), which generation does not use
         if base not in names:
             raise UnsupportedArchitecture(f"{source}: tensor {name!r} of a {arch} GGUF is not supported")
@@ -142,7 +142,7 @@ def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _block_index(name: str) -> int:
+def block_index(name: str) -> int:
     """The layer a GGUF tensor belongs to (``blk.3.attn_q.weight`` -> 3); -1 outside the blocks."""
     parts = name.split(".")
     return int(parts[1]) if parts[0] == "blk" else -1
