@@ -60,6 +60,19 @@ def test_glm4_moe_fused_expert_tensors_load_like_per_expert_ones():
     np.testing.assert_array_equal(glm4_moe(fused), glm4_moe(dict))
 
 
+def test_mistral3_head_stored_beside_a_tied_flag_is_used():
+    """transformers 5 keeps a stored lm_head that differs from the embeddings even when the composite's
+    tie flag (True by default) says tied."""
+    ckpt = open_checkpoint(str(TINY / "mistral3"))
+    assert ckpt.config["tie_word_embeddings"] is True
+    head = mx.random.normal((128, 64), key=mx.random.key(3))
+    stored = build_model(ckpt.config, {**ckpt.weights, "language_model.lm_head.weight": head}, "mistral3")
+    untied = {**ckpt.config, "tie_word_embeddings": False}
+    expected = build_model(untied, {**ckpt.weights, "language_model.lm_head.weight": head}, "mistral3")
+    np.testing.assert_array_equal(logits(stored), logits(expected))
+    assert not np.allclose(logits(stored), logits(build_model(ckpt.config, dict(ckpt.weights), "mistral3")))
+
+
 @pytest.mark.parametrize("name", ["glm4_moe", "mistral3", "smollm3"])
 def test_memory_plan_counts_what_load_holds(name: str):
     """The planner builds the architecture from config.json alone: the composite's text model only, the

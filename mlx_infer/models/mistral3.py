@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_infer.models import ministral3
 
@@ -52,4 +53,9 @@ class Model(ministral3.Model):
                     name = replacement + name[len(prefix) :]
                     break
             out[name] = value
+        if self.args.tie_word_embeddings and "lm_head.weight" in out:
+            # A head the checkpoint has is used, as transformers does when the composite's flag (True by
+            # default, so also in configs that never set it) says tied but both tensors are stored.
+            self.args.tie_word_embeddings = False
+            self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
         return super().sanitize(out)
