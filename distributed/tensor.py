@@ -104,6 +104,8 @@ def _shard_mlp(mlp: nn.Module, rank: int, size: int) -> None:
         _keep_rows(experts.gate_proj, [cols])
         _keep_rows(experts.up_proj, [cols])
         _keep_columns(experts.down_proj, cols, rank)
+        if "shared_experts" in mlp:  # GLM-4.5: a dense SwiGLU beside the routed experts, summed too
+            _shard_mlp(mlp.shared_experts, rank, size)
     elif "gate_up_proj" in mlp:  # Phi-3: rows are [gate | up]
         inter = mlp.gate_up_proj.weight.shape[-2] // 2
         cols = _part(inter, rank, size, "intermediate size")

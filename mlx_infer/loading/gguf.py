@@ -61,7 +61,14 @@ HF_NAMES: dict[MODEL_TENSOR, str] = {
     MODEL_TENSOR.FFN_GATE_EXP: L + "mlp.switch_mlp.gate_proj",
     MODEL_TENSOR.FFN_UP_EXP: L + "mlp.switch_mlp.up_proj",
     MODEL_TENSOR.FFN_DOWN_EXP: L + "mlp.switch_mlp.down_proj",
+    MODEL_TENSOR.FFN_GATE_SHEXP: L + "mlp.shared_experts.gate_proj",
+    MODEL_TENSOR.FFN_UP_SHEXP: L + "mlp.shared_experts.up_proj",
+    MODEL_TENSOR.FFN_DOWN_SHEXP: L + "mlp.shared_experts.down_proj",
+    # The router's score correction, stored as exp_probs_b.bias: HF's e_score_correction_bias.
+    MODEL_TENSOR.FFN_EXP_PROBS_B: L + "mlp.gate.e_score_correction",
 }
+# Architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses).
+PERMUTED_QK = ("llama", "smollm3", "mistral3")
 ARCH_OVERRIDES: dict[str, dict[MODEL_TENSOR, str]] = {
     "phi3": {MODEL_TENSOR.FFN_UP: L + "mlp.gate_up_proj"},  # Phi-3 keeps gate and up fused
     "gpt-oss": {  # mlx_infer/models/gpt_oss.py's names; sinks arrive as ``sinks.weight`` (its sanitize)
@@ -104,11 +111,14 @@ def read_gguf(path: Path, kquant_blocks: bool = False) -> GGUFCheckpoint:
     weights, requantize, kquants = {}, {}, {}
     for name, value in raw.items():
         base, _, suffix = name.rpartition(".")
+        if block_index(name) >= config["num_hidden_layers"]:
+            continue  # a multi-token-prediction layer (GLM-4.5), which generation does not use
         if base not in names:
             raise UnsupportedArchitecture(f"{source}: tensor {name!r} of a {arch} GGUF is not supported")
         hf = names[base]
+        key = f"{hf}_{suffix}" if hf.endswith("e_score_correction") else f"{hf}.{suffix}"
         # Block rows are whole output features, so the Q/K row permutation moves them like float rows.
-        weights[f"{hf}.{suffix}"] = _fix_layout(hf, suffix, value, config, arch)
+        weights[key] = _fix_layout(hf, suffix, value, config, arch)
         qtype = dequantized_from.get(name)
         if name in blocks:
             kquants[hf] = blocks[name]
@@ -141,10 +151,16 @@ def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def block_index(name: str) -> int:
+    """The layer a GGUF tensor belongs to (``blk.3.attn_q.weight`` -> 3); -1 outside the blocks."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blk" else -1
+
+
 def _fix_layout(hf: str, suffix: str, value: mx.array, config: dict[str, Any], arch: str) -> mx.array:
-    if arch == "llama" and hf.endswith("self_attn.q_proj"):
+    if arch in PERMUTED_QK and hf.endswith("self_attn.q_proj"):
         return unpermute_rows(value, config["num_attention_heads"])
-    if arch == "llama" and hf.endswith("self_attn.k_proj"):
+    if arch in PERMUTED_QK and hf.endswith("self_attn.k_proj"):
         return unpermute_rows(value, config["num_key_value_heads"])
     if arch == "gemma3" and hf.endswith("norm") and suffix == "weight":
         return value - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added

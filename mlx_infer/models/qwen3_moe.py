@@ -178,16 +178,33 @@ class Model(qwen3.Model):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = super().sanitize(weights)
         for i in range(self.args.num_hidden_layers):
-            prefix = f"model.layers.{i}.mlp"
-            if f"{prefix}.experts.0.gate_proj.weight" not in weights:
-                continue  # a dense layer, or experts already stacked
-            for name in _PROJECTIONS:
-                try:
-                    experts = [
-                        weights.pop(f"{prefix}.experts.{e}.{name}.weight")
-                        for e in range(self.args.num_experts)
-                    ]
-                except KeyError as err:
-                    raise InvalidCheckpoint(f"qwen3_moe: missing expert tensor {err.args[0]}") from None
-                weights[f"{prefix}.switch_mlp.{name}.weight"] = mx.stack(experts)
+            stack_experts(weights, f"model.layers.{i}.mlp", self.args.num_experts, "qwen3_moe")
         return weights
+
+
+def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int, arch: str) -> None:
+    """Turn the experts under ``prefix`` (a layer's ``...mlp``) into ``{prefix}.switch_mlp.*``, in place.
+
+    Checkpoints hold Hugging Face's per-expert tensors ``{prefix}.experts.{e}.{gate,up,down}_proj.weight``
+    (what ``save_pretrained`` writes), or transformers 5's fused in-memory layout
+    ``{prefix}.experts.gate_up_proj`` ``[E, 2 * I, D]`` (gate rows first) and ``.down_proj`` ``[E, D, I]``.
+    A dense layer, or experts already stacked, are left alone.
+    """
+    fused = weights.pop(f"{prefix}.experts.gate_up_proj", None)
+    if fused is not None:
+        down = weights.pop(f"{prefix}.experts.down_proj", None)
+        if down is None:
+            raise InvalidCheckpoint(f"{arch}: missing expert tensor {prefix}.experts.down_proj")
+        gate, up = mx.split(fused, 2, axis=1)
+        stacked = {"gate_proj": gate, "up_proj": up, "down_proj": down}
+        for name, value in stacked.items():
+            weights[f"{prefix}.switch_mlp.{name}.weight"] = value
+        return
+    if f"{prefix}.experts.0.gate_proj.weight" not in weights:
+        return
+    for name in _PROJECTIONS:
+        try:
+            experts = [weights.pop(f"{prefix}.experts.{e}.{name}.weight") for e in range(num_experts)]
+        except KeyError as err:
+            raise InvalidCheckpoint(f"{arch}: missing expert tensor {err.args[0]}") from None
+        weights[f"{prefix}.switch_mlp.{name}.weight"] = mx.stack(experts)

@@ -137,13 +137,18 @@ def _gguf_metadata(path: Path, backend: str, keep_quantized: bool | None) -> Met
         FLOAT_TYPES,
         MX_LOAD_EXACT,
         ROPE_TENSORS,
+        block_index,
     )
     from mlx_infer.loading.gguf_config import hf_config
     from mlx_infer.loading.gguf_file import read_header
 
     header = read_header(path)
     config = hf_config(header.metadata, header.tensors, path.name)
-    infos = [t for name, t in header.tensors.items() if name not in ROPE_TENSORS]
+    # The loader skips multi-token-prediction layers (numbered from num_hidden_layers on).
+    layers = config["num_hidden_layers"]
+    infos = [
+        t for name, t in header.tensors.items() if name not in ROPE_TENSORS and block_index(name) < layers
+    ]
     # mx.load reads these types exactly (Q4_0/Q4_1/Q8_0 as MLX affine, group 32, float16 scales and
     # biases); a file with any other type is read tensor by tensor and dequantized to float32, except
     # the K-quant matrices that stay raw blocks for the Metal kernels (loading/gguf.py, policy.py).
@@ -186,8 +191,13 @@ def _gguf_read_fraction(name: str, tied: bool, config: dict[str, Any]) -> float:
     if name == "token_embd.weight" and not tied:
         return 0.0  # a lookup reads one row per token; the untied head is read instead
     if "_exps." in name:
-        return config["num_experts_per_tok"] / (config.get("num_experts") or config["num_local_experts"])
+        return config["num_experts_per_tok"] / _expert_count(config)
     return 1.0
+
+
+def _expert_count(config: dict[str, Any]) -> int:
+    """Routed experts per MoE layer, under the names the architectures' configs use (1: dense)."""
+    return config.get("num_experts") or config.get("n_routed_experts") or config.get("num_local_experts") or 1
 
 
 def _folder_metadata(folder: Path) -> Metadata:
@@ -199,8 +209,7 @@ def _folder_metadata(folder: Path) -> Metadata:
     params = dict(tree_flatten(model.parameters()))
     modules = dict(model.named_modules())
     tied = "lm_head.weight" not in params
-    n_experts = config.get("num_experts") or config.get("num_local_experts") or 1
-    experts = config.get("num_experts_per_tok", 1) / n_experts
+    experts = config.get("num_experts_per_tok", 1) / _expert_count(config)
     # gpt-oss's official checkpoints: every expert matrix MXFP4 (models/gpt_oss.py).
     mxfp4 = (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     tensors = []
