@@ -12,14 +12,19 @@ MODEL_TYPES: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
     "smollm": "llama",
+    "smollm3": "smollm3",
+    "ministral3": "ministral3",
+    "mistral3": "mistral3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "glm4_moe": "glm4_moe",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "gemma4_text": "gemma4",
     "gemma4": "gemma4",
     "phi3": "phi3",
+    "gpt_oss": "gpt_oss",
 }
 
 # Encoders (bidirectional, no KV cache): embedding models only, built by mlx_infer.embedding.

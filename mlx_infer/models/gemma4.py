@@ -263,13 +263,17 @@ class Router(nn.Module):
         return inds, weights
 
 
+def geglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.gelu_approx(gate) * up
+
+
 class Experts(nn.Module):
     """GELU-gated experts, stacked as mlx-lm stores them (``switch_glu.{gate,up,down}_proj``)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.switch_glu = SwitchGLU(
-            args.hidden_size, args.moe_intermediate_size, args.num_experts, nn.gelu_approx
+            args.hidden_size, args.moe_intermediate_size, args.num_experts, activation=geglu
         )
 
     def __call__(self, x: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
