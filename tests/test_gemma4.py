@@ -16,6 +16,7 @@ from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.runner import kv_bytes_per_token
 from mlx_infer.engine.scheduler import SchedulerConfig
+from mlx_infer.engine.speculative import SpeculativeConfig
 from mlx_infer.errors import DistributedError
 from mlx_infer.kv.pages import owned
 from mlx_infer.loading import load
@@ -51,10 +52,11 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x - x.max()).sum()) - x.max()
 
 
-def make_engine(folder: Path, num_blocks: int = 96, budget: int = 64) -> Engine:
+def make_engine(folder: Path, num_blocks: int = 96, budget: int = 64, speculate: bool = False) -> Engine:
     config = EngineConfig(
         block_size=4, num_blocks=num_blocks, enable_prefix_caching=True, kv_cache_dtype="float32",
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget),
+        speculative=SpeculativeConfig("ngram" if speculate else None, num_draft_tokens=4, max_batch=4),
     )  # fmt: skip
     return Engine(load(str(folder)).model, CharTokenizer(), 256, config)
 
@@ -100,6 +102,17 @@ def test_preempted_batched_generation_equals_each_alone(tiny):
     engine = make_engine(folder, num_blocks=14, budget=16)  # the longest alone needs 13 blocks
     assert generate(engine, prompts, 16) == alone
     assert engine.scheduler.num_preemptions > 0
+
+
+def test_ngram_speculation_verifies_through_the_shared_layers(tiny):
+    """Verification steps want every row's logits: greedy answers are the plain engine's, with
+    proposals made and some accepted."""
+    folder, tokens, _ = tiny
+    prompts = [tokens[:30], tokens[80:100], tokens[:150]]
+    plain = generate(make_engine(folder), prompts, 24)
+    engine = make_engine(folder, speculate=True)
+    assert generate(engine, prompts, 24) == plain
+    assert engine.stats.spec_accepted > 0
 
 
 def test_kv_bytes_count_only_pool_owning_layers(tiny):
@@ -230,3 +243,11 @@ def test_shared_layers_run_only_the_rows_whose_logits_are_wanted(tiny):
     assert gemma4.last_rows_only(meta) is not None
     got = np.array(model(mx.array(tokens[40:150] + tokens[:23] + tokens[99:100]), cache, meta))
     np.testing.assert_allclose(got, want[[149, 22, 99]], atol=TOL, rtol=0)
+    # A sequence wanting several rows (as verification does) beside a prompt chunk: every row goes on.
+    cache = new_cache(model, 128, 4, mx.float32)
+    model(mx.array(tokens[:40]), cache, build_metadata([SequenceSlice(tables[0], 0, 40)], 4))
+    step = [SequenceSlice(tables[0], 40, 5, want_all_logits=True), SequenceSlice(tables[1], 0, 23)]
+    meta = build_metadata(step, 4)
+    assert gemma4.last_rows_only(meta) is None
+    got = np.array(model(mx.array(tokens[40:45] + tokens[:23]), cache, meta))
+    np.testing.assert_allclose(got, want[[40, 41, 42, 43, 44, 22]], atol=TOL, rtol=0)
