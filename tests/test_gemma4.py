@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from engine_helpers import CharTokenizer
 from mlx.utils import tree_flatten
+from test_kernels import ATOL, attention_case, attention_error, needs_emulator
 
 from mlx_infer.distributed import shard_pipeline, shard_tensor
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
@@ -251,3 +252,13 @@ def test_shared_layers_run_only_the_rows_whose_logits_are_wanted(tiny):
     assert gemma4.last_rows_only(meta) is None
     got = np.array(model(mx.array(tokens[40:45] + tokens[:23]), cache, meta))
     np.testing.assert_allclose(got, want[[40, 41, 42, 43, 44, 22]], atol=TOL, rtol=0)
+
+
+@needs_emulator
+@pytest.mark.parametrize("head_dim,dtype,window", [(512, mx.bfloat16, None), (256, mx.float32, 8)])
+def test_metal_paged_attention_at_gemma4_head_sizes(head_dim, dtype, window):
+    """The Metal kernel (run by the emulator) at E2B's global (512) and sliding (256) head sizes, eight
+    query heads on one KV head, decode rows beside prefill chunks."""
+    case = attention_case([20, 37, 9], [1, 5, 9], 8, 1, head_dim, dtype, seed=4)
+    error, dtype = attention_error(*case, sliding_window=window)
+    assert error < ATOL[dtype]
