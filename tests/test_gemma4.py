@@ -20,7 +20,8 @@ from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.engine.speculative import SpeculativeConfig
 from mlx_infer.errors import DistributedError
 from mlx_infer.kv.pages import owned
-from mlx_infer.loading import load
+from mlx_infer.loading import load, open_checkpoint
+from mlx_infer.loading.build import build_model
 from mlx_infer.models import gemma4
 from mlx_infer.models.base import new_cache
 from mlx_infer.plan import make_plan
@@ -262,3 +263,19 @@ def test_metal_paged_attention_at_gemma4_head_sizes(head_dim, dtype, window):
     case = attention_case([20, 37, 9], [1, 5, 9], 8, 1, head_dim, dtype, seed=4)
     error, dtype = attention_error(*case, sliding_window=window)
     assert error < ATOL[dtype]
+
+
+def test_shared_layers_unused_projections_in_a_checkpoint_are_dropped(tiny):
+    """mlx-lm's conversions keep K/V projections (quantized: with scales and biases) and norms in the
+    shared layers; they are never used, and the model loads and computes as without them."""
+    folder, tokens, want = tiny
+    ckpt = open_checkpoint(str(folder))
+    weights = dict(ckpt.weights)
+    for i in (4, 5):
+        for name, shape in (("k_proj", (32, 64)), ("v_proj", (32, 64)), ("k_norm", (16,))):
+            for part in ("weight", "scales", "biases"):
+                weights[f"model.layers.{i}.self_attn.{name}.{part}"] = mx.ones(shape)
+    model = build_model(ckpt.config, weights, "gemma4_text")
+    meta = build_metadata([SequenceSlice(list(range(40)), 0, 150, True)], 4)
+    got = np.array(model(mx.array(tokens), new_cache(model, 40, 4, mx.float32), meta))
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)

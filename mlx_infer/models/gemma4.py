@@ -52,7 +52,8 @@ _DROPPED_PREFIXES = (
     "model.embed_vision.",
     "model.embed_audio.",
 )
-# Weights a KV-shared layer may carry in a checkpoint but never uses (transformers ignores them too).
+# Weights a KV-shared layer may carry in a checkpoint (mlx-lm's conversions do) but never uses
+# (transformers ignores them too).
 _UNUSED_IN_SHARED = ("k_proj", "v_proj", "k_norm", "v_norm")
 _ROPE_TYPES = ("default", "proportional")
 _DEFAULT_ROPE = {
@@ -397,12 +398,15 @@ class Model(CausalLM):
         out = text_tower(weights, _DROPPED_PREFIXES)
         if self.args.tie_word_embeddings:
             out.pop("lm_head.weight", None)
+        unused = tuple(
+            f"model.layers.{i}.self_attn.{name}."
+            for i in range(self.args.num_hidden_layers)
+            if self.args.kv_source(i) is not None
+            for name in _UNUSED_IN_SHARED
+        )
+        out = {k: v for k, v in out.items() if not k.startswith(unused)}  # quantized ones' scales too
         for i in range(self.args.num_hidden_layers):
             prefix = f"model.layers.{i}."
-            if self.args.kv_source(i) is not None:
-                for name in _UNUSED_IN_SHARED:
-                    out.pop(f"{prefix}self_attn.{name}.weight", None)
-                    out.pop(f"{prefix}self_attn.{name}.bias", None)
             gate_up = out.pop(f"{prefix}experts.gate_up_proj", None)
             if gate_up is not None:  # Hugging Face: [E, 2I, D] gate then up, and down [E, D, I]
                 glu = f"{prefix}experts.switch_glu."
