@@ -31,12 +31,13 @@ def _kernel_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: mx.array | None = None,
     *,
     launch: Launcher = metal_launch,
 ) -> mx.array:
     from mlx_infer.metal_kernels.paged_attention import paged_attention
 
-    return paged_attention(queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap,
+    return paged_attention(queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap, sinks,
                            launch=launch)
 
 
@@ -98,14 +99,15 @@ def _cpu_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Off Metal: the native CPU kernel where it is built and the dtypes suit it, else the reference."""
     if cpu_kernels.supports_attention(queries, key_pool):
         return cpu_kernels.paged_attention(
-            queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap
+            queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap, sinks
         )
     return reference.paged_attention(
-        queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap
+        queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap, sinks
     )
 
 

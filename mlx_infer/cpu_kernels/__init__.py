@@ -128,6 +128,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Same contract as ``metal_kernels.reference.paged_attention``, for float32 queries over pools of
     any :data:`KV_POOL_DTYPES` (:func:`supports_attention`), read where they lie."""
@@ -143,6 +144,7 @@ def paged_attention(
         scale,
         sliding_window or 0,
         logit_softcap or 0.0,
+        sinks,
     )
 
 
