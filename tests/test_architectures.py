@@ -26,6 +26,8 @@ TOL = 2e-4
 
 
 def new_cache(model) -> list[LayerKV]:
+    if hasattr(model, "make_cache"):  # layers that keep something else than per-head K/V (MLA)
+        return model.make_cache(NUM_BLOCKS, BLOCK, mx.float32)
     return [LayerKV(NUM_BLOCKS, BLOCK, *model.kv_shape(), mx.float32) for _ in model.layers]
 
 

@@ -18,6 +18,8 @@ MODEL_TYPES: dict[str, str] = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "phi3": "phi3",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",  # Kimi K2 is DeepSeek V3 in config and weights
 }
 
 # Encoders (bidirectional, no KV cache): embedding models only, built by mlx_infer.embedding.

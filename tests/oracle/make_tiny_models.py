@@ -62,6 +62,27 @@ ARCHS: dict[str, dict] = {
         },
     ),
     "phi3": dict(_BASE, model_type="phi3", partial_rotary_factor=0.5, tie_word_embeddings=False),
+    # MLA + group-limited sigmoid routing; YaRN with mscale != mscale_all_dim so both the rope's
+    # attention factor and the softmax scale's mscale² are exercised.
+    "deepseek_v3": dict(
+        _BASE, model_type="deepseek_v3", num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1,
+        q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=32, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 32, "beta_slow": 1,
+        },
+    ),
+    # Without the query's low-rank path, one expert group, unnormalised top-k, rope not interleaved.
+    "deepseek_v3_no_q_lora": dict(
+        _BASE, model_type="deepseek_v3", num_key_value_heads=4, first_k_dense_replace=0, q_lora_rank=None,
+        kv_lora_rank=24, qk_rope_head_dim=16, qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=4,
+        n_group=1, topk_group=1, num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=16,
+        routed_scaling_factor=1.5, norm_topk_prob=False, rope_interleave=False, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 3000.0},
+    ),
 }
 
 
