@@ -1,0 +1,114 @@
+"""DeepSeek V3 / Kimi K2 beyond the transformers comparison of test_architectures: the latent cache
+(one row per token, no value pool) through every attention path and pool dtype, the Kimi K2 name,
+and what tensor parallel refuses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_infer import cpu_kernels
+from mlx_infer.distributed import shard_tensor
+from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.errors import DistributedError
+from mlx_infer.loading import load
+from mlx_infer.metal_kernels import dispatch
+from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
+
+TINY = Path(__file__).parent / "oracle" / "tiny"
+NAME = "deepseek_v3_no_q_lora"
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    ref = np.load(TINY / NAME / "reference.npz")
+    return load(str(TINY / NAME)).model, ref["tokens_0"], ref["logits_0"]
+
+
+def prefill_then_decode(model, tokens, dtype=mx.float32) -> np.ndarray:
+    """Logits of every position: a prefill chunk of all but three tokens, then one decode step each."""
+    cache = model.make_cache(16, BLOCK, dtype)
+    table = [int(b) for b in np.random.default_rng(0).permutation(16)]
+    done, rows = 0, []
+    for n in [len(tokens) - 3, 1, 1, 1]:
+        meta = build_metadata([SequenceSlice(table, done, n, True)], BLOCK)
+        out = model(mx.array(tokens[done : done + n], dtype=mx.int32), cache, meta)
+        rows.append(np.array(out.astype(mx.float32)))
+        done += n
+    return np.concatenate(rows)
+
+
+def test_an_mla_layer_keeps_one_latent_row_per_token_and_no_value_pool(tiny):
+    model, _, _ = tiny
+    row = model.args.kv_lora_rank + model.args.qk_rope_head_dim
+    for layer in model.make_cache(8, BLOCK, mx.int8):
+        assert [p.shape for p in layer.state()] == [(8 * BLOCK, 1, row + 4)]  # values, then the scale
+        assert layer.values is layer.keys
+
+
+@pytest.mark.parametrize("kv", ["float16", "bfloat16", "int8"])
+def test_native_kernel_reads_each_latent_pool_dtype_as_the_reference(tiny, kv, monkeypatch):
+    if not cpu_kernels.available():
+        pytest.skip("the native CPU kernels are not built here")
+    model, tokens, want = tiny
+    native = prefill_then_decode(model, tokens, getattr(mx, kv))
+    monkeypatch.setattr(cpu_kernels, "applies", lambda: False)
+    reference = prefill_then_decode(model, tokens, getattr(mx, kv))
+    np.testing.assert_allclose(native, reference, atol=1e-4, rtol=0)
+    # Lossy but close to transformers' float32 logits (measured 2.0e-3, 1.7e-2, 4.4e-2).
+    assert np.abs(native - want).max() < {"float16": 5e-3, "bfloat16": 4e-2, "int8": 8e-2}[kv]
+
+
+@pytest.mark.skipif(not toolchain_available(), reason="the emulator needs `pip install ziglang`")
+def test_metal_kernel_runs_mla_as_transformers(tiny):
+    """On a Mac the Metal paged-attention kernel attends the latent rows: run here by the emulator."""
+    model, tokens, want = tiny
+    launched: list[str] = []
+
+    def launch(spec, **kw):
+        launched.append(spec.name)
+        return Emulator().launch(spec, **kw)
+
+    saved = dispatch.USE_KERNELS
+    dispatch.bind(True, launch)
+    try:
+        got = prefill_then_decode(model, tokens)
+    finally:
+        dispatch.bind(saved)
+    assert any("attention" in name for name in launched), launched
+    assert np.abs(got - want).max() < 2e-4
+
+
+def test_kimi_k2_loads_as_deepseek_v3(tiny, tmp_path: Path):
+    """Kimi K2's config names its own model_type (transformers has no class for it); the weights are
+    DeepSeek V3's."""
+    folder = tmp_path / "kimi"
+    shutil.copytree(TINY / NAME, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, model_type="kimi_k2")))
+    model, tokens, want = tiny
+    kimi = load(str(folder)).model
+    assert kimi.args.model_type == "kimi_k2"
+    assert np.abs(prefill_then_decode(kimi, tokens) - want).max() < 2e-4
+
+
+class FakeGroup:
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_tensor_parallel_refuses_mla_and_names_the_way_that_works(tiny):
+    with pytest.raises(DistributedError, match="latent attention.*--strategy pipeline"):
+        shard_tensor(load(str(TINY / NAME)).model, FakeGroup(0, 2))
