@@ -2,7 +2,7 @@
 
 Both models run in float32 (quantized layers dequantized exactly), so the numbers measure the weights'
 rounding and nothing else. Each window of the evaluation text goes through one uncached forward (the
-engine-free path: ``build_metadata`` + fresh ``LayerKV`` pools) that returns the logits of every position.
+engine-free path: ``build_metadata`` + fresh pools) that returns the logits of every position.
 Metrics, per predicted position: KL(source || output) (as llama.cpp's ``--kl-divergence``), whether the
 argmax tokens agree ("flips" are the disagreements), and each model's negative log-likelihood of the
 actual next token (perplexity).
@@ -21,7 +21,7 @@ import numpy as np
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.errors import InvalidRequest
-from mlx_infer.models.base import LayerKV
+from mlx_infer.models.base import new_cache
 
 DEFAULT_EVAL_FILE = Path(__file__).with_name("eval_text.txt")
 WINDOW = 512  # tokens per forward: long enough for context, short enough for CPU memory and time
@@ -62,8 +62,7 @@ def eval_windows(tokenizer: Any, path: Path, max_tokens: int) -> list[list[int]]
 def all_logprobs(model: nn.Module, tokens: list[int]) -> mx.array:
     """log-softmax over the vocabulary at every position of one uncached forward, float32 [T, V]."""
     blocks = -(-len(tokens) // BLOCK_SIZE)
-    n_kv, head_dim = model.kv_shape()
-    cache = [LayerKV(blocks, BLOCK_SIZE, n_kv, head_dim, mx.float32) for _ in model.layers]
+    cache = new_cache(model, blocks, BLOCK_SIZE, mx.float32)
     whole = SequenceSlice(list(range(blocks)), 0, len(tokens), want_all_logits=True)
     meta = build_metadata([whole], BLOCK_SIZE)
     logits = model(mx.array(tokens), cache, meta).astype(mx.float32)

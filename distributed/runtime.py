@@ -65,7 +65,7 @@ def init_group() -> mx.distributed.Group | None:
 
 
 class ShardedModel:
-    """Rank 0's model: the model contract (``__call__``, ``embed``, ``layers``, ``kv_shape``) over the group.
+    """Rank 0's model: the model contract (``__call__``, ``embed``, ``layers``, ``kv_layout``) over the group.
 
     Each call first broadcasts the step, then runs rank 0's part of the sharded forward.
     """
@@ -104,13 +104,10 @@ class Session:
         # The same CPU setup rank 0's runner gives its shard: the same kernels on every rank, so that a
         # pipeline computes what one process computes.
         prepare_for_cpu(model)
-        n_kv_heads, head_dim = model.kv_shape()
         # Resident only where written, as rank 0's pools (kv/pages.py); a follower never releases.
         config = self.config
         kv_dtype = kv_pool_dtype(config.kv_cache_dtype, self.shard.dtype)  # as rank 0's engine resolves it
-        cache = allocate_pools(
-            len(model.layers), config.num_blocks, config.block_size, n_kv_heads, head_dim, kv_dtype
-        )
+        cache = allocate_pools(model, config.num_blocks, config.block_size, kv_dtype)
         try:
             while (step := self.channel.receive()) is not None:
                 tokens, meta = step

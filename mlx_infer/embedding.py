@@ -33,7 +33,7 @@ from mlx_infer.loading import hf, open_checkpoint, resolve
 from mlx_infer.loading.build import build_model
 from mlx_infer.loading.policy import apply_weight_policy
 from mlx_infer.models import ENCODER_TYPES, encoder_module
-from mlx_infer.models.base import LayerKV
+from mlx_infer.models.base import new_cache
 
 POOLING_MODES = ("mean", "cls", "last")
 # sentence-transformers' Pooling config keys -> our modes (the others: max, sqrt-len, weighted mean).
@@ -233,10 +233,9 @@ class EmbeddingModel:
             slices.append(SequenceSlice(list(range(first_block, first_block + blocks)), 0, n))
             first_block += blocks
         meta = build_metadata(slices, bs)
-        n_kv_heads, head_dim = self.model.kv_shape()
         h = self.model.embed(mx.array(np.concatenate([np.asarray(ids, dtype=np.int32) for ids in batch])))
         # A pool as large as this forward's tokens, dropped with it: nothing is cached between requests.
-        cache = [LayerKV(first_block, bs, n_kv_heads, head_dim, h.dtype) for _ in self.model.layers]
+        cache = new_cache(self.model, first_block, bs, h.dtype)
         for layer, kv in zip(self.model.layers, cache):
             h = layer(h, kv, meta)
         h = self.model.model.norm(h)

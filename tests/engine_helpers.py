@@ -7,7 +7,7 @@ from mlx.utils import tree_map
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.models import model_module
-from mlx_infer.models.base import LayerKV
+from mlx_infer.models.base import new_cache
 
 
 class CharTokenizer:
@@ -52,8 +52,7 @@ def full_forward_logits(model, tokens: list[int]) -> mx.array:
     """Logits of the last position from one uncached forward over ``tokens`` (the oracle)."""
     bs = 16
     blocks = -(-len(tokens) // bs)
-    n_kv, head_dim = model.kv_shape()
-    cache = [LayerKV(blocks, bs, n_kv, head_dim, mx.float32) for _ in model.layers]
+    cache = new_cache(model, blocks, bs, mx.float32)
     meta = build_metadata([SequenceSlice(list(range(blocks)), 0, len(tokens))], bs)
     return model(mx.array(tokens), cache, meta)[-1]
 

@@ -16,6 +16,7 @@ import pytest
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.loading import load
+from mlx_infer.models import base
 from mlx_infer.models.base import LayerKV
 
 TINY = Path(__file__).parent / "oracle" / "tiny"
@@ -25,10 +26,8 @@ NUM_BLOCKS = 128
 TOL = 2e-4
 
 
-def new_cache(model) -> list[LayerKV]:
-    if hasattr(model, "make_cache"):  # layers that keep something else than per-head K/V (MLA)
-        return model.make_cache(NUM_BLOCKS, BLOCK, mx.float32)
-    return [LayerKV(NUM_BLOCKS, BLOCK, *model.kv_shape(), mx.float32) for _ in model.layers]
+def new_cache(model, num_blocks: int = NUM_BLOCKS, block: int = BLOCK, dtype=mx.float32) -> list[LayerKV]:
+    return base.new_cache(model, num_blocks, block, dtype)
 
 
 def forward(model, cache, slices: list[SequenceSlice], tokens) -> np.ndarray:

@@ -20,7 +20,7 @@ from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.errors import InvalidRequest, ModelNotFound
 from mlx_infer.loading import load, open_checkpoint
 from mlx_infer.loading.build import build_model
-from mlx_infer.models.base import LayerKV
+from mlx_infer.models.base import new_cache
 
 
 def convert(model: str | Path, out: Path, *flags: str) -> dict:
@@ -339,8 +339,7 @@ def smollm2_converted(smollm2_path: Path, tmp_path_factory) -> dict[str, tuple[P
 def greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens through the engine-free path: one prefill, then one token per step, paged KV."""
     bs, blocks = 16, -(-(len(prompt) + n) // 16)
-    n_kv, head_dim = model.kv_shape()
-    cache = [LayerKV(blocks, bs, n_kv, head_dim, mx.float32) for _ in model.layers]
+    cache = new_cache(model, blocks, bs, mx.float32)
     tokens, done, out = prompt, 0, []
     for _ in range(n):
         logits = model(mx.array(tokens), cache, build_metadata([SequenceSlice(list(range(blocks)), done,

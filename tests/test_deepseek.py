@@ -11,15 +11,21 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from engine_helpers import CharTokenizer, greedy_reference
 
 from mlx_infer import cpu_kernels
 from mlx_infer.distributed import shard_tensor
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.errors import DistributedError
 from mlx_infer.loading import load
 from mlx_infer.metal_kernels import dispatch
 from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
+from mlx_infer.models.base import new_cache
 from mlx_infer.models.deepseek_v3 import dequantize_fp8
+from mlx_infer.plan import make_plan
+from mlx_infer.sampling import SamplingParams
 
 TINY = Path(__file__).parent / "oracle" / "tiny"
 NAME = "deepseek_v3_no_q_lora"
@@ -34,7 +40,7 @@ def tiny():
 
 def prefill_then_decode(model, tokens, dtype=mx.float32) -> np.ndarray:
     """Logits of every position: a prefill chunk of all but three tokens, then one decode step each."""
-    cache = model.make_cache(16, BLOCK, dtype)
+    cache = new_cache(model, 16, BLOCK, dtype)
     table = [int(b) for b in np.random.default_rng(0).permutation(16)]
     done, rows = 0, []
     for n in [len(tokens) - 3, 1, 1, 1]:
@@ -48,7 +54,7 @@ def prefill_then_decode(model, tokens, dtype=mx.float32) -> np.ndarray:
 def test_an_mla_layer_keeps_one_latent_row_per_token_and_no_value_pool(tiny):
     model, _, _ = tiny
     row = model.args.kv_lora_rank + model.args.qk_rope_head_dim
-    for layer in model.make_cache(8, BLOCK, mx.int8):
+    for layer in new_cache(model, 8, BLOCK, mx.int8):
         assert [p.shape for p in layer.state()] == [(8 * BLOCK, 1, row + 4)]  # values, then the scale
         assert layer.values is layer.keys
 
@@ -131,3 +137,53 @@ def test_fp8_checkpoint_weights_are_dequantized_per_128_block():
     want = np.array(mx.from_fp8(fp8, dtype=mx.float32)) * expanded
     np.testing.assert_array_equal(np.array(got["a.weight"]), want)
     assert np.abs(want - w).max() <= np.abs(w).max() / 16  # e4m3: 3 mantissa bits
+
+
+def test_engine_with_latent_pools_preempts_and_answers_as_a_full_recompute(tiny):
+    """The engine sizes and allocates the latent pools from kv_layout (one row a token and layer, no value
+    pool), and greedy answers through chunked prefill, a ragged batch and preemption by recompute equal
+    a full forward's."""
+    model, _, _ = tiny
+    config = EngineConfig(
+        block_size=4, num_blocks=14, kv_cache_dtype="float32",
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+    )
+    engine = Engine(model, CharTokenizer(), 256, config)
+    row = model.args.kv_lora_rank + model.args.qk_rope_head_dim
+    assert engine.kv_block_bytes == 4 * len(model.layers) * row * 4
+    assert all(len(layer.state()) == 1 for layer in engine.runner.cache)
+    prompts = [list(range(5, 19)), [3, 4, 5], list(range(40, 61)), [9] * 10]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.token_ids)
+    assert engine.scheduler.num_preemptions > 0
+    for i, prompt in zip(ids, prompts):
+        assert out[i] == greedy_reference(model, prompt, 6, eos=None)
+
+
+def test_plan_of_deepseek_v3_from_its_config(tmp_path: Path):
+    """DeepSeek V3's published config: 61 layers of one 576-value latent row a token (512 + 64 rope)."""
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    plan = make_plan(str(tmp_path), context=4096, backend="cpu")
+    assert plan.kv_cache_dtype == "float16"
+    assert plan.kv_bytes_per_token == 61 * 576 * 2 == 70_272  # full per-head K/V: 61 * 128 * (192 + 128) * 2
+    assert make_plan(str(tmp_path), kv_cache_dtype="int8").kv_bytes_per_token == 61 * (576 + 4)
+    assert 670e9 < plan.weights_bytes / 4 < 672e9  # 671B parameters (float32 on the CPU), MTP layer left out
+
+
+# deepseek-ai/DeepSeek-V3's config.json (the published values; its FP8 quantization_config left out).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 129280,
+    "num_nextn_predict_layers": 1, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+}  # fmt: skip

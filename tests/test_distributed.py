@@ -470,7 +470,7 @@ import numpy as np
 from test_models import BLOCK, CONFIGS, NUM_BLOCKS, build, hf_weights
 from mlx_infer.distributed import shard_pipeline, shard_tensor
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
-from mlx_infer.models.base import LayerKV
+from mlx_infer.models.base import new_cache
 
 from mlx_infer.distributed.runtime import init_group
 group = init_group()
@@ -500,12 +500,12 @@ for name in sorted(CONFIGS):
     cfg = with_kv_heads(CONFIGS[name], size)
     weights = hf_weights(cfg, seed=1)
     ref = build(cfg, weights)
-    ref_cache = [LayerKV(NUM_BLOCKS, BLOCK, *ref.kv_shape(), mx.float32) for _ in ref.layers]
+    ref_cache = new_cache(ref, NUM_BLOCKS, BLOCK, mx.float32)
     expected = [np.array(x) for x in run(ref, ref_cache, lambda m, t, c, meta: m(t, c, meta))]
     for strategy in ("pipeline", "tensor"):
         model = build(cfg, weights)
         shard = (shard_pipeline if strategy == "pipeline" else shard_tensor)(model, group)
-        cache = [LayerKV(NUM_BLOCKS, BLOCK, *model.kv_shape(), mx.float32) for _ in model.layers]
+        cache = new_cache(model, NUM_BLOCKS, BLOCK, mx.float32)
         if rank == 0:
             got = [np.array(x) for x in run(model, cache, shard.leader)]
             diff = max(float(np.abs(g - e).max()) for g, e in zip(got, expected))

@@ -17,7 +17,7 @@ from test_models import CONFIGS, build, hf_weights, new_cache, step, tokens_for
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import Engine, EngineConfig
-from mlx_infer.models.base import LayerKV, rope_frequencies
+from mlx_infer.models.base import rope_frequencies
 from mlx_infer.models.fused import FusedLinear, FusedMLP, fuse_projections
 from mlx_infer.models.rope_cpu import apply_rope_cpu
 from mlx_infer.sampling import SamplingParams
@@ -126,7 +126,7 @@ def _plain_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list
     """Greedy continuations from the model called directly: one ragged prefill, then batched decodes."""
     block = 16
     per_seq = -(-(max(map(len, prompts)) + max_tokens) // block)
-    cache = [LayerKV(per_seq * len(prompts), block, *model.kv_shape(), mx.float32) for _ in model.layers]
+    cache = new_cache(model, per_seq * len(prompts), block, mx.float32)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
     slices = [SequenceSlice(t, 0, len(p)) for t, p in zip(tables, prompts)]
     tokens = [tok for p in prompts for tok in p]

@@ -18,7 +18,7 @@ from mlx_infer.metal_kernels import dispatch, gguf_reference, quantized, referen
 from mlx_infer.metal_kernels import paged_attention as pa
 from mlx_infer.metal_kernels.emulator import Emulator, EmulatorError, toolchain_available
 from mlx_infer.metal_kernels.layers import KernelQuantizedEmbedding, KernelQuantizedLinear
-from mlx_infer.models.base import LayerKV
+from mlx_infer.models.base import new_cache
 
 needs_emulator = pytest.mark.skipif(not toolchain_available(),
                                     reason="the emulator needs `pip install ziglang`")
@@ -211,8 +211,7 @@ def emulated_kernels():
 def two_steps(model: nn.Module) -> list[np.ndarray]:
     """Logits of a ragged batch: prefill chunks of 5 and 3 tokens (8 rows, still matvecs), then one decode
     step of both sequences."""
-    n_kv, head_dim = model.kv_shape()
-    cache = [LayerKV(4, BLOCK, n_kv, head_dim, mx.float32) for _ in model.layers]
+    cache = new_cache(model, 4, BLOCK, mx.float32)
     prefill = [SequenceSlice([2], 0, 5, want_all_logits=True), SequenceSlice([0], 0, 3, want_all_logits=True)]
     steps = [(prefill, [3, 14, 15, 9, 26, 5, 35, 8]),
              ([SequenceSlice([2], 5, 1), SequenceSlice([0], 3, 1)], [42, 7])]

@@ -30,7 +30,7 @@ from mlx_infer.loading.gguf_file import read_header, tensor_bytes
 from mlx_infer.metal_kernels import dispatch
 from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
 from mlx_infer.metal_kernels.layers import GGUFEmbedding, GGUFLinear, KernelQuantizedLinear
-from mlx_infer.models.base import LayerKV, rope_frequencies
+from mlx_infer.models.base import new_cache, rope_frequencies
 
 Q = GGMLQuantizationType
 TOKENS = [1, 5, 17, 42, 8, 33, 60, 2, 9, 11]
@@ -40,8 +40,7 @@ def all_logits(model: nn.Module, tokens: list[int] = TOKENS) -> np.ndarray:
     """Float32 logits of every position of one uncached forward."""
     bs = 16
     blocks = -(-len(tokens) // bs)
-    n_kv, head_dim = model.kv_shape()
-    cache = [LayerKV(blocks, bs, n_kv, head_dim, mx.float32) for _ in model.layers]
+    cache = new_cache(model, blocks, bs, mx.float32)
     meta = build_metadata([SequenceSlice(list(range(blocks)), 0, len(tokens), want_all_logits=True)], bs)
     return np.array(model(mx.array(tokens), cache, meta).astype(mx.float32))
 

@@ -119,7 +119,7 @@ def _decode_logits(
     """Logits of a prefill and ``steps`` decode steps, each fed ``forced[i]`` or else the greedy token."""
     block = 16
     n_blocks = -(-(len(prompt) + steps) // block)
-    cache = [LayerKV(n_blocks, block, *model.kv_shape(), mx.float32) for _ in model.layers]
+    cache = new_cache(model, n_blocks, block, mx.float32)
     table = list(range(n_blocks))
     prefill = build_metadata([SequenceSlice(table, 0, len(prompt))], block)
     rows = [np.array(model(mx.array(prompt), cache, prefill))]

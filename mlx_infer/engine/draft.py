@@ -35,9 +35,7 @@ class DraftProposer:
         prepare_for_cpu(model)
         self.model = model
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        n_kv_heads, head_dim = model.kv_shape()
-        dtype = activation_dtype(model)
-        self.cache = allocate_pools(len(model.layers), num_blocks, block_size, n_kv_heads, head_dim, dtype)
+        self.cache = allocate_pools(model, num_blocks, block_size, activation_dtype(model))
         self.sequences: dict[str, _DraftSequence] = {}
 
     def propose(self, requests: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:

@@ -43,9 +43,9 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 def kv_bytes_per_token(model: nn.Module, dtype: mx.Dtype) -> int:
-    """K and V bytes of one token over every layer in pools of ``dtype`` (int8 rows carry a scale)."""
-    n_kv_heads, head_dim = model.kv_shape()
-    return planner.kv_bytes_per_token(len(model.layers), n_kv_heads, head_dim, dtype_name(dtype))
+    """K and V bytes of one token over every pool-owning layer in pools of ``dtype`` (int8 rows carry a
+    scale)."""
+    return planner.layout_bytes_per_token(model.kv_layout(), dtype_name(dtype))
 
 
 @dataclass
@@ -98,9 +98,7 @@ class ModelRunner:
         """(Re)allocate every layer's pools at the full budget, resident only once written (see
         kv/pages.py). Called on the constructing thread: the pools are touched by every step,
         whichever thread runs it."""
-        n_kv_heads, head_dim = self.model.kv_shape()
-        layers, blocks, block_size = len(self.model.layers), self.kv.pool.num_blocks, self.kv.block_size
-        self.cache = allocate_pools(layers, blocks, block_size, n_kv_heads, head_dim, self.kv_dtype)
+        self.cache = allocate_pools(self.model, self.kv.pool.num_blocks, self.kv.block_size, self.kv_dtype)
 
     def release_idle_memory(self) -> int:
         """Unreserve the pool's unreferenced top chunks, forget the free blocks of the others, and give

@@ -24,9 +24,10 @@ import sys
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
-from mlx_infer.models.base import LayerKV
+from mlx_infer.models.base import LayerKV, new_cache
 
 MADV_DONTNEED = 4  # Linux
 
@@ -67,27 +68,29 @@ def drop_pages(array: mx.array, start: int, stop: int) -> int:
     return high - low
 
 
-def allocate_pools(
-    num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype
-) -> list[LayerKV]:
-    """Every layer's K/V pools at ``num_blocks`` blocks, evaluated one layer at a time and dropped
-    (where pages can be dropped) so that at most one layer's pools are ever resident here."""
-    cache = []
-    for _ in range(num_layers):
-        layer = LayerKV(num_blocks, block_size, n_kv_heads, head_dim, dtype)
+def allocate_pools(model: nn.Module, num_blocks: int, block_size: int, dtype: mx.Dtype) -> list[LayerKV]:
+    """Every layer's cache (``model.kv_layout()``) at ``num_blocks`` blocks, each pool evaluated and
+    dropped (where pages can be dropped) in turn, so that at most one layer's pools are ever resident here."""
+    cache = new_cache(model, num_blocks, block_size, dtype)
+    for layer in owned(cache):
         mx.eval(layer.state())
         for pool in layer.state():
             drop_pages(pool, 0, pool.nbytes)
-        cache.append(layer)
     return cache
+
+
+def owned(cache: list[LayerKV]) -> list[LayerKV]:
+    """Each distinct pool holder of ``cache`` once (layers sharing a source's pools hold none)."""
+    return list({id(layer): layer for layer in cache}.values())
 
 
 def drop_blocks(cache: list[LayerKV], blocks: Sequence[range]) -> int:
     """Give back the memory of block ranges in every layer's pools (their K/V is no longer needed);
     returns the bytes given back."""
-    mx.eval([a for layer in cache for a in layer.state()])  # no step may still be writing them
+    layers = owned(cache)
+    mx.eval([a for layer in layers for a in layer.state()])  # no step may still be writing them
     dropped = 0
-    for layer in cache:
+    for layer in layers:
         for pool in layer.state():
             block_bytes = pool.nbytes // layer.num_blocks
             for r in blocks:

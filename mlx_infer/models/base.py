@@ -10,6 +10,7 @@ K/V into the layer's pool and attends over the block tables, through the kernel 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer import cpu_kernels
+from mlx_infer.models.rope_config import scaling_type
 from mlx_infer.models.rope_cpu import apply_rope_cpu
 
 
@@ -60,6 +62,22 @@ class BatchMetadata:
 
 
 INT8_SCALE_BYTES = 4  # an int8 pool row ends with its float32 scale
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What one layer keeps per token: K and V pools of ``n_kv_heads x head_dim`` of its own, or, with
+    ``source``, none: it attends over layer ``source``'s pools (Gemma 4's KV sharing), writing nothing."""
+
+    n_kv_heads: int
+    head_dim: int
+    source: int | None = None
+    # No V pool: the layer reads its values out of its key rows (MLA's latent rows, :class:`LatentKV`).
+    values_in_keys: bool = False
+
+    @property
+    def owns_pool(self) -> bool:
+        return self.source is None
 
 
 class LayerKV:
@@ -107,6 +125,53 @@ class LayerKV:
         return [self.keys, self.values]
 
 
+class LatentKV(LayerKV):
+    """A multi-head latent attention layer's pool (``models/mla.py``): ``[slots, 1, row]`` rows and no
+    value pool, the values being a prefix of each row, so ``values`` is the key pool itself."""
+
+    def __init__(self, num_blocks: int, block_size: int, head_dim: int, dtype: mx.Dtype):
+        self.block_size = block_size
+        self.head_dim = head_dim
+        row = head_dim + INT8_SCALE_BYTES if dtype == mx.int8 else head_dim
+        self.keys = mx.zeros((num_blocks * block_size, 1, row), dtype=dtype)
+
+    @property
+    def values(self) -> mx.array:  # type: ignore[override]
+        return self.keys
+
+    def write(self, keys: mx.array, values: mx.array | None, slot_mapping: mx.array) -> None:
+        """Scatter this step's ``[T, 1, row]`` rows (``values`` must be None: they are in the rows).
+
+        Rebinding ``self.keys`` drops the last reference to the old pool, so the scatter may donate it.
+        """
+        assert values is None, "a latent layer's values are a prefix of its rows"
+        pool = self.keys
+        self.keys = None  # type: ignore[assignment]
+        native = cpu_kernels.kv_write(pool, keys, slot_mapping)
+        if native is not None:
+            self.keys = native
+            return
+        pool[slot_mapping] = pool_rows(keys, pool.dtype)
+        self.keys = pool
+
+    def state(self) -> list[mx.array]:
+        return [self.keys]
+
+
+def new_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: mx.Dtype) -> list[LayerKV]:
+    """One entry per layer of ``model.kv_layout()``, unevaluated: a pool-owning layer's own
+    :class:`LayerKV`, a sharing layer the very object of its source."""
+    cache: list[LayerKV] = []
+    for spec in model.kv_layout():
+        if spec.values_in_keys:
+            cache.append(LatentKV(num_blocks, block_size, spec.head_dim, dtype))
+        elif spec.owns_pool:
+            cache.append(LayerKV(num_blocks, block_size, spec.n_kv_heads, spec.head_dim, dtype))
+        else:
+            cache.append(cache[spec.source])
+    return cache
+
+
 def pool_rows(x: mx.array, dtype: mx.Dtype) -> mx.array:
     """``[T, n_kv, D]`` keys or values as a pool of ``dtype`` stores them."""
     return quantize_rows(x) if dtype == mx.int8 else x.astype(dtype)
@@ -149,16 +214,24 @@ def attention(
 
 
 def rope_frequencies(
-    head_dim: int, base: float, scaling: dict[str, Any] | None = None, rotary_dim: int | None = None
+    head_dim: int,
+    base: float,
+    scaling: dict[str, Any] | None = None,
+    rotary_dim: int | None = None,
+    max_position_embeddings: int | None = None,
 ) -> mx.array | None:
-    """Inverse frequencies for ``mx.fast.rope``'s ``freqs`` argument, or None for plain RoPE.
+    """Per-pair periods (``1 / inv_freq``) for ``mx.fast.rope``'s ``freqs`` argument, or None for plain
+    RoPE.
 
-    Implements the Llama-3 ``rope_type: llama3`` scaling; ``linear`` scaling is handled by the
-    caller through ``scale``.
+    Implements ``rope_type`` ``llama3`` and ``yarn`` (with :func:`rope_attention_factor`); ``linear``
+    scaling is handled by the caller through ``scale``.
     """
-    if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
-        return None
+    kind = scaling_type(scaling)
     dims = rotary_dim or head_dim
+    if kind == "yarn":
+        return _yarn_frequencies(dims, base, scaling, max_position_embeddings)
+    if kind != "llama3":
+        return None
     factor = scaling["factor"]
     low = scaling.get("low_freq_factor", 1.0)
     high = scaling.get("high_freq_factor", 4.0)
@@ -173,8 +246,65 @@ def rope_frequencies(
     return mx.where(is_medium, smoothed, freqs)
 
 
+def _yarn_factor(scaling: dict[str, Any], max_position_embeddings: int | None) -> tuple[float, int]:
+    """(factor, original context) as transformers reads them: DeepSeek-style configs give no factor and
+    let max/original context stand for it."""
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    if original is None:
+        raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+    factor = scaling.get("factor") or (max_position_embeddings or original) / original
+    return float(factor), int(original)
+
+
+def _yarn_frequencies(
+    dims: int, base: float, scaling: dict[str, Any], max_position_embeddings: int | None
+) -> mx.array:
+    """YaRN (arXiv 2309.00071): high-frequency pairs keep their period (extrapolation), low-frequency
+    ones are stretched by ``factor`` (interpolation), with a linear ramp between the pair indices where
+    ``beta_fast`` and ``beta_slow`` rotations fit in the original context."""
+    factor, original = _yarn_factor(scaling, max_position_embeddings)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def pair_for(rotations: float) -> float:
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_for(beta_fast), pair_for(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    # float32 throughout, as transformers computes it, so the periods agree to the last bit or two.
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0.0, 1.0)
+    periods = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    inv_freq = (1.0 / (factor * periods)) * ramp + (1.0 / periods) * (1.0 - ramp)
+    return 1.0 / inv_freq
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's Eq. 21: ``0.1 * mscale * ln(factor) + 1`` (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(
+    scaling: dict[str, Any] | None, max_position_embeddings: int | None = None
+) -> float:
+    """What the rotated dimensions of q and k are multiplied by (transformers' ``attention_factor``,
+    applied to cos and sin): YaRN's mscale; 1 for every other scaling."""
+    if scaling_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, _ = _yarn_factor(scaling, max_position_embeddings)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
 def rope_scale(scaling: dict[str, Any] | None) -> float:
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "linear":
+    if scaling_type(scaling) == "linear":
         return 1.0 / scaling["factor"]
     return 1.0
 
@@ -187,23 +317,30 @@ def apply_rope(
     traditional: bool,
     scale: float,
     freqs: mx.array | None,
+    attention_factor: float = 1.0,
 ) -> mx.array:
-    """RoPE on ``[T, H, D]`` at per-token ``positions`` ([T])."""
+    """RoPE on ``[T, H, D]`` at per-token ``positions`` ([T]); the first ``dims`` dimensions (the
+    rotated ones) are then multiplied by ``attention_factor`` (see :func:`rope_attention_factor`)."""
     if not traditional and mx.default_device() == mx.cpu:
         # mx.fast.rope has no CPU kernel; this computes the same values with far fewer ops per layer.
-        return apply_rope_cpu(x, positions, dims, base, scale, freqs)
-    # mx.fast.rope rotates along the second-to-last axis with one offset per leading-axis row:
-    # [T, H, 1, D] makes each token a sequence of length one starting at its own position.
-    y = mx.fast.rope(
-        x[:, :, None],
-        dims,
-        traditional=traditional,
-        base=None if freqs is not None else base,
-        scale=scale,
-        offset=positions,
-        freqs=freqs,
-    )
-    return y[:, :, 0]
+        y = apply_rope_cpu(x, positions, dims, base, scale, freqs)
+    else:
+        # mx.fast.rope rotates along the second-to-last axis with one offset per leading-axis row:
+        # [T, H, 1, D] makes each token a sequence of length one starting at its own position.
+        y = mx.fast.rope(
+            x[:, :, None],
+            dims,
+            traditional=traditional,
+            base=None if freqs is not None else base,
+            scale=scale,
+            offset=positions,
+            freqs=freqs,
+        )[:, :, 0]
+    if attention_factor == 1.0:
+        return y
+    if dims == y.shape[-1]:
+        return y * attention_factor
+    return mx.concatenate([y[..., :dims] * attention_factor, y[..., dims:]], axis=-1)
 
 
 def select_rows(h: mx.array, meta: BatchMetadata) -> mx.array:
@@ -248,6 +385,11 @@ class CausalLM(nn.Module):
     def kv_shape(self) -> tuple[int, int]:
         """(n_kv_heads, head_dim) of every attention layer's cache."""
         return self.args.num_key_value_heads, self.args.head_dim
+
+    def kv_layout(self) -> list[KVSpec]:
+        """What each layer keeps (see :class:`KVSpec`); the KV pools, their sizing and the memory
+        planner follow it. Architectures whose layers differ override it."""
+        return [KVSpec(*self.kv_shape())] * len(self.layers)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}

@@ -26,14 +26,18 @@ from mlx_infer.models.base import (
     BaseModelArgs,
     BatchMetadata,
     CausalLM,
+    KVSpec,
+    LatentKV,
     apply_rope,
+    rope_attention_factor,
     rope_frequencies,
     rope_scale,
+    yarn_mscale,
 )
 from mlx_infer.models.llama import MLP
-from mlx_infer.models.mla import LatentKV, MultiLinear, latent_attention
+from mlx_infer.models.mla import MultiLinear, latent_attention
 from mlx_infer.models.qwen3_moe import SwitchGLU
-from mlx_infer.models.rope_config import resolve_rope
+from mlx_infer.models.rope_config import resolve_rope, scaling_type
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -74,8 +78,7 @@ class ModelArgs(BaseModelArgs):
 
     def __post_init__(self):
         self.rope_theta, self.rope_scaling = resolve_rope(
-            self.model_type, self.rope_theta, self.rope_scaling, self.rope_parameters, 10000.0,
-            supported=("default",),
+            self.model_type, self.rope_theta, self.rope_scaling, self.rope_parameters, 10000.0
         )
         if self.n_routed_experts and (self.topk_method != "noaux_tc" or self.scoring_func != "sigmoid"):
             raise UnsupportedArchitecture(
@@ -123,15 +126,18 @@ class Attention(nn.Module):
         self.unembed_out = MultiLinear(self.kv_lora_rank, args.v_head_dim, self.n_heads)
         self.o_proj = nn.Linear(self.n_heads * args.v_head_dim, dim, bias=args.attention_bias)
 
-        self.scale = args.qk_head_dim**-0.5
+        scaling, max_pos = args.rope_scaling, args.max_position_embeddings
+        self.scale = args.qk_head_dim**-0.5 * softmax_mscale(scaling) ** 2
         self.rope_base = args.rope_theta
         self.rope_traditional = args.rope_interleave
-        self.rope_scale = rope_scale(args.rope_scaling)
-        self._freqs = rope_frequencies(self.rope_dim, args.rope_theta, args.rope_scaling)
+        self.rope_scale = rope_scale(scaling)
+        self._freqs = rope_frequencies(self.rope_dim, args.rope_theta, scaling, None, max_pos)
+        self.rope_factor = rope_attention_factor(scaling, max_pos)
 
     def rope(self, x: mx.array, positions: mx.array) -> mx.array:
         return apply_rope(
-            x, positions, self.rope_dim, self.rope_base, self.rope_traditional, self.rope_scale, self._freqs
+            x, positions, self.rope_dim, self.rope_base, self.rope_traditional, self.rope_scale, self._freqs,
+            self.rope_factor,
         )
 
     def __call__(self, x: mx.array, kv: LatentKV, meta: BatchMetadata) -> mx.array:
@@ -153,6 +159,14 @@ class Attention(nn.Module):
         out = latent_attention(queries, latent, kv, meta, self.scale, self.kv_lora_rank)
         out = self.unembed_out(out.swapaxes(0, 1)).swapaxes(0, 1)  # [T, H, v_head_dim]
         return self.o_proj(out.reshape(n, -1))
+
+
+def softmax_mscale(scaling: dict[str, Any] | None) -> float:
+    """DeepSeek's YaRN also scales the softmax (every dimension, not only the rotated ones) by
+    ``mscale(factor, mscale_all_dim)`` squared, as transformers' ``yarn_apply_mscale``."""
+    if scaling_type(scaling) == "default" or not scaling.get("mscale_all_dim"):
+        return 1.0
+    return yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
 
 
 class Gate(nn.Module):
@@ -234,8 +248,8 @@ class Model(CausalLM):
         """One latent row per token: a single "KV head" of ``kv_lora_rank + qk_rope_head_dim``."""
         return 1, self.args.latent_dim
 
-    def make_cache(self, num_blocks: int, block_size: int, dtype: mx.Dtype) -> list[LatentKV]:
-        return [LatentKV(num_blocks, block_size, self.args.latent_dim, dtype) for _ in self.layers]
+    def kv_layout(self) -> list[KVSpec]:
+        return [KVSpec(1, self.args.latent_dim, values_in_keys=True)] * len(self.layers)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = super().sanitize(weights)

@@ -23,6 +23,7 @@ from mlx_infer.models.base import (
     LayerKV,
     apply_rope,
     attention,
+    rope_attention_factor,
     rope_frequencies,
     rope_scale,
 )
@@ -131,10 +132,13 @@ class Attention(nn.Module):
             base, scaling = args.rope_theta, args.rope_scaling
         self.rope_base = base
         self.rope_scale = rope_scale(scaling)
-        self._freqs = rope_frequencies(self.head_dim, base, scaling)
+        self._freqs = rope_frequencies(self.head_dim, base, scaling, None, args.max_position_embeddings)
+        self.rope_factor = rope_attention_factor(scaling, args.max_position_embeddings)
 
     def rope(self, x: mx.array, positions: mx.array) -> mx.array:
-        return apply_rope(x, positions, self.head_dim, self.rope_base, False, self.rope_scale, self._freqs)
+        return apply_rope(
+            x, positions, self.head_dim, self.rope_base, False, self.rope_scale, self._freqs, self.rope_factor
+        )
 
     def __call__(self, x: mx.array, kv: LayerKV, meta: BatchMetadata) -> mx.array:
         n = x.shape[0]

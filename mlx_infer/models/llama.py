@@ -15,6 +15,7 @@ from mlx_infer.models.base import (
     LayerKV,
     apply_rope,
     attention,
+    rope_attention_factor,
     rope_frequencies,
     rope_scale,
 )
@@ -67,12 +68,15 @@ class Attention(nn.Module):
         self.rope_base = args.rope_theta
         self.rope_traditional = args.rope_traditional
         self.rope_scale = rope_scale(args.rope_scaling)
-        self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling)
+        max_pos = args.max_position_embeddings
+        self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling, None, max_pos)
+        self.rope_factor = rope_attention_factor(args.rope_scaling, max_pos)
         self.sliding_window = args.sliding_window
 
     def rope(self, x: mx.array, positions: mx.array) -> mx.array:
         return apply_rope(
-            x, positions, self.head_dim, self.rope_base, self.rope_traditional, self.rope_scale, self._freqs
+            x, positions, self.head_dim, self.rope_base, self.rope_traditional, self.rope_scale, self._freqs,
+            self.rope_factor,
         )
 
     def __call__(self, x: mx.array, kv: LayerKV, meta: BatchMetadata) -> mx.array:

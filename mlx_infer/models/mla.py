@@ -18,41 +18,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_infer import cpu_kernels
-from mlx_infer.models.base import INT8_SCALE_BYTES, BatchMetadata, LayerKV, pool_rows
-
-
-class LatentKV(LayerKV):
-    """An MLA layer's pool: ``[slots, 1, row]`` latent rows and no value pool, the values being a
-    prefix of each row (``values`` is the key pool itself)."""
-
-    def __init__(self, num_blocks: int, block_size: int, head_dim: int, dtype: mx.Dtype):
-        self.block_size = block_size
-        self.head_dim = head_dim
-        row = head_dim + INT8_SCALE_BYTES if dtype == mx.int8 else head_dim
-        self.keys = mx.zeros((num_blocks * block_size, 1, row), dtype=dtype)
-
-    @property
-    def values(self) -> mx.array:  # type: ignore[override]
-        return self.keys
-
-    def write(self, keys: mx.array, values: mx.array | None, slot_mapping: mx.array) -> None:
-        """Scatter this step's ``[T, 1, row]`` latent rows (``values`` must be None: they are in the rows).
-
-        Rebinding ``self.keys`` drops the last reference to the old pool, so the scatter may donate it.
-        """
-        assert values is None, "an MLA layer's values are the prefix of its latent rows"
-        pool = self.keys
-        self.keys = None  # type: ignore[assignment]
-        native = cpu_kernels.kv_write(pool, keys, slot_mapping)
-        if native is not None:
-            self.keys = native
-            return
-        pool[slot_mapping] = pool_rows(keys, pool.dtype)
-        self.keys = pool
-
-    def state(self) -> list[mx.array]:
-        return [self.keys]
+from mlx_infer.models.base import BatchMetadata, LatentKV
 
 
 def latent_attention(

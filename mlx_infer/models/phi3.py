@@ -22,6 +22,7 @@ from mlx_infer.models.base import (
     LayerKV,
     apply_rope,
     attention,
+    rope_attention_factor,
     rope_frequencies,
     rope_scale,
 )
@@ -100,19 +101,24 @@ class Attention(nn.Module):
         self.rope_base = args.rope_theta
         self.rope_scale = rope_scale(args.rope_scaling)
         self._feature_scale = None
+        self.rope_factor = rope_attention_factor(args.rope_scaling, args.max_position_embeddings)
         if scaling_type(args.rope_scaling) in _LONGROPE:
             self._freqs, factor = longrope(args)
             self._feature_scale = mx.array(
                 [factor] * self.rope_dims + [1.0] * (self.head_dim - self.rope_dims), dtype=mx.float32
             )
         else:
-            self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling, self.rope_dims)
+            scaling, max_pos = args.rope_scaling, args.max_position_embeddings
+            self._freqs = rope_frequencies(self.head_dim, args.rope_theta, scaling, self.rope_dims, max_pos)
         self.sliding_window = args.sliding_window
 
     def rope(self, x: mx.array, positions: mx.array) -> mx.array:
         if self._feature_scale is not None:
             x = x * self._feature_scale.astype(x.dtype)
-        return apply_rope(x, positions, self.rope_dims, self.rope_base, False, self.rope_scale, self._freqs)
+        return apply_rope(
+            x, positions, self.rope_dims, self.rope_base, False, self.rope_scale, self._freqs,
+            self.rope_factor,
+        )
 
     def __call__(self, x: mx.array, kv: LayerKV, meta: BatchMetadata) -> mx.array:
         n = x.shape[0]

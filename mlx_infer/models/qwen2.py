@@ -19,6 +19,7 @@ from mlx_infer.models.base import (
     LayerKV,
     apply_rope,
     attention,
+    rope_attention_factor,
     rope_frequencies,
     rope_scale,
 )
@@ -86,11 +87,15 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm
         self.rope_base = args.rope_theta
         self.rope_scale = rope_scale(args.rope_scaling)
-        self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling)
+        max_pos = args.max_position_embeddings
+        self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling, None, max_pos)
+        self.rope_factor = rope_attention_factor(args.rope_scaling, max_pos)
         self.sliding_window = args.window(layer_idx)
 
     def rope(self, x: mx.array, positions: mx.array) -> mx.array:
-        return apply_rope(x, positions, self.head_dim, self.rope_base, False, self.rope_scale, self._freqs)
+        return apply_rope(
+            x, positions, self.head_dim, self.rope_base, False, self.rope_scale, self._freqs, self.rope_factor
+        )
 
     def __call__(self, x: mx.array, kv: LayerKV, meta: BatchMetadata) -> mx.array:
         n = x.shape[0]

@@ -12,7 +12,7 @@ from typing import Any
 from mlx_infer.errors import UnsupportedArchitecture
 
 # What models.base.rope_frequencies / rope_scale implement.
-SUPPORTED_SCALING = ("default", "linear", "llama3")
+SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn")
 
 
 def scaling_type(scaling: dict[str, Any] | None) -> str:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_infer.errors import InvalidRequest
 from mlx_infer.kv.memory import DEFAULT_FRACTION, MAX_DEFAULT_BYTES
 from mlx_infer.plan.bandwidth import memory_bandwidth
 from mlx_infer.plan.weights import FLOAT_BYTES, Metadata, convert_to_bits, held, read_metadata
+
+if TYPE_CHECKING:  # the planner reads checkpoints without importing MLX's model code
+    from mlx_infer.models.base import KVSpec
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 BUDGET_ENV = "MLX_INFER_MEMORY_BUDGET"  # overrides the device's memory, e.g. "8GiB" (tests, what-ifs)
@@ -70,6 +73,16 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str
     if dtype == "int8":
         return 2 * n_layers * n_kv_heads * (head_dim + 4)  # int8 values plus a float32 scale per head
     return 2 * n_layers * n_kv_heads * head_dim * FLOAT_BYTES[dtype]
+
+
+def layout_bytes_per_token(layout: list[KVSpec], dtype: str) -> int:
+    """K and V bytes of one token over the layers of ``layout`` that own pools; a layer whose values lie
+    in its key rows (MLA's latent) has no V pool."""
+    return sum(
+        kv_bytes_per_token(1, s.n_kv_heads, s.head_dim, dtype) // (2 if s.values_in_keys else 1)
+        for s in layout
+        if s.owns_pool
+    )
 
 
 def check_kv_dtype(choice: str) -> None:
@@ -138,8 +151,7 @@ def make_plan(
     compute_dtype = _compute_dtype(tensors)
     kv_dtype = resolve_kv_dtype(kv_cache_dtype, backend, compute_dtype)
     n_layers = len(meta.model.layers)
-    n_kv_heads, head_dim = meta.model.kv_shape()
-    per_token = kv_bytes_per_token(n_layers, n_kv_heads, head_dim, kv_dtype)
+    per_token = layout_bytes_per_token(meta.model.kv_layout(), kv_dtype)
     model_max = _max_context(meta)
     context = context or model_max
     seq_tokens = _blocks(context) * BLOCK_SIZE

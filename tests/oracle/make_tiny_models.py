@@ -83,6 +83,14 @@ ARCHS: dict[str, dict] = {
         routed_scaling_factor=1.5, norm_topk_prob=False, rope_interleave=False, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 3000.0},
     ),
+    # YaRN: a 32-token original context stretched 4x, so the 150-token prompt uses both the interpolated
+    # and the extrapolated frequencies, and the attention factor (mscale) is not 1.
+    "qwen3_yarn": dict(
+        _BASE, model_type="qwen3", head_dim=24, tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        },
+    ),
 }
 
 
