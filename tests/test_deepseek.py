@@ -5,7 +5,11 @@ and what tensor parallel refuses."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -209,3 +213,28 @@ def test_quantized_latent_projections_load_as_mlx_lm_writes_them(tmp_path: Path)
     got = prefill_then_decode(loaded, ref["tokens_0"])
     np.testing.assert_allclose(got, prefill_then_decode(model, ref["tokens_0"]), atol=1e-4, rtol=0)
     assert 0 < np.abs(got - float_logits).max() < 0.2  # 8-bit: measured 0.09
+
+
+def test_pipeline_over_two_ranks_generates_what_one_process_does():
+    """Pipeline parallel needs nothing of MLA: each rank allocates its layers' latent pools from the
+    same kv_layout. Same greedy tokens and log-probabilities as one process."""
+    worker = ["-m", "mlx_infer.distributed.worker", "-m", str(TINY / "deepseek_v3"), "-p", "w5 w9 w17 w33 w8",
+              "--max-tokens", "6", "--no-chat-template", "--ignore-eos"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    runs = [
+        [sys.executable, *worker],
+        [sys.executable, "-m", "mlx_infer.distributed.launch", "--hosts", "127.0.0.1,127.0.0.1", "--port",
+         str(port), "--strategy", "pipeline", "--", "python", *worker],
+    ]  # fmt: skip
+    found = []
+    for cmd in runs:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+        lines = [line for line in done.stdout.splitlines() if '"tokens"' in line]
+        assert done.returncode == 0 and len(lines) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+        found.append(json.loads(lines[0].split("RESULT ", 1)[1]))
+    one, pipeline = found
+    assert pipeline["layers"] == 2 and pipeline["bytes_sent"] > 0  # rank 0's share of the 3 layers
+    assert pipeline["tokens"] == one["tokens"] and pipeline["logprobs"] == one["logprobs"]
