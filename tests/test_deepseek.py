@@ -48,8 +48,9 @@ def tiny():
 
 def prefill_then_decode(model, tokens, dtype=mx.float32) -> np.ndarray:
     """Logits of every position: a prefill chunk of all but three tokens, then one decode step each."""
-    cache = new_cache(model, 16, BLOCK, dtype)
-    table = [int(b) for b in np.random.default_rng(0).permutation(16)]
+    n_blocks = -(-len(tokens) // BLOCK) + 4
+    cache = new_cache(model, n_blocks, BLOCK, dtype)
+    table = [int(b) for b in np.random.default_rng(0).permutation(n_blocks)]
     done, rows = 0, []
     for n in [len(tokens) - 3, 1, 1, 1]:
         meta = build_metadata([SequenceSlice(table, done, n, True)], BLOCK)
@@ -238,3 +239,16 @@ def test_pipeline_over_two_ranks_generates_what_one_process_does():
     one, pipeline = found
     assert pipeline["layers"] == 2 and pipeline["bytes_sent"] > 0  # rank 0's share of the 3 layers
     assert pipeline["tokens"] == one["tokens"] and pipeline["logprobs"] == one["logprobs"]
+
+
+def test_gguf_written_by_llama_cpps_converter_equals_transformers():
+    """``model.f32.gguf`` is the tiny checkpoint converted by llama.cpp's convert_hf_to_gguf.py
+    (tests/oracle/make_tiny_gguf.py): its names (MLA's split attn_k_b / attn_v_b, stacked experts, the
+    router bias), its metadata (MLA sizes, expert groups, YaRN's log multiplier) give transformers' logits."""
+    folder = TINY / "deepseek_v3"
+    ref = np.load(folder / "reference.npz")
+    loaded = load(str(folder / "model.f32.gguf"))
+    assert loaded.config["model_type"] == "deepseek_v3" and loaded.config["n_group"] == 4
+    for i in range(2):
+        got = prefill_then_decode(loaded.model, ref[f"tokens_{i}"])
+        assert np.abs(got - ref[f"logits_{i}"]).max() < 2e-4

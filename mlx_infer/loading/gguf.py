@@ -62,6 +62,22 @@ HF_NAMES: dict[MODEL_TENSOR, str] = {
 }
 ARCH_OVERRIDES: dict[str, dict[MODEL_TENSOR, str]] = {
     "phi3": {MODEL_TENSOR.FFN_UP: L + "mlp.gate_up_proj"},  # Phi-3 keeps gate and up fused
+    # DeepSeek V2/V3, Kimi K2 (MLA). llama.cpp's converter splits kv_b_proj into k_b_proj (transposed) and
+    # v_b_proj, and names the router bias e_score_correction.bias: deepseek_v3's sanitize maps those.
+    "deepseek2": {
+        MODEL_TENSOR.ATTN_Q_A: L + "self_attn.q_a_proj",
+        MODEL_TENSOR.ATTN_Q_A_NORM: L + "self_attn.q_a_layernorm",
+        MODEL_TENSOR.ATTN_Q_B: L + "self_attn.q_b_proj",
+        MODEL_TENSOR.ATTN_KV_A_MQA: L + "self_attn.kv_a_proj_with_mqa",
+        MODEL_TENSOR.ATTN_KV_A_NORM: L + "self_attn.kv_a_layernorm",
+        MODEL_TENSOR.ATTN_KV_B: L + "self_attn.kv_b_proj",
+        MODEL_TENSOR.ATTN_K_B: L + "self_attn.k_b_proj",
+        MODEL_TENSOR.ATTN_V_B: L + "self_attn.v_b_proj",
+        MODEL_TENSOR.FFN_EXP_PROBS_B: L + "mlp.gate.e_score_correction",
+        MODEL_TENSOR.FFN_GATE_SHEXP: L + "mlp.shared_experts.gate_proj",
+        MODEL_TENSOR.FFN_UP_SHEXP: L + "mlp.shared_experts.up_proj",
+        MODEL_TENSOR.FFN_DOWN_SHEXP: L + "mlp.shared_experts.down_proj",
+    },
 }
 # Tensors that are not weights of a module but RoPE parameters, folded into the config.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")

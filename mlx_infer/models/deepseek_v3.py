@@ -257,6 +257,7 @@ class Model(CausalLM):
         # Multi-token-prediction modules are saved as layers past the last one; nothing here runs them.
         weights = {k: v for k, v in weights.items() if _layer_index(k) is None or _layer_index(k) < n_layers}
         weights = dequantize_fp8(weights)
+        weights = {_llama_cpp_name(k): v for k, v in weights.items()}
         for i in range(n_layers):
             prefix = f"model.layers.{i}"
             self._stack_experts(weights, f"{prefix}.mlp")
@@ -309,6 +310,22 @@ def dequantize_fp8(weights: dict[str, mx.array]) -> dict[str, mx.array]:
         scale = mx.repeat(mx.repeat(scale, FP8_BLOCK, axis=0)[:rows], FP8_BLOCK, axis=1)[:, :cols]
         weights[name] = w * scale
     return weights
+
+
+# What llama.cpp's converter (and so a GGUF, read with transformers' names) calls our parameters: its
+# k_b_proj / v_b_proj are kv_b_proj split per head exactly as embed_q / unembed_out are.
+_LLAMA_CPP_NAMES = {
+    "self_attn.k_b_proj.": "self_attn.embed_q.",
+    "self_attn.v_b_proj.": "self_attn.unembed_out.",
+    "mlp.gate.e_score_correction.bias": "mlp.gate.e_score_correction_bias",
+}
+
+
+def _llama_cpp_name(name: str) -> str:
+    for theirs, ours in _LLAMA_CPP_NAMES.items():
+        if theirs in name:
+            return name.replace(theirs, ours)
+    return name
 
 
 def _layer_index(name: str) -> int | None:

@@ -62,17 +62,20 @@ ARCHS: dict[str, dict] = {
         },
     ),
     "phi3": dict(_BASE, model_type="phi3", partial_rotary_factor=0.5, tie_word_embeddings=False),
-    # MLA + group-limited sigmoid routing; YaRN with mscale != mscale_all_dim so both the rope's
-    # attention factor and the softmax scale's mscale² are exercised.
+    # MLA + group-limited sigmoid routing; YaRN whose mscale_all_dim scales the softmax by mscale² (equal
+    # to mscale, as in every DeepSeek and Kimi config and as GGUF assumes: it stores only mscale_all_dim).
+    # scoring_func/topk_method are not transformers' fields but real configs carry them (llama.cpp's
+    # converter writes the gating function from scoring_func); model.f32.gguf: make_tiny_gguf.py.
     "deepseek_v3": dict(
         _BASE, model_type="deepseek_v3", num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1,
+        scoring_func="sigmoid", topk_method="noaux_tc",
         q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
         n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=1,
         moe_intermediate_size=32, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
         tie_word_embeddings=False,
         rope_parameters={
             "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-            "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 0.5, "mscale_all_dim": 0.5, "beta_fast": 32, "beta_slow": 1,
         },
     ),
     # Without the query's low-rank path, one expert group, unnormalised top-k, rope not interleaved.
@@ -99,8 +102,9 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     all nearly equal, and a comparison of nearly equal numbers proves little).
 
     Matrices (and embeddings, convolutions): normal with std 1/sqrt(last dim). Vectors (norm weights,
-    biases, per-head decay parameters): their own init plus normal noise of 0.1, which keeps a norm
-    near 1 (or a Gemma-style ``1 + w`` norm near 1) and a log-decay near its intended range.
+    biases, per-head decay parameters, a router's correction bias): their own init plus normal noise of
+    0.1, which keeps a norm near 1 (or a Gemma-style ``1 + w`` norm near 1) and a log-decay near its
+    intended range.
     """
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -110,6 +114,10 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(noise / math.sqrt(p.shape[-1]))
             else:
                 p.add_(0.1 * noise)
+        # A saved buffer that is a weight in all but name: the MoE router's selection-only bias (DeepSeek V3).
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
 
 def write_word_tokenizer(folder: Path) -> None:
