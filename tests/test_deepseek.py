@@ -19,6 +19,7 @@ import pytest
 from conftest import write_hf_folder
 from engine_helpers import CharTokenizer, greedy_reference
 from mlx.utils import tree_flatten
+from test_kernels import attention_case
 
 from mlx_infer import cpu_kernels
 from mlx_infer.distributed import shard_tensor
@@ -27,9 +28,10 @@ from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.errors import DistributedError
 from mlx_infer.loading import load
-from mlx_infer.metal_kernels import dispatch
+from mlx_infer.metal_kernels import dispatch, reference
+from mlx_infer.metal_kernels import paged_attention as pa
 from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
-from mlx_infer.models.base import new_cache
+from mlx_infer.models.base import new_cache, pool_rows
 from mlx_infer.models.deepseek_v3 import dequantize_fp8
 from mlx_infer.models.mla import QuantizedMultiLinear
 from mlx_infer.plan import make_plan
@@ -252,3 +254,59 @@ def test_gguf_written_by_llama_cpps_converter_equals_transformers():
     for i in range(2):
         got = prefill_then_decode(loaded.model, ref[f"tokens_{i}"])
         assert np.abs(got - ref[f"logits_{i}"]).max() < 2e-4
+
+
+# ---- attention whose values are a prefix of the key rows (MLA), each path on its own ----------------
+LATENT, ROPE = 32, 8
+
+
+def latent_case(dtype: mx.Dtype, seed: int = 0):
+    """8 query heads over one "KV head" of 40-wide rows (a 32-wide latent, then 8 rope values): decodes
+    at several context lengths and a 5-token chunk after 35 cached tokens, over scattered blocks."""
+    contexts, queries = [1, 15, 17, 300, 40], [1, 1, 1, 1, 5]
+    q, k, _, meta = attention_case(contexts, queries, 8, 1, LATENT + ROPE, mx.float32, seed)
+    return q, pool_rows(k, dtype), meta
+
+
+def numpy_latent_attention(q: mx.array, pool: mx.array, meta, scale: float) -> np.ndarray:
+    queries, rows = np.array(q), np.array(pool)[:, 0]
+    slots, positions = np.array(meta.key_slots), np.array(meta.positions)
+    out, t = [], 0
+    for seq, n in enumerate(meta.query_lens):
+        for _ in range(n):
+            keys = rows[slots[seq, : positions[t] + 1]]
+            scores = scale * queries[t] @ keys.T
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            out.append((w / w.sum(-1, keepdims=True)) @ keys[:, :LATENT])
+            t += 1
+    return np.stack(out)
+
+
+def test_reference_reads_values_out_of_the_key_rows():
+    q, pool, meta = latent_case(mx.float32)
+    out = reference.paged_attention(q, pool, pool, meta, 0.2, value_dim=LATENT)
+    assert out.shape == (q.shape[0], 8, LATENT)
+    np.testing.assert_allclose(np.array(out), numpy_latent_attention(q, pool, meta, 0.2), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.int8])
+def test_native_kernel_reads_values_out_of_the_key_rows_as_the_reference(dtype):
+    if not cpu_kernels.available():
+        pytest.skip("the native CPU kernels are not built here")
+    q, pool, meta = latent_case(dtype, seed=1)
+    expect = reference.paged_attention(q, pool, pool, meta, 0.2, value_dim=LATENT)
+    out = cpu_kernels.paged_attention(q, pool, pool, meta, 0.2, value_dim=LATENT)
+    np.testing.assert_allclose(np.array(out), np.array(expect), rtol=1e-4, atol=5e-6)
+
+
+@pytest.mark.skipif(not toolchain_available(), reason="the emulator needs `pip install ziglang`")
+@pytest.mark.parametrize("partition_keys", [None, 64])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.int8])
+def test_metal_kernel_reads_values_out_of_the_key_rows_as_the_reference(dtype, partition_keys):
+    """The kernel body run by the emulator, whole and split-KV (partials and their reduce)."""
+    q, pool, meta = latent_case(dtype, seed=2)
+    expect = reference.paged_attention(q, pool, pool, meta, 0.2, value_dim=LATENT)
+    out = pa.paged_attention(q, pool, pool, meta, 0.2, value_dim=LATENT, launch=Emulator().launch,
+                             partition_keys=partition_keys)
+    assert out.shape == expect.shape
+    assert float(mx.abs(out - expect).max()) < 5e-6

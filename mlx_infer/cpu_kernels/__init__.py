@@ -128,9 +128,11 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    value_dim: int | None = None,
 ) -> mx.array:
     """Same contract as ``metal_kernels.reference.paged_attention``, for float32 queries over pools of
-    any :data:`KV_POOL_DTYPES` (:func:`supports_attention`), read where they lie."""
+    any :data:`KV_POOL_DTYPES` (:func:`supports_attention`, and a ``value_dim`` multiple of 8), read
+    where they lie."""
     return _native.paged_attention(
         queries,
         key_pool,
@@ -143,6 +145,7 @@ def paged_attention(
         scale,
         sliding_window or 0,
         logit_softcap or 0.0,
+        value_dim or 0,
     )
 
 

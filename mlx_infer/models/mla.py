@@ -29,9 +29,8 @@ def latent_attention(
     from mlx_infer.metal_kernels.dispatch import paged_attention
 
     kv.write(latent, None, meta.slot_mapping)
-    # The key pool is passed as the value pool too: every attention path reads it where it lies, and
-    # the rope columns of the output (a weighted sum of k_pe) are dropped.
-    return paged_attention(queries, kv.keys, kv.keys, meta, scale)[..., :value_dim]
+    # The key pool is the value pool too: every attention path reads the value prefix where it lies.
+    return paged_attention(queries, kv.keys, kv.keys, meta, scale, value_dim=value_dim)
 
 
 class MultiLinear(nn.Module):
