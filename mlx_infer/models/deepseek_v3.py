@@ -10,7 +10,9 @@ experts' weights (plain sigmoid scores, normalised when ``norm_topk_prob``) are 
 Weights: Hugging Face's names, except that :meth:`Model.sanitize` stacks the routed experts
 (``mlp.switch_mlp.*``, as qwen3_moe) and splits ``kv_b_proj`` into mlx-lm's per-head ``embed_q`` (key
 half, transposed) and ``unembed_out`` (value half), the form the absorbed attention multiplies by; so
-mlx-lm's converted DeepSeek checkpoints load as they are, and ours load there.
+mlx-lm's converted DeepSeek checkpoints load as they are, and ours load there. It also takes DeepSeek's
+and Kimi's own FP8 checkpoints (dequantized), the names llama.cpp's converter gives a GGUF, and drops
+the multi-token-prediction layer.
 """
 
 from __future__ import annotations
@@ -249,6 +251,7 @@ class Model(CausalLM):
         return 1, self.args.latent_dim
 
     def kv_layout(self) -> list[KVSpec]:
+        """Every layer a latent pool: the row's first ``kv_lora_rank`` values are the attention's values."""
         return [KVSpec(1, self.args.latent_dim, values_in_keys=True)] * len(self.layers)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
