@@ -182,6 +182,17 @@ def test_plan_of_deepseek_v3_from_its_config(tmp_path: Path):
     assert plan.kv_bytes_per_token == 61 * 576 * 2 == 70_272  # full per-head K/V: 61 * 128 * (192 + 128) * 2
     assert make_plan(str(tmp_path), kv_cache_dtype="int8").kv_bytes_per_token == 61 * (576 + 4)
     assert 670e9 < plan.weights_bytes / 4 < 672e9  # 671B parameters (float32 on the CPU), MTP layer left out
+    # A decode step reads the 37B activated parameters (8 of the 256 routed experts), not all of them.
+    read = plan.bandwidth_bytes_s / plan.decode_tok_s_bound - 4096 * plan.kv_bytes_per_token
+    assert 36e9 < read / 4 < 38e9
+
+
+def test_plan_of_the_tiny_gguf_equals_what_load_holds():
+    path = TINY / "deepseek_v3" / "model.f32.gguf"
+    plan = make_plan(str(path), context=64, backend="cpu")
+    loaded = load(str(path)).model
+    assert plan.weights_bytes == sum(p.nbytes for _, p in tree_flatten(loaded.parameters()))
+    assert plan.kv_bytes_per_token == 3 * (32 + 8) * 2  # three layers of latent rows, float16
 
 
 # deepseek-ai/DeepSeek-V3's config.json (the published values; its FP8 quantization_config left out).

@@ -178,8 +178,15 @@ def _gguf_read_fraction(name: str, tied: bool, config: dict[str, Any]) -> float:
     if name == "token_embd.weight" and not tied:
         return 0.0  # a lookup reads one row per token; the untied head is read instead
     if "_exps." in name:
-        return config["num_experts_per_tok"] / config["num_experts"]
+        return routed_fraction(config)
     return 1.0
+
+
+def routed_fraction(config: dict[str, Any]) -> float:
+    """The share of the routed experts a token reads: top-k of n (qwen3_moe's, transformers 5's and
+    DeepSeek's names for n)."""
+    n = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 1
+    return config.get("num_experts_per_tok", 1) / n
 
 
 def _folder_metadata(folder: Path) -> Metadata:
@@ -191,7 +198,7 @@ def _folder_metadata(folder: Path) -> Metadata:
     params = dict(tree_flatten(model.parameters()))
     modules = dict(model.named_modules())
     tied = "lm_head.weight" not in params
-    experts = config.get("num_experts_per_tok", 1) / config.get("num_experts", 1)
+    experts = routed_fraction(config)
     tensors = []
     for name, p in params.items():
         module, _, suffix = name.rpartition(".")
