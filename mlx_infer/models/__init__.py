@@ -20,6 +20,7 @@ MODEL_TYPES: dict[str, str] = {
     "phi3": "phi3",
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",  # Kimi K2 is DeepSeek V3 in config and weights
+    "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek V3's layers, GLM's defaults
 }
 
 # Encoders (bidirectional, no KV cache): embedding models only, built by mlx_infer.embedding.

@@ -1,4 +1,4 @@
-"""DeepSeek V3 / V3.1 / R1 and Kimi K2: multi-head latent attention and a sigmoid-routed MoE.
+"""DeepSeek V3 / V3.1 / R1, Kimi K2 and GLM-4.7-Flash: multi-head latent attention and a sigmoid-routed MoE.
 
 Attention is MLA over a latent cache (``models/mla.py``): one ``[c_kv, k_pe]`` row per token and layer.
 The MoE (every layer from ``first_k_dense_replace`` on) routes with sigmoid scores; a per-expert
@@ -68,7 +68,8 @@ class ModelArgs(BaseModelArgs):
     topk_group: int | None = 1
     num_experts_per_tok: int = 1
     moe_layer_freq: int = 1
-    first_k_dense_replace: int = 0
+    first_k_dense_replace: int | None = 0
+    mlp_layer_types: list[str] | None = None  # GLM-4.7-Flash: "dense" / "sparse" per layer
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     rope_theta: float | None = None
@@ -100,9 +101,11 @@ class ModelArgs(BaseModelArgs):
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     def is_sparse(self, layer_idx: int) -> bool:
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[layer_idx] == "sparse"
         return (
             bool(self.n_routed_experts)
-            and layer_idx >= self.first_k_dense_replace
+            and layer_idx >= (self.first_k_dense_replace or 0)
             and layer_idx % self.moe_layer_freq == 0
         )
 

@@ -78,6 +78,14 @@ ARCHS: dict[str, dict] = {
             "mscale": 0.5, "mscale_all_dim": 0.5, "beta_fast": 32, "beta_slow": 1,
         },
     ),
+    # GLM-4.7-Flash: DeepSeek V3's attention and router under GLM's names; dense/sparse layers by list.
+    "glm4_moe_lite": dict(
+        _BASE, model_type="glm4_moe_lite", num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+        n_group=1, topk_group=1, num_experts_per_tok=3, n_shared_experts=1, moe_intermediate_size=16,
+        routed_scaling_factor=1.8, norm_topk_prob=True, mlp_layer_types=["sparse", "dense", "sparse"],
+        tie_word_embeddings=False,
+    ),
     # Without the query's low-rank path, one expert group, unnormalised top-k, rope not interleaved.
     "deepseek_v3_no_q_lora": dict(
         _BASE, model_type="deepseek_v3", num_key_value_heads=4, first_k_dense_replace=0, q_lora_rank=None,
