@@ -22,7 +22,7 @@ MODEL_TYPES = {
     "qwen3moe": "qwen3_moe",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
-    "deepseek2": "deepseek_v3",  # DeepSeek V3/R1 and Kimi K2 (V2's softmax routing is refused)
+    "deepseek2": "deepseek_v3",  # DeepSeek V2/V3/R1, Kimi K2
 }
 
 
@@ -163,7 +163,8 @@ def _deepseek2(config: dict[str, Any], get, head_dim: int) -> None:
     # llama.cpp reads a missing gating function as DeepSeek V2's softmax routing.
     sigmoid = get("expert_gating_func") == 2
     config["scoring_func"] = "sigmoid" if sigmoid else "softmax"
-    config["topk_method"] = "noaux_tc" if sigmoid else "greedy"
+    grouped = config["n_group"] > 1
+    config["topk_method"] = "noaux_tc" if sigmoid else "group_limited_greedy" if grouped else "greedy"
     scaling = config["rope_scaling"]
     if scaling is not None:
         for key in ("beta_fast", "beta_slow"):

@@ -1,4 +1,4 @@
-"""DeepSeek V3 / V3.1 / R1, Kimi K2 and GLM-4.7-Flash: multi-head latent attention and a sigmoid-routed MoE.
+"""DeepSeek V3 / V3.1 / R1, Kimi K2, GLM-4.7-Flash and DeepSeek V2: multi-head latent attention and MoE.
 
 Attention is MLA over a latent cache (``models/mla.py``): one ``[c_kv, k_pe]`` row per token and layer.
 The MoE (every layer from ``first_k_dense_replace`` on) routes with sigmoid scores; a per-expert
@@ -6,6 +6,7 @@ The MoE (every layer from ``first_k_dense_replace`` on) routes with sigmoid scor
 of which the ``topk_group`` with the largest sum of their two best scores are eligible, and the chosen
 experts' weights (plain sigmoid scores, normalised when ``norm_topk_prob``) are multiplied by
 ``routed_scaling_factor``; shared experts see every token. As transformers' ``DeepseekV3TopkRouter``.
+DeepSeek V2 routes with softmax scores instead (:class:`Gate`), its layers otherwise the same.
 
 Weights: Hugging Face's names, except that :meth:`Model.sanitize` stacks the routed experts
 (``mlp.switch_mlp.*``, as qwen3_moe) and splits ``kv_b_proj`` into mlx-lm's per-head ``embed_q`` (key
@@ -42,6 +43,8 @@ from mlx_infer.models.qwen3_moe import SwitchGLU
 from mlx_infer.models.rope_config import resolve_rope, scaling_type
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# (topk_method, scoring_func) of the routers here: DeepSeek V3's, and V2's greedy and group-limited ones.
+ROUTINGS = (("noaux_tc", "sigmoid"), ("greedy", "softmax"), ("group_limited_greedy", "softmax"))
 
 
 @dataclass
@@ -61,8 +64,8 @@ class ModelArgs(BaseModelArgs):
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     qk_nope_head_dim: int = 128
-    topk_method: str = "noaux_tc"
-    scoring_func: str = "sigmoid"
+    topk_method: str | None = None  # default: noaux_tc (DeepSeek V3), greedy for deepseek_v2
+    scoring_func: str | None = None  # default: sigmoid (DeepSeek V3), softmax for deepseek_v2
     norm_topk_prob: bool = True
     n_group: int | None = 1
     topk_group: int | None = 1
@@ -83,10 +86,13 @@ class ModelArgs(BaseModelArgs):
         self.rope_theta, self.rope_scaling = resolve_rope(
             self.model_type, self.rope_theta, self.rope_scaling, self.rope_parameters, 10000.0
         )
-        if self.n_routed_experts and (self.topk_method != "noaux_tc" or self.scoring_func != "sigmoid"):
+        v2 = self.model_type == "deepseek_v2"
+        self.topk_method = self.topk_method or ("greedy" if v2 else "noaux_tc")
+        self.scoring_func = self.scoring_func or ("softmax" if v2 else "sigmoid")
+        if self.n_routed_experts and (self.topk_method, self.scoring_func) not in ROUTINGS:
             raise UnsupportedArchitecture(
                 f"{self.model_type}: routing {self.topk_method}/{self.scoring_func} is not supported "
-                "(supported: noaux_tc/sigmoid, DeepSeek V3's)"
+                f"(supported: {', '.join('/'.join(r) for r in ROUTINGS)})"
             )
         self.n_group = self.n_group or 1
         self.topk_group = self.topk_group or 1
@@ -175,7 +181,9 @@ def softmax_mscale(scaling: dict[str, Any] | None) -> float:
 
 
 class Gate(nn.Module):
-    """The router: ``weight`` [experts, hidden] and the selection-only ``e_score_correction_bias``."""
+    """The router: ``weight`` [experts, hidden], and for DeepSeek V3's sigmoid routing the
+    selection-only ``e_score_correction_bias``. DeepSeek V2's routes with softmax scores, greedily or
+    from the ``topk_group`` groups with the best single score (``group_limited_greedy``)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -184,21 +192,31 @@ class Gate(nn.Module):
         self.topk_group = args.topk_group
         self.norm_topk_prob = args.norm_topk_prob
         self.routed_scaling_factor = args.routed_scaling_factor
+        self.softmax = args.scoring_func == "softmax"
+        self.group_limited = args.topk_method != "greedy" and args.n_group > 1
         self.weight = mx.zeros((args.n_routed_experts, args.hidden_size))
-        self.e_score_correction_bias = mx.zeros((args.n_routed_experts,))
+        if not self.softmax:
+            self.e_score_correction_bias = mx.zeros((args.n_routed_experts,))
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """(expert indices [T, k], their weights [T, k] in float32) for ``x`` [T, D]."""
         # In float32 whatever the weights' dtype, as transformers computes the router.
-        scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.astype(mx.float32).T)
-        choice = scores + self.e_score_correction_bias.astype(mx.float32)
-        if self.n_group > 1:
+        logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+        if self.softmax:
+            scores = choice = mx.softmax(logits, axis=-1)
+        else:
+            scores = mx.sigmoid(logits)
+            choice = scores + self.e_score_correction_bias.astype(mx.float32)
+        if self.group_limited:
             n_tokens, n_experts = choice.shape
             grouped = choice.reshape(n_tokens, self.n_group, n_experts // self.n_group)
-            group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1)  # [T, n_group]
+            # V3 ranks a group by the sum of its two best scores, V2 by its best one.
+            group_scores = grouped.max(axis=-1) if self.softmax else mx.topk(grouped, 2, axis=-1).sum(axis=-1)
             best = mx.argpartition(-group_scores, kth=self.topk_group - 1, axis=-1)[..., : self.topk_group]
             kept = (mx.arange(self.n_group)[None, None, :] == best[..., None]).any(axis=1)  # [T, n_group]
-            choice = mx.where(kept[..., None], grouped, -mx.inf).reshape(n_tokens, n_experts)
+            # Left out as transformers leaves them: a zero probability (V2), never chosen (V3).
+            left_out = 0.0 if self.softmax else -mx.inf
+            choice = mx.where(kept[..., None], grouped, left_out).reshape(n_tokens, n_experts)
         inds = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
         weights = mx.take_along_axis(scores, inds, axis=-1)
         if self.norm_topk_prob:

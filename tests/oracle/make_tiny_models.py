@@ -78,6 +78,19 @@ ARCHS: dict[str, dict] = {
             "mscale": 0.5, "mscale_all_dim": 0.5, "beta_fast": 32, "beta_slow": 1,
         },
     ),
+    # DeepSeek V2 (-Lite): the same MLA, softmax routing limited to the groups with the best single score;
+    # YaRN with mscale == mscale_all_dim as V2-Lite's (0.707).
+    "deepseek_v2": dict(
+        _BASE, model_type="deepseek_v2", num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1,
+        q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        num_experts_per_tok=3, n_shared_experts=2, moe_intermediate_size=16, routed_scaling_factor=1.5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+        },
+    ),
     # GLM-4.7-Flash: DeepSeek V3's attention and router under GLM's names; dense/sparse layers by list.
     "glm4_moe_lite": dict(
         _BASE, model_type="glm4_moe_lite", num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32,
