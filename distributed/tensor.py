@@ -1,12 +1,12 @@
 """Tensor parallel: every rank runs every layer on its share of the attention heads and MLP columns.
 
 Column-parallel projections (q/k/v or Phi-3's fused ``qkv_proj``, gate/up or ``gate_up_proj``, MoE experts'
-gate/up along the intermediate dim) keep this rank's output rows; row-parallel ones (``o_proj``,
-``down_proj``, experts' down) keep the matching input columns, so each rank's attention and MLP produce a
-partial sum of the full output, and one ``all_sum`` per attention and per MLP completes it. Embedding,
-norms, the MoE router and the head stay whole on every rank. Works on the module layout shared by every
-architecture of the zoo (blocks with ``self_attn`` and ``mlp``; attention with ``n_heads``,
-``n_kv_heads``, ``head_dim``), plain or quantized.
+gate/up along the intermediate dim) keep this rank's output rows, gpt-oss's attention sinks the sinks of its
+heads; row-parallel ones (``o_proj``, ``down_proj``, experts' down) keep the matching input columns, so
+each rank's attention and MLP produce a partial sum of the full output, and one ``all_sum`` per attention
+and per MLP completes it. Embedding, norms, the MoE router and the head stay whole on every rank. Works on
+the module layout shared by every architecture of the zoo (blocks with ``self_attn`` and ``mlp``; attention
+with ``n_heads``, ``n_kv_heads``, ``head_dim``), plain or quantized.
 """
 
 from __future__ import annotations
@@ -98,16 +98,20 @@ def _shard_attention(attn: nn.Module, rank: int, size: int) -> None:
         for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             _keep_rows(attn[name], [rows])
     _keep_columns(attn.o_proj, q, rank)
+    if "sinks" in attn:  # gpt-oss: one sink logit per query head, so this rank's heads' sinks
+        attn.sinks = _take(attn.sinks, -1, *_part(heads, rank, size))
     attn.n_heads, attn.n_kv_heads = heads // size, kv_heads // size
 
 
 def _shard_mlp(mlp: nn.Module, rank: int, size: int) -> None:
-    if "switch_mlp" in mlp:  # MoE: stacked experts [E, out, in], split along the intermediate dim
-        experts = mlp.switch_mlp
+    experts = mlp.get("switch_mlp", mlp.get("experts"))  # Qwen3-MoE's name, gpt-oss's
+    if experts is not None:  # MoE: stacked experts [E, out, in], split along the intermediate dim
         cols = _part(experts.gate_proj.weight.shape[-2], rank, size, "expert intermediate size")
         _keep_rows(experts.gate_proj, [cols])
         _keep_rows(experts.up_proj, [cols])
         _keep_columns(experts.down_proj, cols, rank)
+        if "shared_experts" in mlp:  # GLM-4.5: a dense SwiGLU beside the routed experts, summed too
+            _shard_mlp(mlp.shared_experts, rank, size)
     elif "gate_up_proj" in mlp:  # Phi-3: rows are [gate | up]
         inter = mlp.gate_up_proj.weight.shape[-2] // 2
         cols = _part(inter, rank, size, "intermediate size")

@@ -93,6 +93,7 @@ _BODY = """
   float big = -MAXFLOAT;
   for (int s = 0; s < N_SIMD; s++) big = max(big, sg_max[s]);
   float total = 0.0f;
+  SINK
   for (int s = 0; s < N_SIMD; s++) total += sg_sum[s] * metal::exp(sg_max[s] - big);
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
   for (int d = int(thread_index_in_threadgroup); d < VD; d += N_SIMD * 32) {
@@ -110,6 +111,12 @@ _PARTIAL = """const size_t row = (size_t(tok) * H + head) * PARTS + part;
       part_sum[row] = total;
     }"""
 
+# An attention sink (gpt-oss: a logit per head joining the softmax's denominator with no value), added
+# once where the partial softmaxes are merged: the maximum is taken over it too, so no exp overflows.
+_SINK = """const float sink = float(sinks[SINK_HEAD]);
+  big = max(big, sink);
+  total = metal::exp(sink - big);"""
+
 # The float32 scale stored after an int8 row's values (little-endian bytes, any alignment).
 _HEADER = """
 template <typename T>
@@ -121,20 +128,22 @@ inline float row_scale(const device T* pool, size_t at) {
 
 _INPUTS = ("queries", "key_pool", "value_pool", "block_tables", "context_lens", "seq_ids", "positions",
            "scale", "window", "softcap")
-ATTENTION = KernelSpec("paged_attention", _INPUTS, ("out",), _BODY.replace("EPILOGUE", _SINGLE), _HEADER)
-ATTENTION_PARTIAL = KernelSpec(
-    "paged_attention_partial", _INPUTS, ("part_out", "part_max", "part_sum"),
-    _BODY.replace("EPILOGUE", _PARTIAL), _HEADER,
+_SINGLE_BODY = _BODY.replace("EPILOGUE", _SINGLE)
+ATTENTION = KernelSpec("paged_attention", _INPUTS, ("out",), _SINGLE_BODY.replace("SINK", ""), _HEADER)
+ATTENTION_SINKS = KernelSpec(
+    "paged_attention_sinks", (*_INPUTS, "sinks"), ("out",),
+    _SINGLE_BODY.replace("SINK", _SINK.replace("SINK_HEAD", "head")), _HEADER,
 )
-REDUCE = KernelSpec(
-    "paged_attention_reduce",
-    ("part_out", "part_max", "part_sum"),
-    ("out",),
-    """
+ATTENTION_PARTIAL = KernelSpec(  # partitions never see the sink: the reduce adds it once
+    "paged_attention_partial", _INPUTS, ("part_out", "part_max", "part_sum"),
+    _BODY.replace("EPILOGUE", _PARTIAL).replace("SINK", ""), _HEADER,
+)
+_REDUCE_BODY = """
   const size_t row = size_t(threadgroup_position_in_grid.z) * H + threadgroup_position_in_grid.y;
   float big = -MAXFLOAT;
   for (int p = 0; p < PARTS; p++) big = max(big, part_max[row * PARTS + p]);
   float total = 0.0f;
+  SINK
   for (int p = 0; p < PARTS; p++) {
     total += part_sum[row * PARTS + p] * metal::exp(part_max[row * PARTS + p] - big);
   }
@@ -147,7 +156,13 @@ REDUCE = KernelSpec(
     }
     out[row * D + d] = static_cast<O>(o * inv);
   }
-""",
+"""
+REDUCE = KernelSpec(
+    "paged_attention_reduce", ("part_out", "part_max", "part_sum"), ("out",), _REDUCE_BODY.replace("SINK", "")
+)
+REDUCE_SINKS = KernelSpec(
+    "paged_attention_reduce_sinks", ("part_out", "part_max", "part_sum", "sinks"), ("out",),
+    _REDUCE_BODY.replace("SINK", _SINK.replace("SINK_HEAD", "threadgroup_position_in_grid.y")),
 )
 
 
@@ -159,6 +174,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: mx.array | None = None,
     value_dim: int | None = None,
     *,
     launch: Launcher = metal_launch,
@@ -195,9 +211,11 @@ def paged_attention(
     ]
     grid = (32 * N_SIMD * parts, n_heads, n_tokens)
     threadgroup = (32 * N_SIMD, 1, 1)
+    sink_inputs = [] if sinks is None else [sinks.astype(mx.float32)]
     if parts == 1:
-        (out,) = launch(ATTENTION, inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
-                        output_shapes=[out_shape], output_dtypes=[queries.dtype])
+        spec = ATTENTION if sinks is None else ATTENTION_SINKS
+        (out,) = launch(spec, inputs=inputs + sink_inputs, template=template, grid=grid,
+                        threadgroup=threadgroup, output_shapes=[out_shape], output_dtypes=[queries.dtype])
         return out
     rows = n_tokens * n_heads * parts
     partial = launch(
@@ -205,7 +223,7 @@ def paged_attention(
         output_shapes=[(rows, value_dim), (rows,), (rows,)], output_dtypes=[mx.float32] * 3,
     )
     (out,) = launch(
-        REDUCE, inputs=partial,
+        REDUCE if sinks is None else REDUCE_SINKS, inputs=partial + sink_inputs,
         template=[("O", queries.dtype), ("D", value_dim), ("H", n_heads), ("PARTS", parts)],
         grid=(32, n_heads, n_tokens), threadgroup=(32, 1, 1),
         output_shapes=[out_shape], output_dtypes=[queries.dtype],

@@ -29,6 +29,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: mx.array | None = None,
     value_dim: int | None = None,
 ) -> mx.array:
     """Attention of ragged queries ``[T, H, D]`` over paged K/V pools ``[slots, n_kv_heads, D]``
@@ -38,7 +39,8 @@ def paged_attention(
 
     Gathers each sequence's keys by its block table into ``[B, n_kv, L, D]``, pads the queries
     to ``[B, Qmax]``, attends with a causal/context/window mask and unpads. Masked positions
-    never contribute, so padding slots may hold anything. Pools of another dtype than the queries
+    never contribute, so padding slots may hold anything. ``sinks`` ([H]): a logit per query head added
+    to every softmax's denominator (a key with no value). Pools of another dtype than the queries
     are attended in float32: int8 rows are dequantized after the gather (only the rows the step
     reads, never the whole pool), half rows widened, so a float32 query loses nothing more than
     what the pool's rounding already lost.
@@ -67,10 +69,11 @@ def paged_attention(
     mask = _step.get(meta, (key_len, sliding_window), lambda: attention_mask(meta, key_len, sliding_window))
     if logit_softcap is None:
         out = mx.fast.scaled_dot_product_attention(
-            q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale, mask=mask
+            q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale, mask=mask,
+            sinks=None if sinks is None else sinks.astype(q.dtype),
         )
     else:
-        out = _softcapped_attention(q, keys, values, mask, scale, logit_softcap)
+        out = _softcapped_attention(q, keys, values, mask, scale, logit_softcap, sinks)
     out = out.astype(out_dtype)
     if q_max == 1:
         return out.reshape(batch, n_heads, out_dim)
@@ -100,7 +103,8 @@ def _gather_heads_first(pool: mx.array, meta: BatchMetadata) -> mx.array:
 
 
 def _softcapped_attention(
-    q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float, softcap: float
+    q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float, softcap: float,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     batch, n_heads, q_len, head_dim = q.shape
     n_kv = keys.shape[1]
@@ -110,7 +114,13 @@ def _softcapped_attention(
     scores = mx.tanh(scores / softcap) * softcap
     scores = scores.reshape(batch, n_kv, rep, q_len, -1)
     scores = mx.where(mask[:, :, None], scores, -mx.inf)
-    weights = mx.softmax(scores, axis=-1).reshape(batch, n_kv, rep * q_len, -1)
+    if sinks is not None:  # one more column per head, dropped after the softmax (it has no value)
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, n_kv, rep, 1, 1), (*scores.shape[:-1], 1))
+        scores = mx.concatenate([scores, sink], axis=-1)
+    weights = mx.softmax(scores, axis=-1)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    weights = weights.reshape(batch, n_kv, rep * q_len, -1)
     out = weights @ values.astype(mx.float32)
     return out.reshape(batch, n_heads, q_len, values.shape[-1]).astype(values.dtype)
 

@@ -313,8 +313,10 @@ def test_kv_write_updates_a_donated_pool_in_place(native):
     assert [pool[i, 0, 0].item() for i in range(4)] == [0.0, 1.0, 2.0, 0.0]
 
 
-def _np_attention(q, keys, values, seq_of, positions, tables, context_lens, block, scale, window, softcap):
-    """Float64 attention read straight from the paged pools, one query at a time."""
+def _np_attention(q, keys, values, seq_of, positions, tables, context_lens, block, scale, window, softcap,
+                  sinks=None):
+    """Float64 attention read straight from the paged pools, one query at a time; ``sinks`` ([H]) join
+    each softmax's denominator."""
     q, keys, values = (np.array(a, dtype=np.float64) for a in (q, keys, values))
     n_tokens, n_heads, _ = q.shape
     rep = n_heads // keys.shape[1]
@@ -328,8 +330,10 @@ def _np_attention(q, keys, values, seq_of, positions, tables, context_lens, bloc
             scores = k @ q[t, h] * scale
             if softcap is not None:
                 scores = np.tanh(scores / softcap) * softcap
-            p = np.exp(scores - scores.max())
-            out[t, h] = (p / p.sum()) @ v
+            top = scores.max(initial=-np.inf if sinks is None else sinks[h])
+            p = np.exp(scores - top)
+            denominator = p.sum() + (0.0 if sinks is None else np.exp(sinks[h] - top))
+            out[t, h] = (p / denominator) @ v if len(visible) else 0.0
     return out
 
 
@@ -351,16 +355,17 @@ def _attention_step(shapes, n_heads, n_kv, head_dim, rng):
     return tables, keys, values, q
 
 
-def _check_attention(shapes, n_heads, n_kv, head_dim, window, softcap, seed):
+def _check_attention(shapes, n_heads, n_kv, head_dim, window, softcap, seed, sinks=None):
     """The kernel against _np_attention."""
     block = 16
     tables, keys, values, q = _attention_step(shapes, n_heads, n_kv, head_dim, np.random.default_rng(seed))
     meta = build_metadata([SequenceSlice(table, c, n) for table, (c, n) in zip(tables, shapes)], block)
     scale = head_dim**-0.5
-    out = cpu_kernels.paged_attention(q, keys, values, meta, scale, window, softcap)
+    sink_array = None if sinks is None else mx.array(sinks)
+    out = cpu_kernels.paged_attention(q, keys, values, meta, scale, window, softcap, sink_array)
     seq_of = np.repeat(np.arange(len(shapes)), [n for _, n in shapes])
     want = _np_attention(q, keys, values, seq_of, np.array(meta.positions), tables,
-                         [c + n for c, n in shapes], block, scale, window, softcap)
+                         [c + n for c, n in shapes], block, scale, window, softcap, sinks)
     np.testing.assert_allclose(np.array(out), want, rtol=1e-4, atol=2e-5)
 
 
@@ -385,6 +390,30 @@ def test_paged_attention_of_a_few_decodes_splits_keys_and_merges(native, shapes,
     """SmolLM2's heads (9 query, 3 KV) at batch 1-2: fewer tokens than the threads share evenly, so
     each one's chunks of keys are separate tasks whose partial softmaxes are merged."""
     _check_attention(shapes, 9, 3, 64, window, softcap, seed=len(shapes) * 1000 + shapes[0][0])
+
+
+@pytest.mark.parametrize(
+    "shapes,window,softcap",
+    [([(0, 1), (14, 1), (299, 1), (20, 5)], None, None), ([(599, 1)], None, None),
+     ([(299, 1), (40, 9)], 7, None), ([(130, 1), (20, 5)], 50, 30.0)],
+)
+def test_paged_attention_with_sinks_equals_numpy(native, shapes, window, softcap):
+    """gpt-oss's per-head sinks join the denominator once per query, however the keys are chunked and
+    merged (batch 1 at 600 keys: ten chunks of separate tasks); sinks above and below every score."""
+    sinks = np.array([-2.0, 0.5, 3.0, 9.0, -30.0, 1.0], dtype=np.float32)
+    _check_attention(shapes, 6, 2, 64, window, softcap, seed=len(shapes) * 10 + shapes[0][0], sinks=sinks)
+
+
+def test_paged_attention_sinks_take_weight_from_the_keys(native):
+    """A sink far above every score leaves almost nothing to the values, one far below changes nothing:
+    the test above would pass for a kernel that ignored sinks only if they were all very negative."""
+    tables, keys, values, q = _attention_step([(30, 2)], 2, 1, 32, np.random.default_rng(3))
+    meta = build_metadata([SequenceSlice(tables[0], 30, 2)], 16)
+    plain = np.array(cpu_kernels.paged_attention(q, keys, values, meta, 0.2))
+    low = np.array(cpu_kernels.paged_attention(q, keys, values, meta, 0.2, sinks=mx.array([-80.0, -80.0])))
+    high = np.array(cpu_kernels.paged_attention(q, keys, values, meta, 0.2, sinks=mx.array([40.0, 0.0])))
+    np.testing.assert_array_equal(low, plain)
+    assert np.abs(high[:, 0]).max() < 1e-6 and np.abs(high[:, 1] - plain[:, 1]).max() > 1e-3
 
 
 @pytest.mark.parametrize("window", [None, 100])

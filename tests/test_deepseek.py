@@ -32,7 +32,6 @@ from mlx_infer.metal_kernels import dispatch, reference
 from mlx_infer.metal_kernels import paged_attention as pa
 from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
 from mlx_infer.models.base import new_cache, pool_rows
-from mlx_infer.models.deepseek_v3 import dequantize_fp8
 from mlx_infer.models.mla import QuantizedMultiLinear
 from mlx_infer.plan import make_plan
 from mlx_infer.sampling import SamplingParams
@@ -130,24 +129,6 @@ class FakeGroup:
 def test_tensor_parallel_refuses_mla_and_names_the_way_that_works(tiny):
     with pytest.raises(DistributedError, match="latent attention.*--strategy pipeline"):
         shard_tensor(load(str(TINY / NAME)).model, FakeGroup(0, 2))
-
-
-def test_fp8_checkpoint_weights_are_dequantized_per_128_block():
-    """DeepSeek's and Kimi's own checkpoints: float8 e4m3 matrices with one inverse scale per 128 x 128
-    block (partial at the edges); the weights come out as the float8 values times their block's scale."""
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((200, 130)).astype(np.float32) * np.array([[1.0], [30.0]]).repeat(100, 0)
-    scale = np.zeros((2, 2), np.float32)
-    for i in range(2):
-        for j in range(2):
-            scale[i, j] = np.abs(w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]).max() / 448
-    expanded = scale.repeat(128, 0)[:200].repeat(128, 1)[:, :130]
-    fp8 = mx.to_fp8(mx.array(w / expanded))
-    got = dequantize_fp8({"a.weight": fp8, "a.weight_scale_inv": mx.array(scale), "b.weight": mx.ones(3)})
-    assert sorted(got) == ["a.weight", "b.weight"]
-    want = np.array(mx.from_fp8(fp8, dtype=mx.float32)) * expanded
-    np.testing.assert_array_equal(np.array(got["a.weight"]), want)
-    assert np.abs(want - w).max() <= np.abs(w).max() / 16  # e4m3: 3 mantissa bits
 
 
 def test_engine_with_latent_pools_preempts_and_answers_as_a_full_recompute(tiny):

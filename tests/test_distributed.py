@@ -36,7 +36,7 @@ from mlx_infer.distributed import hostfile, launch, shard_pipeline, shard_tensor
 from mlx_infer.distributed.channel import decode_step, encode_step
 from mlx_infer.distributed.pipeline import layer_ranges
 from mlx_infer.distributed.runtime import Session, load_sharded
-from mlx_infer.distributed.tensor import _keep_columns, _keep_rows
+from mlx_infer.distributed.tensor import _keep_columns, _keep_rows, _shard_mlp
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import EngineConfig
 from mlx_infer.errors import DistributedError
@@ -287,6 +287,24 @@ def test_quantized_row_and_column_shards_match_the_dequantized_slices(bits: int)
     assert np.allclose(cols(x[:, 64:]), x[:, 64:] @ dense[:, 64:].T, atol=1e-4)
     with pytest.raises(DistributedError, match="quantization group"):
         _keep_columns(nn.QuantizedLinear.from_linear(full, group_size=32, bits=bits), (0, 48), rank=0)
+
+
+def test_moe_with_a_shared_expert_shards_into_partial_sums():
+    """GLM-4.5's MoE layer: routed and shared experts split so that the ranks' outputs add up."""
+    from mlx_infer.loading import load
+
+    def moe_layer() -> nn.Module:
+        return load(str(TESTS / "oracle" / "tiny" / "glm4_moe")).model.layers[1].mlp
+
+    x = mx.random.normal((5, 64), key=mx.random.key(0))
+    full = moe_layer()(x)
+    parts = []
+    for rank in range(2):
+        mlp = moe_layer()
+        _shard_mlp(mlp, rank, 2)
+        assert mlp.shared_experts.gate_proj.weight.shape[0] == 16
+        parts.append(mlp(x))
+    np.testing.assert_allclose(parts[0] + parts[1], full, atol=1e-5)
 
 
 def test_step_broadcast_rebuilds_identical_metadata():

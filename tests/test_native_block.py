@@ -8,6 +8,8 @@ activations, the float32 answer's tokens at nearly every step).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -19,6 +21,7 @@ from test_models import CONFIGS, build, hf_weights, new_cache, step
 from mlx_infer import cpu_kernels
 from mlx_infer.engine import runner
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.loading import load
 from mlx_infer.loading.policy import apply_weight_policy
 from mlx_infer.models.base import LayerKV
 from mlx_infer.models.fused import fuse_projections
@@ -49,6 +52,23 @@ def test_native_blocks_match_the_blocks_op_by_op(name: str, bits: int):
     op_by_op, native = _quantized(name, bits), _quantized(name, bits)
     assert native_blocks(native) == len(native.layers)
     assert all(isinstance(layer, NativeBlock) for layer in native.layers)
+    np.testing.assert_allclose(_paged_run(native), _paged_run(op_by_op), atol=TOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["smollm3", "qwen3_yarn"])
+def test_tiny_checkpoints_rope_variants_in_native_blocks(name: str):
+    """SmolLM3's NoPE layers (1 and 3) go native with the identity rotation; YaRN's attention factor
+    scales the rotated q and k there too."""
+    def quantized() -> nn.Module:
+        model = load(str(Path(__file__).parent / "oracle" / "tiny" / name)).model
+        nn.quantize(model, group_size=32, bits=4)
+        assert "native CPU kernels" in apply_weight_policy(model, None)
+        fuse_projections(model)
+        mx.eval(model.parameters())
+        return model
+
+    op_by_op, native = quantized(), quantized()
+    assert native_blocks(native) == len(native.layers)
     np.testing.assert_allclose(_paged_run(native), _paged_run(op_by_op), atol=TOL, rtol=1e-5)
 
 

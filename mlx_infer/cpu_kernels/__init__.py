@@ -128,6 +128,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: mx.array | None = None,
     value_dim: int | None = None,
 ) -> mx.array:
     """Same contract as ``metal_kernels.reference.paged_attention``, for float32 queries over pools of
@@ -145,6 +146,7 @@ def paged_attention(
         scale,
         sliding_window or 0,
         logit_softcap or 0.0,
+        sinks,
         value_dim or 0,
     )
 

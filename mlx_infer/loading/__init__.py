@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlx_infer.errors import InvalidCheckpoint, ModelNotFound
 from mlx_infer.loading import hf, hub
 from mlx_infer.loading.build import build_model
+from mlx_infer.loading.fp8 import dequantize_fp8
 from mlx_infer.loading.policy import apply_weight_policy, kquants_stay_raw
 
 
@@ -62,7 +63,9 @@ def open_checkpoint(spec: str, kquant_blocks: bool = False) -> Checkpoint:
         gguf = read_gguf(gguf_file, kquant_blocks)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         return Checkpoint(gguf.config, gguf.weights, tokenizer, gguf_file, gguf.requantize, gguf.kquants)
-    return Checkpoint(hf.read_config(path), hf.read_weights(path), Tokenizer.from_folder(path), path)
+    config = hf.read_config(path)
+    weights = dequantize_fp8(config, hf.read_weights(path))
+    return Checkpoint(config, weights, Tokenizer.from_folder(path), path)
 
 
 def load(

@@ -5,7 +5,8 @@ MLX affine arrays (``weight`` uint32, ``scales``, ``biases``) losslessly. Any ot
 BF16, ...) makes ``mx.load`` fail or round, so such files are read tensor by tensor and dequantized
 exactly to float32 with the ``gguf`` package; the policy may re-quantize them (see ``policy.py``).
 When the K-quant kernels will run them (``kquant_blocks``), Q4_K/Q5_K/Q6_K matrices are instead kept
-as their raw blocks (uint8 ``[rows, bytes per row]``) for layers that compute on them directly.
+as their raw blocks (uint8 ``[rows, bytes per row]``) for layers that compute on them directly. MXFP4
+tensors (gpt-oss's experts) become MLX ``mxfp4`` weights and scales (``gguf_mxfp4.py``), as exact.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gguf.quants import dequantize
 from mlx_infer.errors import InvalidCheckpoint, UnsupportedArchitecture
 from mlx_infer.loading.gguf_config import hf_config, llama3_scaling
 from mlx_infer.loading.gguf_file import GGUFHeader, read_header, tensor_bytes
+from mlx_infer.loading.gguf_mxfp4 import mxfp4_from_gguf
 from mlx_infer.loading.hf import one_line
 
 Q = GGMLQuantizationType
@@ -59,11 +61,18 @@ HF_NAMES: dict[MODEL_TENSOR, str] = {
     MODEL_TENSOR.FFN_GATE_EXP: L + "mlp.switch_mlp.gate_proj",
     MODEL_TENSOR.FFN_UP_EXP: L + "mlp.switch_mlp.up_proj",
     MODEL_TENSOR.FFN_DOWN_EXP: L + "mlp.switch_mlp.down_proj",
+    MODEL_TENSOR.FFN_GATE_SHEXP: L + "mlp.shared_experts.gate_proj",
+    MODEL_TENSOR.FFN_UP_SHEXP: L + "mlp.shared_experts.up_proj",
+    MODEL_TENSOR.FFN_DOWN_SHEXP: L + "mlp.shared_experts.down_proj",
+    # The router's score correction, stored as exp_probs_b.bias: HF's e_score_correction_bias.
+    MODEL_TENSOR.FFN_EXP_PROBS_B: L + "mlp.gate.e_score_correction",
 }
+# Architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses).
+PERMUTED_QK = ("llama", "smollm3", "mistral3")
 ARCH_OVERRIDES: dict[str, dict[MODEL_TENSOR, str]] = {
     "phi3": {MODEL_TENSOR.FFN_UP: L + "mlp.gate_up_proj"},  # Phi-3 keeps gate and up fused
     # DeepSeek V2/V3, Kimi K2 (MLA). llama.cpp's converter splits kv_b_proj into k_b_proj (transposed) and
-    # v_b_proj, and names the router bias e_score_correction.bias: deepseek_v3's sanitize maps those.
+    # v_b_proj: deepseek_v3's sanitize maps those, and the router bias's name.
     "deepseek2": {
         MODEL_TENSOR.ATTN_Q_A: L + "self_attn.q_a_proj",
         MODEL_TENSOR.ATTN_Q_A_NORM: L + "self_attn.q_a_layernorm",
@@ -73,10 +82,13 @@ ARCH_OVERRIDES: dict[str, dict[MODEL_TENSOR, str]] = {
         MODEL_TENSOR.ATTN_KV_B: L + "self_attn.kv_b_proj",
         MODEL_TENSOR.ATTN_K_B: L + "self_attn.k_b_proj",
         MODEL_TENSOR.ATTN_V_B: L + "self_attn.v_b_proj",
-        MODEL_TENSOR.FFN_EXP_PROBS_B: L + "mlp.gate.e_score_correction",
-        MODEL_TENSOR.FFN_GATE_SHEXP: L + "mlp.shared_experts.gate_proj",
-        MODEL_TENSOR.FFN_UP_SHEXP: L + "mlp.shared_experts.up_proj",
-        MODEL_TENSOR.FFN_DOWN_SHEXP: L + "mlp.shared_experts.down_proj",
+    },
+    "gpt-oss": {  # mlx_infer/models/gpt_oss.py's names; sinks arrive as ``sinks.weight`` (its sanitize)
+        MODEL_TENSOR.ATTN_SINKS: L + "self_attn.sinks",
+        MODEL_TENSOR.FFN_GATE_INP: L + "mlp.router",
+        MODEL_TENSOR.FFN_GATE_EXP: L + "mlp.experts.gate_proj",
+        MODEL_TENSOR.FFN_UP_EXP: L + "mlp.experts.up_proj",
+        MODEL_TENSOR.FFN_DOWN_EXP: L + "mlp.experts.down_proj",
     },
 }
 # Tensors that are not weights of a module but RoPE parameters, folded into the config.
@@ -111,11 +123,14 @@ def read_gguf(path: Path, kquant_blocks: bool = False) -> GGUFCheckpoint:
     weights, requantize, kquants = {}, {}, {}
     for name, value in raw.items():
         base, _, suffix = name.rpartition(".")
+        if block_index(name) >= config["num_hidden_layers"]:
+            continue  # a multi-token-prediction layer (GLM-4.5), which generation does not use
         if base not in names:
             raise UnsupportedArchitecture(f"{source}: tensor {name!r} of a {arch} GGUF is not supported")
         hf = names[base]
+        key = f"{hf}_{suffix}" if hf.endswith("e_score_correction") else f"{hf}.{suffix}"
         # Block rows are whole output features, so the Q/K row permutation moves them like float rows.
-        weights[f"{hf}.{suffix}"] = _fix_layout(hf, suffix, value, config, arch)
+        weights[key] = _fix_layout(hf, suffix, value, config, arch)
         qtype = dequantized_from.get(name)
         if name in blocks:
             kquants[hf] = blocks[name]
@@ -148,10 +163,16 @@ def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def block_index(name: str) -> int:
+    """The layer a GGUF tensor belongs to (``blk.3.attn_q.weight`` -> 3); -1 outside the blocks."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blk" else -1
+
+
 def _fix_layout(hf: str, suffix: str, value: mx.array, config: dict[str, Any], arch: str) -> mx.array:
-    if arch == "llama" and hf.endswith("self_attn.q_proj"):
+    if arch in PERMUTED_QK and hf.endswith("self_attn.q_proj"):
         return unpermute_rows(value, config["num_attention_heads"])
-    if arch == "llama" and hf.endswith("self_attn.k_proj"):
+    if arch in PERMUTED_QK and hf.endswith("self_attn.k_proj"):
         return unpermute_rows(value, config["num_key_value_heads"])
     if arch == "gemma3" and hf.endswith("norm") and suffix == "weight":
         return value - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
@@ -174,6 +195,10 @@ def _read_tensors(
     """
     weights, kinds, blocks = {}, {}, {}
     for name, info in header.tensors.items():
+        if info.qtype == Q.MXFP4:  # gpt-oss's experts: MLX's own mxfp4, never dequantized
+            scales_name = name.removesuffix(".weight") + ".scales"
+            weights[name], weights[scales_name] = mxfp4_from_gguf(tensor_bytes(path, info), info.shape)
+            continue
         if kquant_blocks and info.qtype in BLOCK_KINDS and len(info.shape) == 2:
             weights[name] = mx.array(np.array(tensor_bytes(path, info)))
             blocks[name] = BLOCK_KINDS[info.qtype]

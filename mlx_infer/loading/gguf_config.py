@@ -22,6 +22,11 @@ MODEL_TYPES = {
     "qwen3moe": "qwen3_moe",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
+    "smollm3": "smollm3",
+    "glm4moe": "glm4_moe",
+    # llama.cpp's "mistral3" is the text model of Mistral 3 / Ministral 3 (YaRN, query temperature).
+    "mistral3": "ministral3",
+    "gpt-oss": "gpt_oss",
     "deepseek2": "deepseek_v3",  # DeepSeek V2/V3/R1, Kimi K2
 }
 
@@ -62,6 +67,8 @@ def hf_config(metadata: dict[str, Any], tensors: dict[str, TensorInfo], source: 
     head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
     config["rope_scaling"] = _rope_scaling(get)
     _ARCH_EXTRAS.get(arch, lambda *_: None)(config, get, head_dim)
+    for key, tensor in _TENSOR_FLAGS.get(arch, {}).items():
+        config[key] = tensor in tensors
     return config
 
 
@@ -177,4 +184,52 @@ def _deepseek2(config: dict[str, Any], get, head_dim: int) -> None:
             scaling.update(mscale=mscale, mscale_all_dim=mscale)
 
 
-_ARCH_EXTRAS = {"gemma3": _gemma3, "qwen3moe": _qwen3moe, "phi3": _phi3, "deepseek2": _deepseek2}
+def _gpt_oss(config: dict[str, Any], get, head_dim: int) -> None:
+    config["num_local_experts"] = int(get("expert_count"))
+    config["num_experts_per_tok"] = int(get("expert_used_count"))
+    config["intermediate_size"] = int(get("expert_feed_forward_length"))
+    config["sliding_window"] = int(get("attention.sliding_window", 128))
+    # Layer types: llama.cpp's set_swa_pattern(2) (sliding layers first) is models/gpt_oss.py's default.
+    if config["rope_scaling"] is not None:
+        # gpt-oss's own config: YaRN with beta 32/1 and no rounding of the ramp's ends (truncate false).
+        fast, slow = get("rope.scaling.yarn_beta_fast", 32.0), get("rope.scaling.yarn_beta_slow", 1.0)
+        config["rope_scaling"].update(beta_fast=float(fast), beta_slow=float(slow), truncate=False)
+
+
+def _glm4moe(config: dict[str, Any], get, head_dim: int) -> None:
+    # llama.cpp counts the multi-token-prediction layers in block_count; they come after the model's.
+    config["num_hidden_layers"] -= int(get("nextn_predict_layers", 0))
+    config["partial_rotary_factor"] = int(get("rope.dimension_count", head_dim // 2)) / head_dim
+    config["n_routed_experts"] = int(get("expert_count"))
+    config["num_experts_per_tok"] = int(get("expert_used_count"))
+    config["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
+    config["n_shared_experts"] = int(get("expert_shared_count", 1))
+    config["first_k_dense_replace"] = int(get("leading_dense_block_count", 1))
+    config["routed_scaling_factor"] = float(get("expert_weights_scale", 1.0))
+    config["norm_topk_prob"] = bool(get("expert_weights_norm", True))
+    config["n_group"] = int(get("expert_group_count", 1))
+    config["topk_group"] = int(get("expert_group_used_count", 1))
+
+
+def _mistral3(config: dict[str, Any], get, head_dim: int) -> None:
+    scaling = config.get("rope_scaling")
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return
+    for name in ("beta_fast", "beta_slow"):
+        if get(f"rope.scaling.yarn_{name}") is not None:
+            scaling[name] = float(get(f"rope.scaling.yarn_{name}"))
+    # The converter keeps mscale_all_dim (as yarn_log_mul) and drops mscale, which Mistral sets to 1.
+    if get("rope.scaling.yarn_log_multiplier") is not None:
+        scaling["mscale"], scaling["mscale_all_dim"] = 1.0, float(get("rope.scaling.yarn_log_multiplier"))
+    if get("attention.temperature_scale") is not None:
+        scaling["llama_4_scaling_beta"] = float(get("attention.temperature_scale"))
+
+
+# Config flags llama.cpp leaves to the presence of a tensor: arch -> {config key: tensor of layer 0}.
+_TENSOR_FLAGS = {
+    "glm4moe": {"use_qk_norm": "blk.0.attn_q_norm.weight", "attention_bias": "blk.0.attn_q.bias"},
+}
+_ARCH_EXTRAS = {
+    "gemma3": _gemma3, "qwen3moe": _qwen3moe, "phi3": _phi3, "glm4moe": _glm4moe, "mistral3": _mistral3,
+    "gpt-oss": _gpt_oss, "deepseek2": _deepseek2,
+}

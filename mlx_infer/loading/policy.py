@@ -29,6 +29,7 @@ from mlx_infer.metal_kernels.layers import (
     KernelQuantizedEmbedding,
     KernelQuantizedLinear,
 )
+from mlx_infer.models.qwen3_moe import QuantizedSwitchLinear
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,10 @@ def _describe(model: nn.Module, how: str) -> str:
     nbytes = sum(p.nbytes for _, p in params)
     packed = (mx.uint32, mx.uint8)  # MLX affine words, GGUF blocks
     kinds = sorted({str(p.dtype).split(".")[-1] for _, p in params if p.dtype not in packed})
-    quantized = bool(_quantized_bits(model) or _gguf_kinds(model))
+    # Quantized MoE experts stay as they are on every backend (gather_qmm computes them).
+    experts = sorted({m.mode for _, m in model.named_modules() if isinstance(m, QuantizedSwitchLinear)})
+    if experts:
+        how = ", ".join(filter(None, [how, f"{'/'.join(experts)} MoE experts kept"]))
+    quantized = bool(_quantized_bits(model) or _gguf_kinds(model) or experts)
     what = ("quantized + " if quantized else "") + "/".join(kinds)
     return f"weights: {what}{f' ({how})' if how else ''}, {nbytes / 1e6:.0f} MB"

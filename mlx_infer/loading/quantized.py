@@ -1,8 +1,9 @@
 """Turning a freshly built model's layers into quantized ones before quantized weights are loaded.
 
 Three sources: an mlx-community folder's ``quantization`` config key (defaults plus per-layer overrides
-keyed by module path, as mlx-lm writes them), GGUF files read by ``mx.load``, which carry no such
-key: there group size and bits come from the shapes of ``.weight`` / ``.scales``; and GGUF K-quant
+keyed by module path, as mlx-lm writes them), GGUF files read by ``mx.load`` and Hugging Face MXFP4
+experts (gpt-oss), which carry no such key: there group size and bits come from the shapes of
+``.weight`` / ``.scales`` (uint8 scales: MXFP4, groups of 32); and GGUF K-quant
 matrices kept as raw blocks (``kquants``), whose layers become the GGUF block layers.
 """
 
@@ -46,6 +47,9 @@ def quantize_to_match(
 
 def _params_from_shapes(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict[str, Any]:
     # A packed uint32 row holds in_features * bits / 32 words; scales hold one value per group.
+    # uint8 scales are E8M0 exponents: MXFP4 (gpt-oss's experts, see models/gpt_oss.py).
+    if weights[f"{path}.scales"].dtype == mx.uint8:
+        return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
     in_features = module.weight.shape[-1]
     packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
     bits = packed.shape[-1] * 32 // in_features

@@ -12,12 +12,17 @@ MODEL_TYPES: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
     "smollm": "llama",
+    "smollm3": "smollm3",
+    "ministral3": "ministral3",
+    "mistral3": "mistral3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "glm4_moe": "glm4_moe",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "phi3": "phi3",
+    "gpt_oss": "gpt_oss",
     "deepseek_v3": "deepseek_v3",
     "deepseek_v2": "deepseek_v3",  # V2 / V2.5 / V2-Lite: the same MLA, softmax routing
     "kimi_k2": "deepseek_v3",  # Kimi K2 is DeepSeek V3 in config and weights

@@ -202,15 +202,20 @@ def attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Write ``keys``/``values`` ([T, n_kv_heads, D]) into ``kv`` and attend ``queries`` ([T, H, D]).
 
-    Returns ``[T, H, D]``. The one attention entry point of every model.
+    ``sinks`` ([H], gpt-oss): a learned logit per query head that joins every softmax's denominator
+    without a value, so a head may attend to nothing. Returns ``[T, H, D]``. The one attention entry
+    point of every model.
     """
-    from mlx_infer.metal_kernels.dispatch import paged_attention
+    from mlx_infer.metal_kernels import dispatch
 
     kv.write(keys, values, meta.slot_mapping)
-    return paged_attention(queries, kv.keys, kv.values, meta, scale, sliding_window, logit_softcap)
+    return dispatch.paged_attention(
+        queries, kv.keys, kv.values, meta, scale, sliding_window, logit_softcap, sinks
+    )
 
 
 def rope_frequencies(

@@ -11,9 +11,9 @@ DeepSeek V2 routes with softmax scores instead (:class:`Gate`), its layers other
 Weights: Hugging Face's names, except that :meth:`Model.sanitize` stacks the routed experts
 (``mlp.switch_mlp.*``, as qwen3_moe) and splits ``kv_b_proj`` into mlx-lm's per-head ``embed_q`` (key
 half, transposed) and ``unembed_out`` (value half), the form the absorbed attention multiplies by; so
-mlx-lm's converted DeepSeek checkpoints load as they are, and ours load there. It also takes DeepSeek's
-and Kimi's own FP8 checkpoints (dequantized), the names llama.cpp's converter gives a GGUF, and drops
-the multi-token-prediction layer.
+mlx-lm's converted DeepSeek checkpoints load as they are, and ours load there. It also takes the names
+llama.cpp's converter gives a GGUF, and drops the multi-token-prediction layer. (DeepSeek's and Kimi's
+own FP8 checkpoints are dequantized by the loader, ``loading/fp8.py``.)
 """
 
 from __future__ import annotations
@@ -280,7 +280,6 @@ class Model(CausalLM):
         n_layers = self.args.num_hidden_layers
         # Multi-token-prediction modules are saved as layers past the last one; nothing here runs them.
         weights = {k: v for k, v in weights.items() if _layer_index(k) is None or _layer_index(k) < n_layers}
-        weights = dequantize_fp8(weights)
         weights = {_llama_cpp_name(k): v for k, v in weights.items()}
         for i in range(n_layers):
             prefix = f"model.layers.{i}"
@@ -317,23 +316,6 @@ class Model(CausalLM):
         w = w.reshape(args.num_attention_heads, args.qk_nope_head_dim + args.v_head_dim, -1)
         weights[f"{prefix}.embed_q.weight"] = mx.contiguous(w[:, : args.qk_nope_head_dim].swapaxes(-1, -2))
         weights[f"{prefix}.unembed_out.weight"] = mx.contiguous(w[:, args.qk_nope_head_dim :])
-
-
-FP8_BLOCK = 128  # DeepSeek's FP8 checkpoints: one scale per 128 x 128 block of a weight
-
-
-def dequantize_fp8(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """DeepSeek V3's and Kimi K2's own checkpoints store matrices as float8 e4m3 (read as uint8) with
-    ``<name>.weight_scale_inv``, one float32 factor per 128 x 128 block: float32 weights out."""
-    for scale_name in [k for k in weights if k.endswith(".weight_scale_inv")]:
-        name = scale_name.removesuffix("_scale_inv")
-        scale = weights.pop(scale_name).astype(mx.float32)
-        w = mx.from_fp8(weights[name], dtype=mx.float32)
-        rows, cols = w.shape
-        # Each scale covers a block; the last row/column blocks may be partial.
-        scale = mx.repeat(mx.repeat(scale, FP8_BLOCK, axis=0)[:rows], FP8_BLOCK, axis=1)[:, :cols]
-        weights[name] = w * scale
-    return weights
 
 
 # What llama.cpp's converter (and so a GGUF, read with transformers' names) calls our parameters: its

@@ -1,9 +1,10 @@
-"""Llama, and the architectures that share its layout: Mistral, SmolLM."""
+"""Llama, and the architectures that share its layout: Mistral, SmolLM (and, through ``smollm3.py``,
+SmolLM3, whose layers choose per layer whether to rotate q and k)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,18 +44,28 @@ class ModelArgs(BaseModelArgs):
     mlp_bias: bool = False
     sliding_window: int | None = None  # Mistral
 
+    default_rope_theta: ClassVar[float] = 10000.0
+
     def __post_init__(self):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.rope_theta, self.rope_scaling = resolve_rope(
-            self.model_type, self.rope_theta, self.rope_scaling, self.rope_parameters, 10000.0
+            self.model_type, self.rope_theta, self.rope_scaling, self.rope_parameters, self.default_rope_theta
         )
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` rotates q and k (False: a NoPE layer)."""
+        return True
+
+    def window(self, layer_idx: int) -> int | None:
+        """The attention window of layer ``layer_idx`` (None: full causal attention)."""
+        return self.sliding_window
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
@@ -71,7 +82,8 @@ class Attention(nn.Module):
         max_pos = args.max_position_embeddings
         self._freqs = rope_frequencies(self.head_dim, args.rope_theta, args.rope_scaling, None, max_pos)
         self.rope_factor = rope_attention_factor(args.rope_scaling, max_pos)
-        self.sliding_window = args.sliding_window
+        self.use_rope = args.uses_rope(layer_idx)
+        self.sliding_window = args.window(layer_idx)
 
     def rope(self, x: mx.array, positions: mx.array) -> mx.array:
         return apply_rope(
@@ -84,8 +96,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).reshape(n, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(n, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(n, self.n_kv_heads, self.head_dim)
-        q = self.rope(q, meta.positions)
-        k = self.rope(k, meta.positions)
+        if self.use_rope:
+            q = self.rope(q, meta.positions)
+            k = self.rope(k, meta.positions)
         out = attention(q, k, v, kv, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(n, -1))
 
@@ -102,9 +115,9 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer_idx)
         self.mlp = MLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -118,7 +131,7 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 

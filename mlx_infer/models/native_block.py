@@ -94,6 +94,8 @@ class NativeBlock(nn.Module):
             ({n: down[n] for n in _PARAMS}, down.group_size, down.bits),
         )
         self._rope = (attn.head_dim, attn.rope_base, attn.rope_scale, attn._freqs, mx.float32)
+        self._use_rope = getattr(attn, "use_rope", True)
+        self._rope_factor = getattr(attn, "rope_factor", 1.0)
         watched = self._parameters()
         self._watched = ([m for m, _, _ in watched], [n for _, n, _ in watched], [a for _, _, a in watched])
 
@@ -119,6 +121,10 @@ class NativeBlock(nn.Module):
         if not self._applies(x, kv):
             return self._op_by_op(self, x, kv, meta)
         cos, sin = step_tables(meta.positions, *self._rope)
+        if not self._use_rope:  # a NoPE layer (SmolLM3): the identity rotation
+            cos, sin = mx.ones_like(cos), mx.zeros_like(sin)
+        elif self._rope_factor != 1.0:  # YaRN's attention factor, on cos and sin as transformers applies it
+            cos, sin = cos * self._rope_factor, sin * self._rope_factor
         # Rebound here, the old pools are referenced by nothing once the step is built: the KV writes
         # take their buffers over (written in place, as LayerKV.write).
         out, kv.keys, kv.values = self._ops(x, kv.keys, kv.values, meta, cos, sin)

@@ -9,6 +9,7 @@ per-expert tensors ``mlp.experts.{e}.{gate,up,down}_proj.weight``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -44,30 +45,48 @@ class ModelArgs(qwen3.ModelArgs):
         )
 
 
-class SwitchLinear(nn.Module):
-    """``num_experts`` bias-free linear layers; input row ``i`` goes through expert ``indices[i]``."""
+def _add_expert_bias(module: nn.Module, out: mx.array, indices: mx.array) -> mx.array:
+    """``out`` ([N, 1, out]) plus each row's expert bias, where the layer has one (gpt-oss)."""
+    return out + module["bias"][indices][:, None, :] if "bias" in module else out
 
-    def __init__(self, input_dims: int, output_dims: int, num_experts: int):
+
+class SwitchLinear(nn.Module):
+    """``num_experts`` linear layers (bias-free unless ``bias``); input row ``i`` goes through expert
+    ``indices[i]``."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False):
         super().__init__()
         scale = math.sqrt(1 / input_dims)
         self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims))
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=True)
+        out = mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=True)
+        return _add_expert_bias(self, out, indices)
 
     def to_quantized(
         self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_
     ) -> QuantizedSwitchLinear:
         """Called by ``nn.quantize`` so quantized MoE checkpoints load into the same module tree."""
-        return QuantizedSwitchLinear(self.weight, group_size, bits, mode)
+        return QuantizedSwitchLinear(self.weight, group_size, bits, mode, self.get("bias"))
 
 
 class QuantizedSwitchLinear(nn.Module):
-    def __init__(self, weight: mx.array, group_size: int | None, bits: int | None, mode: str):
+    def __init__(
+        self,
+        weight: mx.array,
+        group_size: int | None,
+        bits: int | None,
+        mode: str,
+        bias: mx.array | None = None,
+    ):
         super().__init__()
         self.weight, self.scales, *biases = mx.quantize(weight, group_size, bits, mode=mode)
         if biases:
             self.biases = biases[0]
+        if bias is not None:
+            self.bias = bias
         # Read back what mx.quantize chose when group_size/bits were left to the mode's defaults.
         in_dims = weight.shape[-1]
         self.group_size = in_dims // self.scales.shape[-1]
@@ -76,7 +95,7 @@ class QuantizedSwitchLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        return mx.gather_qmm(
+        out = mx.gather_qmm(
             x,
             self["weight"],
             self["scales"],
@@ -88,16 +107,30 @@ class QuantizedSwitchLinear(nn.Module):
             mode=self.mode,
             sorted_indices=True,
         )
+        return _add_expert_bias(self, out, indices)
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
 
 
 class SwitchGLU(nn.Module):
-    """SwiGLU experts applied to each (token, chosen expert) pair."""
+    """Gated experts (SwiGLU unless ``activation(gate, up)`` says otherwise) applied to each
+    (token, chosen expert) pair."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        bias: bool = False,
+        activation: Callable[[mx.array, mx.array], mx.array] = swiglu,
+    ):
         super().__init__()
-        self.gate_proj = SwitchLinear(dim, hidden_dim, num_experts)
-        self.up_proj = SwitchLinear(dim, hidden_dim, num_experts)
-        self.down_proj = SwitchLinear(hidden_dim, dim, num_experts)
+        self.gate_proj = SwitchLinear(dim, hidden_dim, num_experts, bias)
+        self.up_proj = SwitchLinear(dim, hidden_dim, num_experts, bias)
+        self.down_proj = SwitchLinear(hidden_dim, dim, num_experts, bias)
+        self.activation = activation
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """``x`` [T, D], ``indices`` [T, k] -> [T, k, D]."""
@@ -109,7 +142,7 @@ class SwitchGLU(nn.Module):
         inverse = mx.argsort(order)
         rows = x[order // top_k][:, None, :]  # [T*k, 1, D]
         idx = flat[order]
-        h = nn.silu(self.gate_proj(rows, idx)) * self.up_proj(rows, idx)
+        h = self.activation(self.gate_proj(rows, idx), self.up_proj(rows, idx))
         out = self.down_proj(h, idx)[inverse]  # [T*k, 1, D] back in (token, slot) order
         return out.reshape(n_tokens, top_k, -1)
 
@@ -145,16 +178,33 @@ class Model(qwen3.Model):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = super().sanitize(weights)
         for i in range(self.args.num_hidden_layers):
-            prefix = f"model.layers.{i}.mlp"
-            if f"{prefix}.experts.0.gate_proj.weight" not in weights:
-                continue  # a dense layer, or experts already stacked
-            for name in _PROJECTIONS:
-                try:
-                    experts = [
-                        weights.pop(f"{prefix}.experts.{e}.{name}.weight")
-                        for e in range(self.args.num_experts)
-                    ]
-                except KeyError as err:
-                    raise InvalidCheckpoint(f"qwen3_moe: missing expert tensor {err.args[0]}") from None
-                weights[f"{prefix}.switch_mlp.{name}.weight"] = mx.stack(experts)
+            stack_experts(weights, f"model.layers.{i}.mlp", self.args.num_experts, "qwen3_moe")
         return weights
+
+
+def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int, arch: str) -> None:
+    """Turn the experts under ``prefix`` (a layer's ``...mlp``) into ``{prefix}.switch_mlp.*``, in place.
+
+    Checkpoints hold Hugging Face's per-expert tensors ``{prefix}.experts.{e}.{gate,up,down}_proj.weight``
+    (what ``save_pretrained`` writes), or transformers 5's fused in-memory layout
+    ``{prefix}.experts.gate_up_proj`` ``[E, 2 * I, D]`` (gate rows first) and ``.down_proj`` ``[E, D, I]``.
+    A dense layer, or experts already stacked, are left alone.
+    """
+    fused = weights.pop(f"{prefix}.experts.gate_up_proj", None)
+    if fused is not None:
+        down = weights.pop(f"{prefix}.experts.down_proj", None)
+        if down is None:
+            raise InvalidCheckpoint(f"{arch}: missing expert tensor {prefix}.experts.down_proj")
+        gate, up = mx.split(fused, 2, axis=1)
+        stacked = {"gate_proj": gate, "up_proj": up, "down_proj": down}
+        for name, value in stacked.items():
+            weights[f"{prefix}.switch_mlp.{name}.weight"] = value
+        return
+    if f"{prefix}.experts.0.gate_proj.weight" not in weights:
+        return
+    for name in _PROJECTIONS:
+        try:
+            experts = [weights.pop(f"{prefix}.experts.{e}.{name}.weight") for e in range(num_experts)]
+        except KeyError as err:
+            raise InvalidCheckpoint(f"{arch}: missing expert tensor {err.args[0]}") from None
+        weights[f"{prefix}.switch_mlp.{name}.weight"] = mx.stack(experts)

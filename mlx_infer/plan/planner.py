@@ -231,10 +231,14 @@ def _fixed_scratch(model: Any, dtype: str, max_num_seqs: int, step_tokens: int) 
 
 
 def _dtypes_text(tensors: list) -> str:
-    kinds = sorted({t.dtype for t in tensors if not t.gguf_bytes})
-    quantized = sorted({f"{t.bits}-bit g{t.group_size}" for t in tensors if t.bits})
+    kinds = sorted({t.dtype for t in tensors if not t.gguf_bytes and t.mode != "mxfp4"})
+    quantized = sorted({_quant_label(t) for t in tensors if t.bits})
     raw = "GGUF blocks + " if any(t.gguf_bytes for t in tensors) else ""
     return raw + (" + ".join(quantized) + " + " if quantized else "") + "/".join(kinds)
+
+
+def _quant_label(t: Any) -> str:
+    return f"{t.bits}-bit g{t.group_size}" if t.mode == "affine" else t.mode
 
 
 def human_bytes(n: float) -> str:

@@ -38,7 +38,9 @@ class Tensor:
 
     A float tensor has ``bits`` 0 and ``dtype`` its own; an affine quantized matrix (MLX's packed
     uint32 words plus one scale and one bias per group) has ``bits``, ``group_size`` and ``dtype`` its
-    scales'; a GGUF matrix kept as raw blocks has ``gguf_bytes``.
+    scales'; an ``mxfp4`` one (gpt-oss's experts) one uint8 exponent per group and no biases; a GGUF
+    matrix kept as raw blocks has ``gguf_bytes``. ``expert``: a stacked MoE expert matrix, which the
+    weight policy leaves quantized on every backend (gather_qmm computes it).
     """
 
     name: str
@@ -50,12 +52,16 @@ class Tensor:
     matrix: bool = False  # a Linear/Embedding weight: what quantization applies to
     requantize: int = 0  # Metal: bits it is re-quantized to (dequantized from a GGUF type, policy.py)
     read_fraction: float = 1.0  # share of its bytes one decode step reads (embedding table, experts)
+    mode: str = "affine"
+    expert: bool = False
 
     @property
     def nbytes(self) -> int:
         n = math.prod(self.shape)
         if self.gguf_bytes:
             return self.gguf_bytes
+        if self.bits and self.mode == "mxfp4":
+            return n * self.bits // 8 + n // self.group_size
         if self.bits:
             return n * self.bits // 8 + 2 * (n // self.group_size) * FLOAT_BYTES[self.dtype]
         return n * FLOAT_BYTES[self.dtype]
@@ -131,13 +137,18 @@ def _gguf_metadata(path: Path, backend: str, keep_quantized: bool | None) -> Met
         FLOAT_TYPES,
         MX_LOAD_EXACT,
         ROPE_TENSORS,
+        block_index,
     )
     from mlx_infer.loading.gguf_config import hf_config
     from mlx_infer.loading.gguf_file import read_header
 
     header = read_header(path)
     config = hf_config(header.metadata, header.tensors, path.name)
-    infos = [t for name, t in header.tensors.items() if name not in ROPE_TENSORS]
+    # The loader skips multi-token-prediction layers (numbered from num_hidden_layers on).
+    layers = config["num_hidden_layers"]
+    infos = [
+        t for name, t in header.tensors.items() if name not in ROPE_TENSORS and block_index(name) < layers
+    ]
     # mx.load reads these types exactly (Q4_0/Q4_1/Q8_0 as MLX affine, group 32, float16 scales and
     # biases); a file with any other type is read tensor by tensor and dequantized to float32, except
     # the K-quant matrices that stay raw blocks for the Metal kernels (loading/gguf.py, policy.py).
@@ -157,6 +168,8 @@ def _gguf_metadata(path: Path, backend: str, keep_quantized: bool | None) -> Met
             tensors.append(Tensor(dtype="float16", bits=affine[t.qtype], group_size=32, **common))
         elif exact:
             tensors.append(Tensor(dtype="float32" if t.qtype == Q.F32 else "float16", **common))
+        elif t.qtype == Q.MXFP4:  # gpt-oss's experts, read as MLX mxfp4 (loading/gguf_mxfp4.py)
+            tensors.append(Tensor(dtype="uint8", bits=4, group_size=32, mode="mxfp4", expert=True, **common))
         elif raw_blocks and t.qtype in BLOCK_KINDS and len(t.shape) == 2:
             tensors.append(Tensor(dtype="float32", gguf_bytes=t.nbytes, **common))
         else:
@@ -178,15 +191,13 @@ def _gguf_read_fraction(name: str, tied: bool, config: dict[str, Any]) -> float:
     if name == "token_embd.weight" and not tied:
         return 0.0  # a lookup reads one row per token; the untied head is read instead
     if "_exps." in name:
-        return routed_fraction(config)
+        return config["num_experts_per_tok"] / _expert_count(config)
     return 1.0
 
 
-def routed_fraction(config: dict[str, Any]) -> float:
-    """The share of the routed experts a token reads: top-k of n (qwen3_moe's, transformers 5's and
-    DeepSeek's names for n)."""
-    n = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 1
-    return config.get("num_experts_per_tok", 1) / n
+def _expert_count(config: dict[str, Any]) -> int:
+    """Routed experts per MoE layer, under the names the architectures' configs use (1: dense)."""
+    return config.get("num_experts") or config.get("n_routed_experts") or config.get("num_local_experts") or 1
 
 
 def _folder_metadata(folder: Path) -> Metadata:
@@ -198,21 +209,28 @@ def _folder_metadata(folder: Path) -> Metadata:
     params = dict(tree_flatten(model.parameters()))
     modules = dict(model.named_modules())
     tied = "lm_head.weight" not in params
-    experts = routed_fraction(config)
+    experts = config.get("num_experts_per_tok", 1) / _expert_count(config)
+    # gpt-oss's official checkpoints: every expert matrix MXFP4 (models/gpt_oss.py).
+    mxfp4 = (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     tensors = []
     for name, p in params.items():
         module, _, suffix = name.rpartition(".")
+        expert = ".switch_mlp." in name or ".experts." in name
         if module.endswith("embed_tokens") and not tied:
             fraction = 0.0  # a lookup reads one row per token; the untied head is read instead
-        elif ".switch_mlp." in name or ".experts." in name:
+        elif expert:
             fraction = experts
         else:
             fraction = 1.0
         matrix = suffix == "weight" and hasattr(modules.get(module), "to_quantized")
         quant = quantized.get(module) if matrix else None
-        if quant is not None:
+        if matrix and expert and mxfp4:
+            tensors.append(Tensor(name, tuple(p.shape), "uint8", 4, 32, matrix=True, read_fraction=fraction,
+                                  mode="mxfp4", expert=True))
+        elif quant is not None:
             dtype = headers.get(f"{module}.scales", default)
-            tensors.append(Tensor(name, tuple(p.shape), dtype, *quant, matrix=True, read_fraction=fraction))
+            tensors.append(Tensor(name, tuple(p.shape), dtype, *quant, matrix=True, read_fraction=fraction,
+                                  expert=expert))
         else:
             dtype = headers.get(name, default)
             tensors.append(Tensor(name, tuple(p.shape), dtype, matrix=matrix, read_fraction=fraction))
@@ -313,7 +331,8 @@ def held(tensors: Iterable[Tensor], backend: str, keep_quantized: bool | None) -
     """The tensors after ``loading/policy.py``'s ``apply_weight_policy`` on ``backend`` ("cpu" or
     "metal"), and how (the policy's own words)."""
     tensors = list(tensors)
-    bits = sorted({t.bits for t in tensors if t.bits})
+    # Quantized experts are no layer the policy converts: they keep their bits on every backend.
+    bits = sorted({t.bits for t in tensors if t.bits and not t.expert})
     bits_text = "/".join(f"{b}-bit" for b in bits)
     if backend == "cpu":
         if bits and keep_quantized is not False and _cpu_kernels_cover(tensors):
@@ -324,12 +343,10 @@ def held(tensors: Iterable[Tensor], backend: str, keep_quantized: bool | None) -
             return tensors, f"kept {bits_text} on the CPU backend" if bits else ""
         half = "/".join(sorted({t.dtype for t in tensors if t.dtype in ("float16", "bfloat16")}))
         how = f"dequantized from {bits_text}" if bits else (f"from {half}" if half else "")
-        widened = [replace(t, dtype="float32", bits=0, group_size=0) for t in tensors]
+        widened = [replace(_dequantized(t), dtype="float32") for t in tensors]
         return widened, f"{how} for the CPU backend" if how else ""
     if keep_quantized is False:
-        return [
-            replace(t, bits=0, group_size=0) for t in tensors
-        ], f"dequantized from {bits_text}" if bits else ""
+        return [_dequantized(t) for t in tensors], f"dequantized from {bits_text}" if bits else ""
     from mlx_infer.loading.policy import REQUANT_GROUP_SIZE
 
     out = []
@@ -342,9 +359,14 @@ def held(tensors: Iterable[Tensor], backend: str, keep_quantized: bool | None) -
     return out, f"quantized {bits_text}" if bits else ""
 
 
+def _dequantized(t: Tensor) -> Tensor:
+    """``t`` after policy._dequantize, which converts quantized layers, not stacked experts."""
+    return t if t.expert else replace(t, bits=0, group_size=0)
+
+
 def _cpu_kernels_cover(tensors: list[Tensor]) -> bool:
     from mlx_infer import cpu_kernels
 
     # policy._cpu_kernels_cover: affine 4/8-bit with groups of a multiple of 8, kernels built here.
-    quantized = [t for t in tensors if t.bits]
+    quantized = [t for t in tensors if t.bits and not t.expert]
     return all(t.bits in (4, 8) and t.group_size % 8 == 0 for t in quantized) and cpu_kernels.applies()

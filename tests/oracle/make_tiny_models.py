@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 OUT = Path(__file__).parent / "tiny"
 VOCAB = 128
@@ -40,6 +40,22 @@ _BASE = dict(
     num_hidden_layers=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     # Not the default base, so a loader that misses transformers 5's rope_parameters fails.
     rope_parameters={"rope_type": "default", "rope_theta": 3000.0},
+)
+
+
+def _yarn(**changes) -> dict:
+    """Ministral 3's rope_parameters (YaRN plus ``llama_4_scaling_beta``), scaled down; a fresh dict."""
+    params = {
+        "rope_type": "yarn", "rope_theta": 3000.0, "factor": 16.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5,
+        "llama_4_scaling_beta": 0.1,
+    }
+    params.update(changes)
+    return {k: v for k, v in params.items() if v is not None}
+
+_PIXTRAL = dict(
+    model_type="pixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    head_dim=16, image_size=28, patch_size=14,
 )
 
 # name -> transformers config kwargs (``model_type`` picks the config class). Keep them small: the
@@ -115,7 +131,64 @@ ARCHS: dict[str, dict] = {
             "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "original_max_position_embeddings": 32,
         },
     ),
+    # NoPE on layers 1 and 3, which are also the sliding ones.
+    "smollm3": dict(
+        _BASE, model_type="smollm3", num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0],
+        use_sliding_window=True, sliding_window=8, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 3000.0},
+    ),
+    # Layer 0 dense, layers 1-2 MoE: 8 experts in 4 groups of which 2 are kept, a shared expert,
+    # partial rotary, q/k norms, q/k/v biases.
+    "glm4_moe": dict(
+        _BASE, model_type="glm4_moe", num_hidden_layers=3, head_dim=16, partial_rotary_factor=0.5,
+        use_qk_norm=True, attention_bias=True, first_k_dense_replace=1, n_routed_experts=8,
+        num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 3000.0, "partial_rotary_factor": 0.5},
+    ),
+    # YaRN (attention factor from mscale / mscale_all_dim) and Llama-4 query scaling, both over an
+    # original context of 32 (64 in mistral3) so that the 150-token prompt crosses several of its steps.
+    "ministral3": dict(
+        _BASE, model_type="ministral3", head_dim=32, tie_word_embeddings=False, rope_parameters=_yarn(),
+    ),
+    # The composite (Mistral3ForConditionalGeneration): a tiny vision tower the text model ignores.
+    "mistral3": dict(
+        model_type="mistral3", auto_class="AutoModelForImageTextToText",
+        text_config=dict(
+            _BASE, model_type="ministral3", num_hidden_layers=3, head_dim=16, sliding_window=24,
+            tie_word_embeddings=False, rope_parameters=_yarn(
+                factor=8.0, original_max_position_embeddings=64, mscale=None, mscale_all_dim=None
+            ),
+        ),
+        vision_config=_PIXTRAL,
+    ),
+    # Mistral Small 3.x: the composite around a plain Mistral text model, its own head.
+    "mistral3_small": dict(
+        model_type="mistral3", auto_class="AutoModelForImageTextToText", tie_word_embeddings=False,
+        text_config=dict(
+            _BASE, model_type="mistral", head_dim=16, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 3000.0},
+        ),
+        vision_config=_PIXTRAL,
+    ),
+    # Window 8 so the long prompt crosses it; a swiglu_limit of 1 so the experts' clamps bite; YaRN as
+    # gpt-oss's own (beta 32/1, truncate false) over a 32-token original context.
+    "gpt_oss": dict(
+        _BASE, model_type="gpt_oss", num_hidden_layers=4, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, swiglu_limit=1.0,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 32,
+        },
+    ),
 }
+
+
+# name -> the ARCHS entry whose checkpoint is written with its MoE experts in MXFP4, as gpt-oss's official
+# checkpoints are; the logits are those of transformers' own dequantizing loader on that folder.
+MXFP4: dict[str, str] = {"gpt_oss_mxfp4": "gpt_oss"}
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def init_weights(model: torch.nn.Module, seed: int) -> None:
@@ -123,22 +196,21 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     all nearly equal, and a comparison of nearly equal numbers proves little).
 
     Matrices (and embeddings, convolutions): normal with std 1/sqrt(last dim). Vectors (norm weights,
-    biases, per-head decay parameters, a router's correction bias): their own init plus normal noise of
-    0.1, which keeps a norm near 1 (or a Gemma-style ``1 + w`` norm near 1) and a log-decay near its
-    intended range.
+    biases, per-head decay parameters, saved buffers such as a router's score correction): their own
+    init plus normal noise of 0.1, which keeps a norm near 1 (or a Gemma-style ``1 + w`` norm near 1)
+    and a log-decay near its intended range.
     """
     gen = torch.Generator().manual_seed(seed)
+    # Saved buffers too (a router's score correction bias), which would otherwise stay zero.
+    saved = model.state_dict()
+    buffers = [(n, b) for n, b in model.named_buffers() if n in saved and b.is_floating_point()]
     with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
+        for _, p in sorted(model.named_parameters()) + sorted(buffers):
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if p.dim() >= 2:
                 p.copy_(noise / math.sqrt(p.shape[-1]))
             else:
                 p.add_(0.1 * noise)
-        # A saved buffer that is a weight in all but name: the MoE router's selection-only bias (DeepSeek V3).
-        for name, b in sorted(model.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                b.add_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
 
 def write_word_tokenizer(folder: Path) -> None:
@@ -148,17 +220,61 @@ def write_word_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2", "bos_token": "w1"}))
 
 
-def make(name: str, kwargs: dict) -> None:
+def mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """OCP MXFP4 of ``w`` [..., in] (NumPy reference): per 32 values an E8M0 exponent
+    ``floor(log2(max|x|)) - 2`` (FP4's largest exponent) and each value rounded to the nearest FP4
+    (E2M1) value, clamped at 6. Returns (blocks uint8 [..., in / 32, 16] with the low nibble first,
+    scales uint8 [..., in / 32]) as gpt-oss checkpoints store them."""
+    groups = w.reshape(*w.shape[:-1], -1, 32).astype(np.float64)
+    amax = np.abs(groups).max(axis=-1, keepdims=True)
+    exponent = np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - 2
+    scaled = np.clip(groups / 2.0**exponent, -6.0, 6.0)
+    codes = np.abs(np.abs(scaled)[..., None] - FP4_VALUES).argmin(axis=-1) + 8 * (scaled < 0)
+    pairs = codes.reshape(*codes.shape[:-1], 16, 2).astype(np.uint8)
+    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
+    return np.ascontiguousarray(blocks), np.ascontiguousarray((exponent[..., 0] + 127).astype(np.uint8))
+
+
+def save_mxfp4(model: torch.nn.Module, folder: Path) -> None:
+    """Rewrite ``folder``'s checkpoint with every ``experts.{gate_up,down}_proj`` ([E, in, out]) as MXFP4
+    ``_blocks``/``_scales`` of its ``[E, out, in]`` transpose, and the config's quantization_config."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for key, value in model.state_dict().items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4(value.transpose(1, 2).numpy())
+            tensors[f"{key}_blocks"] = torch.from_numpy(blocks)
+            tensors[f"{key}_scales"] = torch.from_numpy(scales)
+        else:
+            tensors[key] = value.contiguous()
+    (folder / "model.safetensors").unlink()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": None}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def make(name: str, kwargs: dict, mxfp4_experts: bool = False) -> None:
     kwargs = dict(kwargs)
+    auto_class = getattr(transformers, kwargs.pop("auto_class", "AutoModelForCausalLM"))
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = auto_class.from_config(config, dtype=torch.float32).eval()
     init_weights(model, seed=sum(map(ord, name)))
     folder = OUT / name
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     write_word_tokenizer(folder)
+    if mxfp4_experts:
+        from transformers import Mxfp4Config
+
+        save_mxfp4(model, folder)
+        model = auto_class.from_pretrained(
+            folder, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True),
+            attn_implementation="eager",
+        ).eval()
 
     rng = np.random.default_rng(7)
     arrays: dict[str, np.ndarray] = {}
@@ -175,8 +291,11 @@ def make(name: str, kwargs: dict) -> None:
 
 
 def main(names: list[str]) -> None:
-    for name in names or sorted(ARCHS):
-        make(name, ARCHS[name])
+    for name in names or sorted([*ARCHS, *MXFP4]):
+        if name in MXFP4:
+            make(name, ARCHS[MXFP4[name]], mxfp4_experts=True)
+        else:
+            make(name, ARCHS[name])
 
 
 if __name__ == "__main__":

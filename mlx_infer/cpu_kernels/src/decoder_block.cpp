@@ -158,8 +158,8 @@ class BlockOut : public mx::UnaryPrimitive {
     const int T = inputs[7].shape(0);
     const int Dm = inputs[7].shape(1);
     const int I = inputs[15].shape(1) * (32 / quant_[5]);  // down_proj's input features
-    AttentionArgs attn{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, T, shape_.H,
-                       shape_.D, shape_.n_kv, inputs[3].shape(1), block_size_, window_, scale_, 0.0f,
+    AttentionArgs attn{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, T,
+                       shape_.H, shape_.D, shape_.n_kv, inputs[3].shape(1), block_size_, window_, scale_, 0.0f,
                        static_cast<size_t>(shape_.width()), kv_type(inputs[1])};
     encoder.dispatch([attn, attention = AttentionInputs(inputs), x = Input<float>(inputs[7]),
                       o = AffineWeights(inputs[8], inputs[9], inputs[10], quant_[0], quant_[1]),

@@ -151,16 +151,17 @@ void attend_chunk(const AttentionArgs& p, int t, KeyRange keys, int c, std::vect
 }
 
 // Token t's output rows [H, Dv] from its `chunks` partial results (consecutive at `first`), merged in
-// order: out = sum_c exp(max_c - max) out_c / sum_c exp(max_c - max) total_c. No visible keys: zeros.
+// order: out = sum_c exp(max_c - max) out_c / (sum_c exp(max_c - max) total_c + exp(sink - max)), the
+// max taken over the sink too. No visible keys: zeros (a sink has no value).
 void merge(const AttentionArgs& p, int t, const float* first, int chunks) {
   const size_t out_size = static_cast<size_t>(p.H) * p.Dv, stride = partial_size(p);
   float* out = p.out + static_cast<size_t>(t) * out_size;
   std::fill(out, out + out_size, 0.0f);
   if (chunks == 0) return;
   for (int h = 0; h < p.H; ++h) {
-    float m = -INFINITY;
+    float m = p.sinks ? p.sinks[h] : -INFINITY;
     for (int c = 0; c < chunks; ++c) m = std::max(m, first[c * stride + out_size + h]);
-    float total = 0.0f;
+    float total = p.sinks ? std::exp(p.sinks[h] - m) : 0.0f;
     float* row = out + static_cast<size_t>(h) * p.Dv;
     for (int c = 0; c < chunks; ++c) {
       const float* chunk = first + c * stride;
@@ -168,7 +169,7 @@ void merge(const AttentionArgs& p, int t, const float* first, int chunks) {
       total += w * chunk[out_size + p.H + h];
       add_scaled(row, chunk + static_cast<size_t>(h) * p.Dv, w, p.Dv);
     }
-    for (int d = 0; d < p.Dv; ++d) row[d] /= total;  // >= 1: the chunk holding the maximum adds >= 1
+    for (int d = 0; d < p.Dv; ++d) row[d] /= total;  // >= 1: the term holding the maximum adds >= 1
   }
 }
 
@@ -222,9 +223,10 @@ namespace {
 
 class PagedAttention : public mx::UnaryPrimitive {
  public:
-  PagedAttention(mx::Stream stream, int block_size, float scale, int window, float softcap, int value_dim)
+  PagedAttention(mx::Stream stream, int block_size, float scale, int window, float softcap, bool sinks,
+                 int value_dim)
       : mx::UnaryPrimitive(stream), block_size_(block_size), scale_(scale), window_(window), softcap_(softcap),
-        value_dim_(value_dim) {}
+        sinks_(sinks), value_dim_(value_dim) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -232,11 +234,18 @@ class PagedAttention : public mx::UnaryPrimitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     const mx::array& q = inputs[0];
-    AttentionArgs p{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(),
+    AttentionArgs p{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(),
                     q.shape(0), q.shape(1), q.shape(2), inputs[1].shape(1), inputs[3].shape(1), block_size_, window_,
                     scale_, softcap_, static_cast<size_t>(q.shape(1)) * q.shape(2), kv_type(inputs[1]),
                     value_dim_, kv_head_dim(inputs[2])};
-    encoder.dispatch([p, in = AttentionInputs(inputs)]() { in.attend(p); });
+    // The sinks ride as an eighth input; decoder_block's inputs have other arrays from there on.
+    std::optional<Input<float>> sinks;
+    if (sinks_) sinks.emplace(inputs[7]);
+    encoder.dispatch([p, in = AttentionInputs(inputs), sinks]() mutable {
+      std::vector<float> s_s;
+      if (sinks) p.sinks = sinks->rows(s_s);
+      in.attend(p);
+    });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -248,7 +257,7 @@ class PagedAttention : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PagedAttention&>(other);
     return block_size_ == o.block_size_ && scale_ == o.scale_ && window_ == o.window_ && softcap_ == o.softcap_ &&
-           value_dim_ == o.value_dim_;
+           sinks_ == o.sinks_ && value_dim_ == o.value_dim_;
   }
 
  private:
@@ -256,6 +265,7 @@ class PagedAttention : public mx::UnaryPrimitive {
   float scale_;
   int window_;
   float softcap_;
+  bool sinks_;
   int value_dim_;
 };
 
@@ -273,6 +283,7 @@ mx::array paged_attention(
     float scale,
     int window,
     float softcap,
+    const std::optional<mx::array>& sinks,
     int value_dim) {
   if (q.ndim() != 3 || key_pool.ndim() != 3 || value_pool.ndim() != 3 || value_pool.shape(0) != key_pool.shape(0) ||
       value_pool.shape(1) != key_pool.shape(1)) {
@@ -288,12 +299,18 @@ mx::array paged_attention(
   if (q.shape(2) != kv_head_dim(key_pool) || q.shape(2) % 8 != 0 || q.shape(1) % key_pool.shape(1) != 0) {
     throw std::invalid_argument("paged_attention: head_dim must match and be a multiple of 8; H a multiple of n_kv");
   }
+  if (sinks && (sinks->ndim() != 1 || sinks->shape(0) != q.shape(1))) {
+    throw std::invalid_argument("paged_attention: sinks must be [H], one per query head");
+  }
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   auto i32 = [&](const mx::array& a) { return mx::astype(a, mx::int32, s); };
+  std::vector<mx::array> inputs{q, key_pool, value_pool, i32(block_tables), i32(context_lens), i32(positions),
+                                i32(token_seq)};
+  if (sinks) inputs.push_back(mx::astype(*sinks, mx::float32, s));
   return mx::array(
       {q.shape(0), q.shape(1), value_dim > 0 ? value_dim : q.shape(2)}, mx::float32,
-      std::make_shared<PagedAttention>(s, block_size, scale, window, softcap, value_dim),
-      {q, key_pool, value_pool, i32(block_tables), i32(context_lens), i32(positions), i32(token_seq)});
+      std::make_shared<PagedAttention>(s, block_size, scale, window, softcap, sinks.has_value(), value_dim),
+      inputs);
 }
 
 }  // namespace mlx_infer

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "mlx/mlx.h"
@@ -20,6 +21,7 @@ struct AttentionArgs {
   const int32_t* context_lens;
   const int32_t* positions;
   const int32_t* token_seq;
+  const float* sinks;  // [H] logits joining each softmax's denominator (gpt-oss), or nullptr
   float* out;
   int T, H, D, n_kv, max_blocks, block_size, window;
   float scale, softcap;
@@ -63,8 +65,10 @@ struct AttentionInputs {
 // Token t belongs to sequence token_seq[t] at position positions[t] and sees keys
 // j <= positions[t], j < context_lens[seq] (and j > positions[t] - window when window > 0), read
 // from slot block_tables[seq, j / block_size] * block_size + j % block_size. softcap > 0 applies
-// tanh soft-capping to the scores. value_dim > 0: the values are the first value_dim of each value
-// row (which may be the key pool itself). Returns [T, H, value_dim or D] float32.
+// tanh soft-capping to the scores. sinks ([H] float32, optional): a logit per query head added to
+// each softmax's denominator with no value (gpt-oss), so a head's weights may sum to less than one.
+// value_dim > 0: the values are the first value_dim of each value row (which may be the key pool itself,
+// MLA's latent rows). Returns [T, H, value_dim or D] float32.
 mlx::core::array paged_attention(
     const mlx::core::array& q,
     const mlx::core::array& key_pool,
@@ -77,6 +81,7 @@ mlx::core::array paged_attention(
     float scale,
     int window,
     float softcap,
+    const std::optional<mlx::core::array>& sinks,
     int value_dim = 0);
 
 }  // namespace mlx_infer
