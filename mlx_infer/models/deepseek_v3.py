@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_infer.errors import InvalidCheckpoint, UnsupportedArchitecture
+from mlx_infer.errors import UnsupportedArchitecture
 from mlx_infer.models.base import (
     BaseModelArgs,
     BatchMetadata,
@@ -39,10 +39,9 @@ from mlx_infer.models.base import (
 )
 from mlx_infer.models.llama import MLP
 from mlx_infer.models.mla import MultiLinear, latent_attention
-from mlx_infer.models.qwen3_moe import SwitchGLU
+from mlx_infer.models.qwen3_moe import SwitchGLU, stack_experts
 from mlx_infer.models.rope_config import resolve_rope, scaling_type
 
-_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # (topk_method, scoring_func) of the routers here: DeepSeek V3's, and V2's greedy and group-limited ones.
 ROUTINGS = (("noaux_tc", "sigmoid"), ("greedy", "softmax"), ("group_limited_greedy", "softmax"))
 
@@ -283,20 +282,9 @@ class Model(CausalLM):
         weights = {_llama_cpp_name(k): v for k, v in weights.items()}
         for i in range(n_layers):
             prefix = f"model.layers.{i}"
-            self._stack_experts(weights, f"{prefix}.mlp")
+            stack_experts(weights, f"{prefix}.mlp", self.args.n_routed_experts, self.args.model_type)
             self._split_kv_b(weights, f"{prefix}.self_attn")
         return weights
-
-    def _stack_experts(self, weights: dict[str, mx.array], prefix: str) -> None:
-        if f"{prefix}.experts.0.gate_proj.weight" not in weights:
-            return  # a dense layer, or experts already stacked
-        n_experts, kind = self.args.n_routed_experts, self.args.model_type
-        for name in _PROJECTIONS:
-            try:
-                experts = [weights.pop(f"{prefix}.experts.{e}.{name}.weight") for e in range(n_experts)]
-            except KeyError as err:
-                raise InvalidCheckpoint(f"{kind}: missing expert tensor {err.args[0]}") from None
-            weights[f"{prefix}.switch_mlp.{name}.weight"] = mx.stack(experts)
 
     def _split_kv_b(self, weights: dict[str, mx.array], prefix: str) -> None:
         """``kv_b_proj`` [heads * (nope + v), kv_lora_rank] -> ``embed_q`` [heads, kv_lora_rank, nope] (its
