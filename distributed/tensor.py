@@ -65,8 +65,8 @@ def shard_tensor(model: nn.Module, group: mx.distributed.Group) -> TensorShard:
     if any(hasattr(layer.self_attn, "kv_lora_rank") for layer in model.layers):
         # Every head reads the one latent row of a token, so the pools cannot be split by KV heads.
         raise DistributedError(
-            "tensor parallel does not split multi-head latent attention (MLA: DeepSeek V3, Kimi K2); "
-            "use --strategy pipeline"
+            "tensor parallel does not split multi-head latent attention (MLA: DeepSeek, Kimi K2, "
+            "GLM-4.7-Flash); use --strategy pipeline"
         )
     shard = TensorShard(group, model.embed(mx.array([0])).dtype)
     n_kv_heads = head_dim = None
