@@ -70,7 +70,7 @@ class ModelArgs(BaseModelArgs):
     topk_group: int | None = 1
     num_experts_per_tok: int = 1
     moe_layer_freq: int = 1
-    first_k_dense_replace: int | None = 0
+    first_k_dense_replace: int | None = None  # default: transformers' (see __post_init__)
     mlp_layer_types: list[str] | None = None  # GLM-4.7-Flash: "dense" / "sparse" per layer
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
@@ -93,6 +93,9 @@ class ModelArgs(BaseModelArgs):
                 f"{self.model_type}: routing {self.topk_method}/{self.scoring_func} is not supported "
                 f"(supported: {', '.join('/'.join(r) for r in ROUTINGS)})"
             )
+        if self.first_k_dense_replace is None and self.mlp_layer_types is None:
+            # transformers' defaults for a config that leaves both out (GLM's: dense first, then sparse)
+            self.first_k_dense_replace = {"deepseek_v2": 0, "glm4_moe_lite": 1}.get(self.model_type, 3)
         self.n_group = self.n_group or 1
         self.topk_group = self.topk_group or 1
 
@@ -110,7 +113,7 @@ class ModelArgs(BaseModelArgs):
             return self.mlp_layer_types[layer_idx] == "sparse"
         return (
             bool(self.n_routed_experts)
-            and layer_idx >= (self.first_k_dense_replace or 0)
+            and layer_idx >= self.first_k_dense_replace
             and layer_idx % self.moe_layer_freq == 0
         )
 
