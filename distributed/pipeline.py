@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer.errors import DistributedError
-from mlx_infer.models.base import BatchMetadata, LayerKV, select_rows
+from mlx_infer.models.base import BatchMetadata, KVSpec, LayerKV, select_rows
 
 from .traffic import Traffic
 
@@ -107,14 +107,43 @@ def shard_pipeline(
     weights = weights_fraction or [1.0] * size
     if len(weights) != size:
         raise DistributedError(f"pipeline weights name {len(weights)} ranks but the group has {size}")
-    start, stop = layer_ranges(len(model.layers), weights)[rank]
+    ranges = layer_ranges(len(model.layers), weights)
+    start, stop = ranges[rank]
+    layout = _stage_layout(model, ranges, rank)
     dtype = model.embed(mx.array([0])).dtype  # lazy: only the dtype is read, nothing is evaluated
     owner = _layers_owner(model)
     owner.layers = model.layers[start:stop]
+    model.kv_layout = lambda: layout  # an instance attribute shadows the method
     if rank != 0:
         for parent, name in ((owner, "embed_tokens"), (owner, "norm"), (model, "lm_head")):
             parent.pop(name, None)
     return PipelineShard(group, start, stop, model.args.hidden_size, dtype)
+
+
+def _stage_layout(model: nn.Module, ranges: list[tuple[int, int]], rank: int) -> list[KVSpec]:
+    """The K/V layout of ``rank``'s layers, a sharing layer's source renumbered within the stage.
+
+    Refuses what a stage cannot run: layers that take per-layer inputs (Gemma 4's), which travel
+    beside the hidden state, and a layer reading the K/V of a layer another stage holds (checked
+    for every stage, so that every rank refuses alike)."""
+    name = getattr(model.args, "model_type", type(model).__module__)
+    if getattr(model, "needs_per_layer_inputs", False):
+        raise DistributedError(
+            f"{name}: its layers take per-layer inputs beside the hidden state, which a pipeline does not "
+            "pass between stages; run it in one process"
+        )
+    layout = model.kv_layout()
+    for first, last in ranges:
+        for i in range(first, last):
+            source = layout[i].source
+            if source is not None and not first <= source < last:
+                raise DistributedError(
+                    f"{name}: layer {i} reads the K/V of layer {source}, which another pipeline stage "
+                    f"holds (stages {ranges}); weight the hosts so both fall in one stage, or run it in "
+                    "one process"
+                )
+    start, stop = ranges[rank]
+    return [s if s.owns_pool else replace(s, source=s.source - start) for s in layout[start:stop]]
 
 
 def _layers_owner(model: nn.Module) -> nn.Module:

@@ -68,6 +68,13 @@ def shard_tensor(model: nn.Module, group: mx.distributed.Group) -> TensorShard:
             "tensor parallel does not split multi-head latent attention (MLA: DeepSeek, Kimi K2, "
             "GLM-4.7-Flash); use --strategy pipeline"
         )
+    if getattr(model, "needs_per_layer_inputs", False) or len(set(model.kv_layout())) > 1:
+        name = getattr(model.args, "model_type", type(model).__module__)
+        raise DistributedError(
+            f"{name}: tensor parallelism splits layers that all keep the same K/V and "
+            "take only the hidden state; this model's layers differ (K/V sizes, K/V shared across "
+            "layers, or per-layer inputs); use the pipeline strategy or one process"
+        )
     shard = TensorShard(group, model.embed(mx.array([0])).dtype)
     n_kv_heads = head_dim = None
     for layer in model.layers:

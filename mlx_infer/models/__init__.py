@@ -21,6 +21,8 @@ MODEL_TYPES: dict[str, str] = {
     "glm4_moe": "glm4_moe",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "gemma4_text": "gemma4",
+    "gemma4": "gemma4",
     "phi3": "phi3",
     "gpt_oss": "gpt_oss",
     "deepseek_v3": "deepseek_v3",

@@ -162,7 +162,7 @@ class MLP(nn.Module):
         return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _residual(x: mx.array, y: mx.array) -> mx.array:
+def residual(x: mx.array, y: mx.array) -> mx.array:
     """``x + y``; in float16 Gemma's activations overflow, so add in float32 and clip to the range."""
     if x.dtype != mx.float16:
         return x + y
@@ -182,8 +182,8 @@ class TransformerBlock(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps)
 
     def __call__(self, x: mx.array, kv: LayerKV, meta: BatchMetadata) -> mx.array:
-        h = _residual(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), kv, meta)))
-        return _residual(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+        h = residual(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), kv, meta)))
+        return residual(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
 
 
 class Gemma3Model(nn.Module):
@@ -200,25 +200,37 @@ class Model(CausalLM):
         self.model = Gemma3Model(args)
 
     def embed(self, tokens: mx.array) -> mx.array:
-        h = self.model.embed_tokens(tokens)
-        # transformers rounds the scale to the weights' dtype before multiplying.
-        return h * mx.array(math.sqrt(self.args.hidden_size), dtype=mx.float32).astype(h.dtype)
+        return scaled(self.model.embed_tokens(tokens), math.sqrt(self.args.hidden_size))
 
     def head(self, h: mx.array) -> mx.array:
-        out = super().head(h)
-        cap = self.args.final_logit_softcapping
-        return out if cap is None else mx.tanh(out / cap) * cap
+        return softcap(super().head(h), self.args.final_logit_softcapping)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        out = {}
-        for name, value in weights.items():
-            if name.startswith(_DROPPED_PREFIXES) or "rotary_emb.inv_freq" in name:
-                continue
-            for prefix, replacement in _TEXT_PREFIXES.items():
-                if name.startswith(prefix):
-                    name = replacement + name[len(prefix) :]
-                    break
-            out[name] = value
+        out = text_tower(weights, _DROPPED_PREFIXES)
         if self.args.tie_word_embeddings:
             out.pop("lm_head.weight", None)
         return out
+
+
+def scaled(h: mx.array, scale: float) -> mx.array:
+    """An embedding times ``scale``: transformers rounds the scale to the weights' dtype first."""
+    return h * mx.array(scale, dtype=mx.float32).astype(h.dtype)
+
+
+def softcap(x: mx.array, cap: float | None) -> mx.array:
+    return x if cap is None else mx.tanh(x / cap) * cap
+
+
+def text_tower(weights: dict[str, mx.array], dropped: tuple[str, ...]) -> dict[str, mx.array]:
+    """The text tower's weights under the text-only names (``model.``, ``lm_head.``), without the
+    ``dropped`` towers and RoPE buffers."""
+    out = {}
+    for name, value in weights.items():
+        if name.startswith(dropped) or "rotary_emb.inv_freq" in name:
+            continue
+        for prefix, replacement in _TEXT_PREFIXES.items():
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix) :]
+                break
+        out[name] = value
+    return out

@@ -209,15 +209,17 @@ def _folder_metadata(folder: Path) -> Metadata:
     params = dict(tree_flatten(model.parameters()))
     modules = dict(model.named_modules())
     tied = "lm_head.weight" not in params
-    experts = config.get("num_experts_per_tok", 1) / _expert_count(config)
+    text = config.get("text_config", config)
+    chosen = text.get("num_experts_per_tok") or text.get("top_k_experts") or 1  # gemma4: top_k_experts
+    experts = chosen / _expert_count(text)
     # gpt-oss's official checkpoints: every expert matrix MXFP4 (models/gpt_oss.py).
     mxfp4 = (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     tensors = []
     for name, p in params.items():
         module, _, suffix = name.rpartition(".")
         expert = ".switch_mlp." in name or ".experts." in name
-        if module.endswith("embed_tokens") and not tied:
-            fraction = 0.0  # a lookup reads one row per token; the untied head is read instead
+        if (module.endswith("embed_tokens") and not tied) or module.endswith("embed_tokens_per_layer"):
+            fraction = 0.0  # a lookup reads one row per token (an untied head is read instead)
         elif expert:
             fraction = experts
         else:

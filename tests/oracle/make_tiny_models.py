@@ -58,6 +58,17 @@ _PIXTRAL = dict(
     head_dim=16, image_size=28, patch_size=14,
 )
 
+
+def _gemma4_rope() -> dict:
+    """A fresh dict each call: transformers mutates rope_parameters in place."""
+    return {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 3000.0},
+        "full_attention": {
+            "rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 100000.0,
+        },
+    }
+
+
 # name -> transformers config kwargs (``model_type`` picks the config class). Keep them small: the
 # folders are committed.
 ARCHS: dict[str, dict] = {
@@ -181,6 +192,26 @@ ARCHS: dict[str, dict] = {
             "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
             "truncate": False, "original_max_position_embeddings": 32,
         },
+    ),
+    # Gemma 4 small ("E2B"-like): per-layer inputs, the last two layers (one of each type) reading the
+    # K/V of layers 2 and 3 with double-wide MLPs, wider global heads with proportional (partial) RoPE.
+    "gemma4_text": dict(
+        _BASE, model_type="gemma4_text", num_hidden_layers=6, head_dim=16, global_head_dim=32,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 3, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, use_double_wide_mlp=True,
+        final_logit_softcapping=30.0, rope_parameters=_gemma4_rope(),
+    ),
+    # Gemma 4 large ("26B-A4B"-like), composite config: keys equal values on global layers (one KV head
+    # there), a dense MLP plus routed experts in every layer, no per-layer inputs.
+    "gemma4": dict(
+        model_type="gemma4", vision_config=None, audio_config=None,
+        text_config=dict(
+            _BASE, model_type="gemma4_text", num_hidden_layers=4, head_dim=16, global_head_dim=32,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+            attention_k_eq_v=True, num_global_key_value_heads=1, hidden_size_per_layer_input=0,
+            enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+            final_logit_softcapping=30.0, rope_parameters=_gemma4_rope(),
+        ),
     ),
 }
 
