@@ -81,6 +81,13 @@ class ModelArgs(BaseModelArgs):
     attention_bias: bool = False
     tie_word_embeddings: bool = False
 
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> ModelArgs:
+        if "text_config" in params:  # Kimi K2.5 / K2.6 (kimi_k25): keep only the text model
+            text = params["text_config"]
+            params = {**text, "model_type": text.get("model_type", "deepseek_v3")}
+        return super().from_dict(params)
+
     def __post_init__(self):
         self.rope_theta, self.rope_scaling = resolve_rope(
             self.model_type, self.rope_theta, self.rope_scaling, self.rope_parameters, 10000.0
@@ -278,7 +285,7 @@ class Model(CausalLM):
         return [KVSpec(1, self.args.latent_dim, values_in_keys=True)] * len(self.layers)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = super().sanitize(weights)
+        weights = super().sanitize(text_model(weights))
         n_layers = self.args.num_hidden_layers
         # Multi-token-prediction modules are saved as layers past the last one; nothing here runs them.
         weights = {k: v for k, v in weights.items() if _layer_index(k) is None or _layer_index(k) < n_layers}
@@ -323,6 +330,28 @@ def _llama_cpp_name(name: str) -> str:
         if theirs in name:
             return name.replace(theirs, ours)
     return name
+
+
+# The text model inside a composite (Kimi K2.5): its prefixes in the original checkpoints, as
+# transformers saves it (blocks for layers) and as transformers 5 holds it; the other towers are dropped.
+_TEXT_PREFIXES = {
+    "language_model.model.blocks.": "model.layers.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",
+}
+_OTHER_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "model.vision_tower.",
+                 "model.mm_projector.", "model.multi_modal_projector.")  # fmt: skip
+
+
+def text_model(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    out = {}
+    for name, value in weights.items():
+        if name.startswith(_OTHER_TOWERS):
+            continue
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        out[name if prefix is None else _TEXT_PREFIXES[prefix] + name[len(prefix) :]] = value
+    return out
 
 
 def _layer_index(name: str) -> int | None:

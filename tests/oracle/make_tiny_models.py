@@ -118,6 +118,23 @@ ARCHS: dict[str, dict] = {
             "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
         },
     ),
+    # Kimi K2.5 / K2.6: a vision tower the text model ignores around DeepSeek V3 (saved as transformers
+    # lays the composite out: language_model.model.blocks.*).
+    "kimi_k25": dict(
+        model_type="kimi_k25", auto_class="AutoModelForImageTextToText", tie_word_embeddings=False,
+        text_config=dict(
+            _BASE, model_type="deepseek_v3", num_key_value_heads=4, first_k_dense_replace=1, q_lora_rank=16,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+            n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+            routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 3000.0},
+        ),
+        vision_config=dict(
+            patch_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            pos_emb_height=4, pos_emb_width=4, pos_emb_time=2,
+        ),
+        projection_hidden_size=32,
+    ),
     # GLM-4.7-Flash: DeepSeek V3's attention and router under GLM's names; dense/sparse layers by list.
     "glm4_moe_lite": dict(
         _BASE, model_type="glm4_moe_lite", num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32,
