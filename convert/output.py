@@ -27,6 +27,7 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
     "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
     "added_tokens.json",
+    "tiktoken.model", "tokenization_kimi.py",  # Kimi's tokenizer (the .py for mlx-lm, which runs it)
 )
 
 

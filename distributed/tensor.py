@@ -62,6 +62,12 @@ class TensorShard:
 def shard_tensor(model: nn.Module, group: mx.distributed.Group) -> TensorShard:
     """Split every block of ``model`` (in place) into this rank's share; refuse shapes that do not divide."""
     size, rank = group.size(), group.rank()
+    if any(hasattr(layer.self_attn, "kv_lora_rank") for layer in model.layers):
+        # Every head reads the one latent row of a token, so the pools cannot be split by KV heads.
+        raise DistributedError(
+            "tensor parallel does not split multi-head latent attention (MLA: DeepSeek, Kimi K2, "
+            "GLM-4.7-Flash); use --strategy pipeline"
+        )
     if getattr(model, "needs_per_layer_inputs", False) or len(set(model.kv_layout())) > 1:
         name = getattr(model.args, "model_type", type(model).__module__)
         raise DistributedError(

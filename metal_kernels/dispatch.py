@@ -32,13 +32,14 @@ def _kernel_paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: mx.array | None = None,
+    value_dim: int | None = None,
     *,
     launch: Launcher = metal_launch,
 ) -> mx.array:
     from mlx_infer.metal_kernels.paged_attention import paged_attention
 
     return paged_attention(queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap, sinks,
-                           launch=launch)
+                           value_dim, launch=launch)
 
 
 def _kernel_quantized_matmul(
@@ -100,14 +101,15 @@ def _cpu_paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: mx.array | None = None,
+    value_dim: int | None = None,
 ) -> mx.array:
     """Off Metal: the native CPU kernel where it is built and the dtypes suit it, else the reference."""
-    if cpu_kernels.supports_attention(queries, key_pool):
+    if cpu_kernels.supports_attention(queries, key_pool) and (value_dim or 0) % 8 == 0:
         return cpu_kernels.paged_attention(
-            queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap, sinks
+            queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap, sinks, value_dim
         )
     return reference.paged_attention(
-        queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap, sinks
+        queries, key_pool, value_pool, meta, scale, sliding_window, logit_softcap, sinks, value_dim
     )
 
 

@@ -38,20 +38,22 @@ _BODY = """
   const int stop = min(n_keys, start + PART);
   if (WINDOW) start = max(start, pos + 1 - window);
   constexpr int PER_LANE = (D + 31) / 32;
+  constexpr int PER_LANE_V = (VD + 31) / 32;
 
-  // This lane's slice of the (pre-scaled) query: dims lane, lane + 32, ...
+  // This lane's slice of the (pre-scaled) query: dims lane, lane + 32, ...; and of the output.
   float q[PER_LANE];
-  float acc[PER_LANE];
+  float acc[PER_LANE_V];
   for (int i = 0; i < PER_LANE; i++) {
     const int d = int(lane) + 32 * i;
     q[i] = d < D ? float(queries[(size_t(tok) * H + head) * D + d]) * scale : 0.0f;
-    acc[i] = 0.0f;
   }
+  for (int i = 0; i < PER_LANE_V; i++) acc[i] = 0.0f;
   float m = -MAXFLOAT;  // finite, so exp(m - m_new) is 0 (not NaN) before the first key
   float l = 0.0f;
   for (int j = start + int(sg); j < stop; j += N_SIMD) {
     const int slot = block_tables[seq * MAX_BLOCKS + j / BS] * BS + j % BS;
     const size_t base = (size_t(slot) * HKV + kv_head) * ROW;
+    const size_t vbase = (size_t(slot) * HKV + kv_head) * VROW;  // values: the first VD of a VROW row
     float partial = 0.0f;
     for (int i = 0; i < PER_LANE; i++) {
       const int d = int(lane) + 32 * i;
@@ -61,7 +63,7 @@ _BODY = """
     float v_scale = 1.0f;
     if (KV_INT8) {
       s *= row_scale(key_pool, base + D);
-      v_scale = row_scale(value_pool, base + D);
+      v_scale = row_scale(value_pool, vbase + VROW - 4);
     }
     if (SOFTCAP) s = metal::precise::tanh(s / softcap) * softcap;
     const float m_new = max(m, s);
@@ -69,23 +71,23 @@ _BODY = """
     const float p = metal::exp(s - m_new);
     l = l * alpha + p;
     const float pv = p * v_scale;
-    for (int i = 0; i < PER_LANE; i++) {
+    for (int i = 0; i < PER_LANE_V; i++) {
       const int d = int(lane) + 32 * i;
-      if (d < D) acc[i] = acc[i] * alpha + pv * float(value_pool[base + d]);
+      if (d < VD) acc[i] = acc[i] * alpha + pv * float(value_pool[vbase + d]);
     }
     m = m_new;
   }
 
   threadgroup float sg_max[N_SIMD];
   threadgroup float sg_sum[N_SIMD];
-  threadgroup float sg_acc[N_SIMD * D];
+  threadgroup float sg_acc[N_SIMD * VD];
   if (lane == 0) {
     sg_max[sg] = m;
     sg_sum[sg] = l;
   }
-  for (int i = 0; i < PER_LANE; i++) {
+  for (int i = 0; i < PER_LANE_V; i++) {
     const int d = int(lane) + 32 * i;
-    if (d < D) sg_acc[sg * D + d] = acc[i];
+    if (d < VD) sg_acc[sg * VD + d] = acc[i];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float big = -MAXFLOAT;
@@ -94,16 +96,16 @@ _BODY = """
   SINK
   for (int s = 0; s < N_SIMD; s++) total += sg_sum[s] * metal::exp(sg_max[s] - big);
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  for (int d = int(thread_index_in_threadgroup); d < D; d += N_SIMD * 32) {
+  for (int d = int(thread_index_in_threadgroup); d < VD; d += N_SIMD * 32) {
     float o = 0.0f;
-    for (int s = 0; s < N_SIMD; s++) o += sg_acc[s * D + d] * metal::exp(sg_max[s] - big);
+    for (int s = 0; s < N_SIMD; s++) o += sg_acc[s * VD + d] * metal::exp(sg_max[s] - big);
     EPILOGUE
   }
 """
 
-_SINGLE = """out[(size_t(tok) * H + head) * D + d] = static_cast<O>(o * inv);"""
+_SINGLE = """out[(size_t(tok) * H + head) * VD + d] = static_cast<O>(o * inv);"""
 _PARTIAL = """const size_t row = (size_t(tok) * H + head) * PARTS + part;
-    part_out[row * D + d] = o * inv;
+    part_out[row * VD + d] = o * inv;
     if (d == 0) {
       part_max[row] = big;
       part_sum[row] = total;
@@ -173,6 +175,7 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: mx.array | None = None,
+    value_dim: int | None = None,
     *,
     launch: Launcher = metal_launch,
     partition_keys: int | None = None,
@@ -180,6 +183,9 @@ def paged_attention(
     """Same contract as ``reference.paged_attention``; ``partition_keys`` forces the split-KV variant.
     ``head_dim`` comes from the queries: an int8 pool's rows are 4 bytes longer."""
     n_tokens, n_heads, head_dim = queries.shape
+    value_row = value_pool.shape[2]
+    value_dim = value_dim or value_row - (4 if value_pool.dtype == mx.int8 else 0)
+    out_shape = (n_tokens, n_heads, value_dim)
     n_kv = key_pool.shape[1]
     key_len = meta.key_slots.shape[1]  # host-known bound on every context length
     if partition_keys is None and n_tokens * n_heads < MIN_THREADGROUPS and key_len > 2 * PARTITION_KEYS:
@@ -200,7 +206,8 @@ def paged_attention(
         ("MAX_BLOCKS", meta.block_tables.shape[1]), ("N_SIMD", N_SIMD),
         ("PART", partition_keys or key_len), ("PARTS", parts),
         ("WINDOW", sliding_window is not None), ("SOFTCAP", logit_softcap is not None),
-        ("KV_INT8", key_pool.dtype == mx.int8), ("ROW", key_pool.shape[2]),
+        ("KV_INT8", key_pool.dtype == mx.int8), ("ROW", key_pool.shape[2]), ("VD", value_dim),
+        ("VROW", value_row),
     ]
     grid = (32 * N_SIMD * parts, n_heads, n_tokens)
     threadgroup = (32 * N_SIMD, 1, 1)
@@ -208,17 +215,17 @@ def paged_attention(
     if parts == 1:
         spec = ATTENTION if sinks is None else ATTENTION_SINKS
         (out,) = launch(spec, inputs=inputs + sink_inputs, template=template, grid=grid,
-                        threadgroup=threadgroup, output_shapes=[queries.shape], output_dtypes=[queries.dtype])
+                        threadgroup=threadgroup, output_shapes=[out_shape], output_dtypes=[queries.dtype])
         return out
     rows = n_tokens * n_heads * parts
     partial = launch(
         ATTENTION_PARTIAL, inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
-        output_shapes=[(rows, head_dim), (rows,), (rows,)], output_dtypes=[mx.float32] * 3,
+        output_shapes=[(rows, value_dim), (rows,), (rows,)], output_dtypes=[mx.float32] * 3,
     )
     (out,) = launch(
         REDUCE if sinks is None else REDUCE_SINKS, inputs=partial + sink_inputs,
-        template=[("O", queries.dtype), ("D", head_dim), ("H", n_heads), ("PARTS", parts)],
+        template=[("O", queries.dtype), ("D", value_dim), ("H", n_heads), ("PARTS", parts)],
         grid=(32, n_heads, n_tokens), threadgroup=(32, 1, 1),
-        output_shapes=[queries.shape], output_dtypes=[queries.dtype],
+        output_shapes=[out_shape], output_dtypes=[queries.dtype],
     )
     return out

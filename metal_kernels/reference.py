@@ -30,9 +30,12 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: mx.array | None = None,
+    value_dim: int | None = None,
 ) -> mx.array:
     """Attention of ragged queries ``[T, H, D]`` over paged K/V pools ``[slots, n_kv_heads, D]``
-    (or int8 pools ``[slots, n_kv_heads, D + 4]``, see ``models/base.py: LayerKV``).
+    (or int8 pools ``[slots, n_kv_heads, D + 4]``, see ``models/base.py: LayerKV``). With
+    ``value_dim`` the values are the first ``value_dim`` of each value row, and the output
+    ``[T, H, value_dim]`` (multi-head latent attention reads them out of the key pool itself).
 
     Gathers each sequence's keys by its block table into ``[B, n_kv, L, D]``, pads the queries
     to ``[B, Qmax]``, attends with a causal/context/window mask and unpads. Masked positions
@@ -52,10 +55,15 @@ def paged_attention(
         q = queries if meta.q_pad_index is None else queries[meta.q_pad_index.reshape(-1)]
         q = q.reshape(batch, q_max, n_heads, head_dim).transpose(0, 2, 1, 3)
     keys = _gather_heads_first(key_pool, meta)
-    values = _gather_heads_first(value_pool, meta)
+    values = keys if value_pool is key_pool else _gather_heads_first(value_pool, meta)
     out_dtype = q.dtype
     if key_pool.dtype != q.dtype:
-        q, keys, values = q.astype(mx.float32), _widen(keys), _widen(values)
+        same = values is keys
+        q, keys = q.astype(mx.float32), _widen(keys)
+        values = keys if same else _widen(values)
+    if value_dim is not None:
+        values = values[..., :value_dim]
+    out_dim = values.shape[-1]
     # Every layer of a step (of the same window) shares one mask: built once, not once per layer.
     key_len = keys.shape[2]
     mask = _step.get(meta, (key_len, sliding_window), lambda: attention_mask(meta, key_len, sliding_window))
@@ -68,8 +76,8 @@ def paged_attention(
         out = _softcapped_attention(q, keys, values, mask, scale, logit_softcap, sinks)
     out = out.astype(out_dtype)
     if q_max == 1:
-        return out.reshape(batch, n_heads, head_dim)
-    out = out.transpose(0, 2, 1, 3).reshape(batch * q_max, n_heads, head_dim)
+        return out.reshape(batch, n_heads, out_dim)
+    out = out.transpose(0, 2, 1, 3).reshape(batch * q_max, n_heads, out_dim)
     return out if meta.q_unpad_index is None else out[meta.q_unpad_index]
 
 
@@ -114,7 +122,7 @@ def _softcapped_attention(
         weights = weights[..., :-1]
     weights = weights.reshape(batch, n_kv, rep * q_len, -1)
     out = weights @ values.astype(mx.float32)
-    return out.reshape(batch, n_heads, q_len, head_dim).astype(values.dtype)
+    return out.reshape(batch, n_heads, q_len, values.shape[-1]).astype(values.dtype)
 
 
 def quantized_matmul(

@@ -17,6 +17,7 @@ from mlx_infer.chat_template import render_chat, select_template
 from mlx_infer.detokenizer import IncrementalDetokenizer
 from mlx_infer.errors import InvalidCheckpoint, InvalidRequest
 from mlx_infer.tokenizer_gguf import bos_eos_post_processor, build_gguf_vocab
+from mlx_infer.tokenizer_tiktoken import is_kimi_folder, kimi_backend
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]
 
@@ -69,13 +70,16 @@ class Tokenizer:
         """Load tokenizer.json, tokenizer_config.json, generation_config.json and chat_template.jinja."""
         folder = Path(path)
         tok_file = folder / "tokenizer.json"
-        if not tok_file.is_file():
-            raise InvalidCheckpoint(f"no tokenizer.json in {folder}")
-        try:
-            backend = tokenizers.Tokenizer.from_file(str(tok_file))
-        except Exception as e:  # tokenizers raises plain Exception on malformed files
-            raise InvalidCheckpoint(f"cannot read {tok_file}: {e}") from e
         config = _read_json(folder / "tokenizer_config.json")
+        if not tok_file.is_file() and is_kimi_folder(folder, config):
+            backend = kimi_backend(folder, config)  # a tiktoken rank file instead (Kimi K2)
+        elif not tok_file.is_file():
+            raise InvalidCheckpoint(f"no tokenizer.json in {folder}")
+        else:
+            try:
+                backend = tokenizers.Tokenizer.from_file(str(tok_file))
+            except Exception as e:  # tokenizers raises plain Exception on malformed files
+                raise InvalidCheckpoint(f"cannot read {tok_file}: {e}") from e
         special = {name: _token_text(config.get(name)) for name in _NAMED_SPECIAL}
         for name, value in _read_json(folder / "special_tokens_map.json").items():
             if name in _NAMED_SPECIAL and special.get(name) is None:

@@ -129,9 +129,11 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: mx.array | None = None,
+    value_dim: int | None = None,
 ) -> mx.array:
     """Same contract as ``metal_kernels.reference.paged_attention``, for float32 queries over pools of
-    any :data:`KV_POOL_DTYPES` (:func:`supports_attention`), read where they lie."""
+    any :data:`KV_POOL_DTYPES` (:func:`supports_attention`, and a ``value_dim`` multiple of 8), read
+    where they lie."""
     return _native.paged_attention(
         queries,
         key_pool,
@@ -145,6 +147,7 @@ def paged_attention(
         sliding_window or 0,
         logit_softcap or 0.0,
         sinks,
+        value_dim or 0,
     )
 
 

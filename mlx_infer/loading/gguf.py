@@ -71,6 +71,18 @@ HF_NAMES: dict[MODEL_TENSOR, str] = {
 PERMUTED_QK = ("llama", "smollm3", "mistral3")
 ARCH_OVERRIDES: dict[str, dict[MODEL_TENSOR, str]] = {
     "phi3": {MODEL_TENSOR.FFN_UP: L + "mlp.gate_up_proj"},  # Phi-3 keeps gate and up fused
+    # DeepSeek V2/V3, Kimi K2 (MLA). llama.cpp's converter splits kv_b_proj into k_b_proj (transposed) and
+    # v_b_proj: deepseek_v3's sanitize maps those, and the router bias's name.
+    "deepseek2": {
+        MODEL_TENSOR.ATTN_Q_A: L + "self_attn.q_a_proj",
+        MODEL_TENSOR.ATTN_Q_A_NORM: L + "self_attn.q_a_layernorm",
+        MODEL_TENSOR.ATTN_Q_B: L + "self_attn.q_b_proj",
+        MODEL_TENSOR.ATTN_KV_A_MQA: L + "self_attn.kv_a_proj_with_mqa",
+        MODEL_TENSOR.ATTN_KV_A_NORM: L + "self_attn.kv_a_layernorm",
+        MODEL_TENSOR.ATTN_KV_B: L + "self_attn.kv_b_proj",
+        MODEL_TENSOR.ATTN_K_B: L + "self_attn.k_b_proj",
+        MODEL_TENSOR.ATTN_V_B: L + "self_attn.v_b_proj",
+    },
     "gpt-oss": {  # mlx_infer/models/gpt_oss.py's names; sinks arrive as ``sinks.weight`` (its sanitize)
         MODEL_TENSOR.ATTN_SINKS: L + "self_attn.sinks",
         MODEL_TENSOR.FFN_GATE_INP: L + "mlp.router",

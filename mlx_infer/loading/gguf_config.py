@@ -27,6 +27,7 @@ MODEL_TYPES = {
     # llama.cpp's "mistral3" is the text model of Mistral 3 / Ministral 3 (YaRN, query temperature).
     "mistral3": "ministral3",
     "gpt-oss": "gpt_oss",
+    "deepseek2": "deepseek_v3",  # DeepSeek V2/V3/R1, Kimi K2
 }
 
 
@@ -143,6 +144,46 @@ def _phi3(config: dict[str, Any], get, head_dim: int) -> None:
         config["partial_rotary_factor"] = int(rotary) / head_dim
 
 
+def _deepseek2(config: dict[str, Any], get, head_dim: int) -> None:
+    """MLA sizes and the DeepSeek V3 router. An MLA GGUF's key/value lengths are the latent row's
+    (kv_lora_rank + rope, kv_lora_rank); the per-head ones are the ``*_mla`` keys (in older files, the
+    plain ones)."""
+    rope_dim = int(get("rope.dimension_count"))
+    q_lora_rank = get("attention.q_lora_rank")
+    config.update(
+        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+        kv_lora_rank=int(get("attention.kv_lora_rank")),
+        qk_rope_head_dim=rope_dim,
+        qk_nope_head_dim=int(get("attention.key_length_mla", get("attention.key_length"))) - rope_dim,
+        v_head_dim=int(get("attention.value_length_mla", get("attention.value_length"))),
+        moe_intermediate_size=int(get("expert_feed_forward_length", config["intermediate_size"])),
+        n_routed_experts=get("expert_count"),
+        num_experts_per_tok=int(get("expert_used_count", 1)),
+        n_shared_experts=int(get("expert_shared_count", 0)),
+        routed_scaling_factor=float(get("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(get("expert_weights_norm", False)),
+        n_group=int(get("expert_group_count", 1)),
+        topk_group=int(get("expert_group_used_count", 1)),
+        first_k_dense_replace=int(get("leading_dense_block_count", 0)),
+        rope_interleave=True,  # llama.cpp rotates DeepSeek's (even, odd) pairs as the weights have them
+    )
+    # llama.cpp reads a missing gating function as DeepSeek V2's softmax routing.
+    sigmoid = get("expert_gating_func") == 2
+    config["scoring_func"] = "sigmoid" if sigmoid else "softmax"
+    grouped = config["n_group"] > 1
+    config["topk_method"] = "noaux_tc" if sigmoid else "group_limited_greedy" if grouped else "greedy"
+    scaling = config["rope_scaling"]
+    if scaling is not None:
+        for key in ("beta_fast", "beta_slow"):
+            if get(f"rope.scaling.yarn_{key}") is not None:
+                scaling[key] = float(get(f"rope.scaling.yarn_{key}"))
+        if get("rope.scaling.yarn_log_multiplier") is not None:
+            # The converter stores 0.1 * mscale_all_dim and drops mscale; llama.cpp's rope then applies no
+            # attention factor of its own, which is transformers' result for mscale == mscale_all_dim.
+            mscale = float(get("rope.scaling.yarn_log_multiplier")) / 0.1
+            scaling.update(mscale=mscale, mscale_all_dim=mscale)
+
+
 def _gpt_oss(config: dict[str, Any], get, head_dim: int) -> None:
     config["num_local_experts"] = int(get("expert_count"))
     config["num_experts_per_tok"] = int(get("expert_used_count"))
@@ -190,5 +231,5 @@ _TENSOR_FLAGS = {
 }
 _ARCH_EXTRAS = {
     "gemma3": _gemma3, "qwen3moe": _qwen3moe, "phi3": _phi3, "glm4moe": _glm4moe, "mistral3": _mistral3,
-    "gpt-oss": _gpt_oss,
+    "gpt-oss": _gpt_oss, "deepseek2": _deepseek2,
 }

@@ -8,7 +8,9 @@ from pathlib import Path
 from mlx_infer.errors import ModelNotFound
 
 # What a model needs: config and tokenizer JSON, weights, and a separate chat template if there is one.
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+ALLOW_PATTERNS = [
+    "*.json", "*.safetensors", "tokenizer.model", "tiktoken.model", "*.tiktoken", "*.txt", "*.jinja"
+]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

@@ -30,6 +30,11 @@ MODEL_TYPES: dict[str, str] = {
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
     "gpt_oss": "gpt_oss",
+    "deepseek_v3": "deepseek_v3",
+    "deepseek_v2": "deepseek_v3",  # V2 / V2.5 / V2-Lite: the same MLA, softmax routing
+    "kimi_k2": "deepseek_v3",  # Kimi K2 is DeepSeek V3 in config and weights
+    "kimi_k25": "deepseek_v3",  # Kimi K2.5 / K2.6: its text model (the vision tower is left out)
+    "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek V3's layers, GLM's defaults
 }
 
 # Encoders (bidirectional, no KV cache): embedding models only, built by mlx_infer.embedding.

@@ -74,6 +74,8 @@ class KVSpec:
     n_kv_heads: int
     head_dim: int
     source: int | None = None
+    # No V pool: the layer reads its values out of its key rows (MLA's latent rows, :class:`LatentKV`).
+    values_in_keys: bool = False
 
     @property
     def owns_pool(self) -> bool:
@@ -125,16 +127,51 @@ class LayerKV:
         return [self.keys, self.values]
 
 
+class LatentKV(LayerKV):
+    """A multi-head latent attention layer's pool (``models/mla.py``): ``[slots, 1, row]`` rows and no
+    value pool, the values being a prefix of each row, so ``values`` is the key pool itself."""
+
+    def __init__(self, num_blocks: int, block_size: int, head_dim: int, dtype: mx.Dtype):
+        self.block_size = block_size
+        self.head_dim = head_dim
+        row = head_dim + INT8_SCALE_BYTES if dtype == mx.int8 else head_dim
+        self.keys = mx.zeros((num_blocks * block_size, 1, row), dtype=dtype)
+
+    @property
+    def values(self) -> mx.array:  # type: ignore[override]
+        return self.keys
+
+    def write(self, keys: mx.array, values: mx.array | None, slot_mapping: mx.array) -> None:
+        """Scatter this step's ``[T, 1, row]`` rows (``values`` must be None: they are in the rows).
+
+        Rebinding ``self.keys`` drops the last reference to the old pool, so the scatter may donate it.
+        """
+        assert values is None, "a latent layer's values are a prefix of its rows"
+        pool = self.keys
+        self.keys = None  # type: ignore[assignment]
+        native = cpu_kernels.kv_write(pool, keys, slot_mapping)
+        if native is not None:
+            self.keys = native
+            return
+        pool[slot_mapping] = pool_rows(keys, pool.dtype)
+        self.keys = pool
+
+    def state(self) -> list[mx.array]:
+        return [self.keys]
+
+
 def new_cache(
     model: nn.Module, num_blocks: int, block_size: int, dtype: mx.Dtype, num_state_slots: int = 1
 ) -> list[LayerKV | LayerState]:
     """One entry per layer of ``model.kv_layout()``, unevaluated: a pool-owning layer's own
-    :class:`LayerKV`, a sharing layer the very object of its source, a recurrent layer (``StateSpec``)
-    its :class:`LayerState` of ``num_state_slots`` slots."""
+    :class:`LayerKV` (:class:`LatentKV` for MLA), a sharing layer the very object of its source, a
+    recurrent layer (``StateSpec``) its :class:`LayerState` of ``num_state_slots`` slots."""
     cache: list[LayerKV | LayerState] = []
     for spec in model.kv_layout():
         if isinstance(spec, StateSpec):
             cache.append(LayerState(num_state_slots, spec))
+        elif spec.values_in_keys:
+            cache.append(LatentKV(num_blocks, block_size, spec.head_dim, dtype))
         elif spec.owns_pool:
             cache.append(LayerKV(num_blocks, block_size, spec.n_kv_heads, spec.head_dim, dtype))
         else:

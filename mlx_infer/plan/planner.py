@@ -78,8 +78,13 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str
 
 
 def layout_bytes_per_token(layout: list[KVSpec], dtype: str) -> int:
-    """K and V bytes of one token over the layers of ``layout`` that own pools."""
-    return sum(kv_bytes_per_token(1, s.n_kv_heads, s.head_dim, dtype) for s in layout if s.owns_pool)
+    """K and V bytes of one token over the layers of ``layout`` that own pools; a layer whose values lie
+    in its key rows (MLA's latent) has no V pool."""
+    return sum(
+        kv_bytes_per_token(1, s.n_kv_heads, s.head_dim, dtype) // (2 if s.values_in_keys else 1)
+        for s in layout
+        if s.owns_pool
+    )
 
 
 def layout_state_bytes(layout: list) -> int:

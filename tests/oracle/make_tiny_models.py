@@ -90,6 +90,68 @@ ARCHS: dict[str, dict] = {
         },
     ),
     "phi3": dict(_BASE, model_type="phi3", partial_rotary_factor=0.5, tie_word_embeddings=False),
+    # MLA + group-limited sigmoid routing; YaRN whose mscale_all_dim scales the softmax by mscale² (equal
+    # to mscale, as in every DeepSeek and Kimi config and as GGUF assumes: it stores only mscale_all_dim).
+    # scoring_func/topk_method are not transformers' fields but real configs carry them (llama.cpp's
+    # converter writes the gating function from scoring_func); model.f32.gguf: make_tiny_gguf.py.
+    "deepseek_v3": dict(
+        _BASE, model_type="deepseek_v3", num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1,
+        scoring_func="sigmoid", topk_method="noaux_tc",
+        q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=32, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "mscale": 0.5, "mscale_all_dim": 0.5, "beta_fast": 32, "beta_slow": 1,
+        },
+    ),
+    # DeepSeek V2 (-Lite): the same MLA, softmax routing limited to the groups with the best single score;
+    # YaRN with mscale == mscale_all_dim as V2-Lite's (0.707).
+    "deepseek_v2": dict(
+        _BASE, model_type="deepseek_v2", num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1,
+        q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        num_experts_per_tok=3, n_shared_experts=2, moe_intermediate_size=16, routed_scaling_factor=1.5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 3000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+        },
+    ),
+    # Kimi K2.5 / K2.6: a vision tower the text model ignores around DeepSeek V3 (saved as transformers
+    # lays the composite out: language_model.model.blocks.*).
+    "kimi_k25": dict(
+        model_type="kimi_k25", auto_class="AutoModelForImageTextToText", tie_word_embeddings=False,
+        text_config=dict(
+            _BASE, model_type="deepseek_v3", num_key_value_heads=4, first_k_dense_replace=1, q_lora_rank=16,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+            n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+            routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 3000.0},
+        ),
+        vision_config=dict(
+            patch_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            pos_emb_height=4, pos_emb_width=4, pos_emb_time=2,
+        ),
+        projection_hidden_size=32,
+    ),
+    # GLM-4.7-Flash: DeepSeek V3's attention and router under GLM's names; dense/sparse layers by list.
+    "glm4_moe_lite": dict(
+        _BASE, model_type="glm4_moe_lite", num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+        n_group=1, topk_group=1, num_experts_per_tok=3, n_shared_experts=1, moe_intermediate_size=16,
+        routed_scaling_factor=1.8, norm_topk_prob=True, mlp_layer_types=["sparse", "dense", "sparse"],
+        tie_word_embeddings=False,
+    ),
+    # Without the query's low-rank path, one expert group, unnormalised top-k, rope not interleaved.
+    "deepseek_v3_no_q_lora": dict(
+        _BASE, model_type="deepseek_v3", num_key_value_heads=4, first_k_dense_replace=0, q_lora_rank=None,
+        kv_lora_rank=24, qk_rope_head_dim=16, qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=4,
+        n_group=1, topk_group=1, num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=16,
+        routed_scaling_factor=1.5, norm_topk_prob=False, rope_interleave=False, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 3000.0},
+    ),
     # YaRN: a 32-token original context stretched 4x, so the 150-token prompt uses both the interpolated
     # and the extrapolated frequencies, and the attention factor (mscale) is not 1.
     "qwen3_yarn": dict(

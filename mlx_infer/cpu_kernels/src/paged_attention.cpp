@@ -56,14 +56,15 @@ void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float
   const int seq = p.token_seq[t];
   const int rep = p.H / p.n_kv;
   const int lo = keys.lo, hi = keys.hi;
-  const size_t head_bytes = kv_head_bytes(K, p.D);
+  const size_t head_bytes = kv_head_bytes(K, p.D), v_head_bytes = kv_head_bytes(K, p.Dv_row);
   const size_t slot_bytes = static_cast<size_t>(p.n_kv) * head_bytes;  // one slot: every KV head
+  const size_t v_slot_bytes = static_cast<size_t>(p.n_kv) * v_head_bytes;
   const float* q = p.q + static_cast<size_t>(t) * p.q_stride;
-  std::fill(out, out + static_cast<size_t>(p.H) * p.D, 0.0f);
+  std::fill(out, out + static_cast<size_t>(p.H) * p.Dv, 0.0f);
   const int32_t* table = p.block_tables + static_cast<size_t>(seq) * p.max_blocks;
   const int n = hi - lo + 1;
   scores.resize(static_cast<size_t>(p.H) * n);
-  auto row_of = [&](const uint8_t* pool, int j) {  // for the prefetch; the walk steps through blocks
+  auto row_of = [&](const uint8_t* pool, size_t slot_bytes, int j) {  // for the prefetch
     const size_t slot = static_cast<size_t>(table[j / p.block_size]) * p.block_size + j % p.block_size;
     return pool + slot * slot_bytes;
   };
@@ -71,14 +72,14 @@ void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float
   // scattered, which the hardware prefetcher does not follow: the slot kPrefetch keys ahead is
   // requested explicitly.
   constexpr int kPrefetch = 2;
-  auto for_each_key = [&](const uint8_t* pool, auto&& f) {
+  auto for_each_key = [&](const uint8_t* pool, size_t slot_bytes, auto&& f) {
     for (int j = lo; j <= hi;) {
       const int block = j / p.block_size;
       const int end = std::min(hi + 1, (block + 1) * p.block_size);
       const uint8_t* base = pool + static_cast<size_t>(table[block]) * p.block_size * slot_bytes;
       for (; j < end; ++j) {
         if (j + kPrefetch <= hi) {
-          const char* ahead = reinterpret_cast<const char*>(row_of(pool, j + kPrefetch));
+          const char* ahead = reinterpret_cast<const char*>(row_of(pool, slot_bytes, j + kPrefetch));
           for (size_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
         }
         f(j - lo, base + static_cast<size_t>(j % p.block_size) * slot_bytes);
@@ -86,7 +87,7 @@ void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float
     }
   };
   // Query head h = kv_head * rep + r reads KV head kv_head's row.
-  for_each_key(p.keys, [&](int i, const uint8_t* k) {
+  for_each_key(p.keys, slot_bytes, [&](int i, const uint8_t* k) {
     for (int kv_head = 0, h = 0; kv_head < p.n_kv; ++kv_head) {
       const uint8_t* k_head = k + kv_head * head_bytes;
       for (int r = 0; r < rep; ++r, ++h) {
@@ -115,11 +116,12 @@ void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float
     max_score[h] = m;
     total[h] = sum;
   }
-  for_each_key(p.values, [&](int i, const uint8_t* v) {
+  for_each_key(p.values, v_slot_bytes, [&](int i, const uint8_t* v) {
     for (int kv_head = 0, h = 0; kv_head < p.n_kv; ++kv_head) {
-      const uint8_t* v_head = v + kv_head * head_bytes;
+      const uint8_t* v_head = v + kv_head * v_head_bytes;
       for (int r = 0; r < rep; ++r, ++h) {
-        axpy_row<K>(out + static_cast<size_t>(h) * p.D, v_head, scores[static_cast<size_t>(h) * n + i], p.D);
+        axpy_row<K>(out + static_cast<size_t>(h) * p.Dv, v_head, scores[static_cast<size_t>(h) * n + i], p.Dv,
+                    p.Dv_row);
       }
     }
   });
@@ -132,12 +134,12 @@ constexpr int kChunkKeys = 64;
 
 int chunks_of(KeyRange keys) { return keys.hi < keys.lo ? 0 : (keys.hi - keys.lo) / kChunkKeys + 1; }
 
-// One chunk's partial result: out rows [H, D] (unnormalized), then maxima [H], then totals [H].
-size_t partial_size(const AttentionArgs& p) { return static_cast<size_t>(p.H) * (p.D + 2); }
+// One chunk's partial result: out rows [H, Dv] (unnormalized), then maxima [H], then totals [H].
+size_t partial_size(const AttentionArgs& p) { return static_cast<size_t>(p.H) * (p.Dv + 2); }
 
 void attend_chunk(const AttentionArgs& p, int t, KeyRange keys, int c, std::vector<float>& scores, float* at) {
   const KeyRange mine{keys.lo + c * kChunkKeys, std::min(keys.hi, keys.lo + (c + 1) * kChunkKeys - 1)};
-  const size_t out_size = static_cast<size_t>(p.H) * p.D;
+  const size_t out_size = static_cast<size_t>(p.H) * p.Dv;
   float* max_score = at + out_size;
   float* total = max_score + p.H;
   switch (p.kv_type) {
@@ -148,11 +150,11 @@ void attend_chunk(const AttentionArgs& p, int t, KeyRange keys, int c, std::vect
   }
 }
 
-// Token t's output rows [H, D] from its `chunks` partial results (consecutive at `first`), merged in
+// Token t's output rows [H, Dv] from its `chunks` partial results (consecutive at `first`), merged in
 // order: out = sum_c exp(max_c - max) out_c / (sum_c exp(max_c - max) total_c + exp(sink - max)), the
 // max taken over the sink too. No visible keys: zeros (a sink has no value).
 void merge(const AttentionArgs& p, int t, const float* first, int chunks) {
-  const size_t out_size = static_cast<size_t>(p.H) * p.D, stride = partial_size(p);
+  const size_t out_size = static_cast<size_t>(p.H) * p.Dv, stride = partial_size(p);
   float* out = p.out + static_cast<size_t>(t) * out_size;
   std::fill(out, out + out_size, 0.0f);
   if (chunks == 0) return;
@@ -160,14 +162,14 @@ void merge(const AttentionArgs& p, int t, const float* first, int chunks) {
     float m = p.sinks ? p.sinks[h] : -INFINITY;
     for (int c = 0; c < chunks; ++c) m = std::max(m, first[c * stride + out_size + h]);
     float total = p.sinks ? std::exp(p.sinks[h] - m) : 0.0f;
-    float* row = out + static_cast<size_t>(h) * p.D;
+    float* row = out + static_cast<size_t>(h) * p.Dv;
     for (int c = 0; c < chunks; ++c) {
       const float* chunk = first + c * stride;
       const float w = std::exp(chunk[out_size + h] - m);
       total += w * chunk[out_size + p.H + h];
-      add_scaled(row, chunk + static_cast<size_t>(h) * p.D, w, p.D);
+      add_scaled(row, chunk + static_cast<size_t>(h) * p.Dv, w, p.Dv);
     }
-    for (int d = 0; d < p.D; ++d) row[d] /= total;  // >= 1: the term holding the maximum adds >= 1
+    for (int d = 0; d < p.Dv; ++d) row[d] /= total;  // >= 1: the term holding the maximum adds >= 1
   }
 }
 
@@ -202,7 +204,10 @@ void attend_by_chunk(const AttentionArgs& p, ThreadPool& threads) {
 
 }  // namespace
 
-void attend_all(const AttentionArgs& p) {
+void attend_all(const AttentionArgs& args) {
+  AttentionArgs p = args;
+  if (p.Dv == 0) p.Dv = p.D;  // values as wide as the keys, in a pool of their own shape
+  if (p.Dv_row == 0) p.Dv_row = p.Dv;
   ThreadPool& threads = pool();
   // A decode step of a few sequences has fewer tokens than the threads can share evenly (batch 1:
   // one token on 2 threads): then chunks are the tasks. Either way a token's result is the same.
@@ -218,9 +223,10 @@ namespace {
 
 class PagedAttention : public mx::UnaryPrimitive {
  public:
-  PagedAttention(mx::Stream stream, int block_size, float scale, int window, float softcap, bool sinks)
+  PagedAttention(mx::Stream stream, int block_size, float scale, int window, float softcap, bool sinks,
+                 int value_dim)
       : mx::UnaryPrimitive(stream), block_size_(block_size), scale_(scale), window_(window), softcap_(softcap),
-        sinks_(sinks) {}
+        sinks_(sinks), value_dim_(value_dim) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -230,7 +236,8 @@ class PagedAttention : public mx::UnaryPrimitive {
     const mx::array& q = inputs[0];
     AttentionArgs p{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(),
                     q.shape(0), q.shape(1), q.shape(2), inputs[1].shape(1), inputs[3].shape(1), block_size_, window_,
-                    scale_, softcap_, static_cast<size_t>(q.shape(1)) * q.shape(2), kv_type(inputs[1])};
+                    scale_, softcap_, static_cast<size_t>(q.shape(1)) * q.shape(2), kv_type(inputs[1]),
+                    value_dim_, kv_head_dim(inputs[2])};
     // The sinks ride as an eighth input; decoder_block's inputs have other arrays from there on.
     std::optional<Input<float>> sinks;
     if (sinks_) sinks.emplace(inputs[7]);
@@ -250,7 +257,7 @@ class PagedAttention : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PagedAttention&>(other);
     return block_size_ == o.block_size_ && scale_ == o.scale_ && window_ == o.window_ && softcap_ == o.softcap_ &&
-           sinks_ == o.sinks_;
+           sinks_ == o.sinks_ && value_dim_ == o.value_dim_;
   }
 
  private:
@@ -259,6 +266,7 @@ class PagedAttention : public mx::UnaryPrimitive {
   int window_;
   float softcap_;
   bool sinks_;
+  int value_dim_;
 };
 
 }  // namespace
@@ -275,9 +283,15 @@ mx::array paged_attention(
     float scale,
     int window,
     float softcap,
-    const std::optional<mx::array>& sinks) {
-  if (q.ndim() != 3 || key_pool.ndim() != 3 || value_pool.shape() != key_pool.shape()) {
+    const std::optional<mx::array>& sinks,
+    int value_dim) {
+  if (q.ndim() != 3 || key_pool.ndim() != 3 || value_pool.ndim() != 3 || value_pool.shape(0) != key_pool.shape(0) ||
+      value_pool.shape(1) != key_pool.shape(1)) {
     throw std::invalid_argument("paged_attention: q must be [T, H, D] and the pools [slots, n_kv, D]");
+  }
+  if (value_dim == 0 ? value_pool.shape() != key_pool.shape()
+                     : value_dim % 8 != 0 || value_dim > kv_head_dim(value_pool)) {
+    throw std::invalid_argument("paged_attention: value_dim must be a multiple of 8 within the value rows");
   }
   if (q.dtype() != mx::float32 || value_pool.dtype() != key_pool.dtype()) {
     throw std::invalid_argument("paged_attention: q must be float32 and the pools of one dtype");
@@ -294,8 +308,9 @@ mx::array paged_attention(
                                 i32(token_seq)};
   if (sinks) inputs.push_back(mx::astype(*sinks, mx::float32, s));
   return mx::array(
-      q.shape(), mx::float32,
-      std::make_shared<PagedAttention>(s, block_size, scale, window, softcap, sinks.has_value()), inputs);
+      {q.shape(0), q.shape(1), value_dim > 0 ? value_dim : q.shape(2)}, mx::float32,
+      std::make_shared<PagedAttention>(s, block_size, scale, window, softcap, sinks.has_value(), value_dim),
+      inputs);
 }
 
 }  // namespace mlx_infer

@@ -10,8 +10,9 @@
 namespace mlx_infer {
 
 // One attention call as plain memory: q rows [T] of q_stride floats, each starting with its [H, D]
-// heads (a row of a fused q/k/v product, or [T, H, D] itself); out [T, H, D]; pools [slots, n_kv] rows of
-// kv_type (kv_format.h: D values, int8 ones followed by their scale).
+// heads (a row of a fused q/k/v product, or [T, H, D] itself); out [T, H, Dv]; pools [slots, n_kv] rows of
+// kv_type (kv_format.h: D values, int8 ones followed by their scale). Values are the first Dv of the
+// value pool's Dv_row values a row (0: Dv = Dv_row = D; MLA reads them out of the key rows).
 struct AttentionArgs {
   const float* q;
   const uint8_t* keys;
@@ -26,6 +27,7 @@ struct AttentionArgs {
   float scale, softcap;
   size_t q_stride;
   KVType kv_type;
+  int Dv = 0, Dv_row = 0;
 };
 
 // The kernel behind paged_attention (same semantics, below), split over the thread pool.
@@ -65,7 +67,8 @@ struct AttentionInputs {
 // from slot block_tables[seq, j / block_size] * block_size + j % block_size. softcap > 0 applies
 // tanh soft-capping to the scores. sinks ([H] float32, optional): a logit per query head added to
 // each softmax's denominator with no value (gpt-oss), so a head's weights may sum to less than one.
-// Returns [T, H, D] float32.
+// value_dim > 0: the values are the first value_dim of each value row (which may be the key pool itself,
+// MLA's latent rows). Returns [T, H, value_dim or D] float32.
 mlx::core::array paged_attention(
     const mlx::core::array& q,
     const mlx::core::array& key_pool,
@@ -78,6 +81,7 @@ mlx::core::array paged_attention(
     float scale,
     int window,
     float softcap,
-    const std::optional<mlx::core::array>& sinks);
+    const std::optional<mlx::core::array>& sinks,
+    int value_dim = 0);
 
 }  // namespace mlx_infer
