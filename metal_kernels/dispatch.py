@@ -92,6 +92,10 @@ def _kernel_gated_delta_step(*args: mx.array, launch: Launcher = metal_launch) -
     return gated_delta_step(*args, launch=launch)
 
 
+def _no_kernel(*args: mx.array) -> None:
+    return None
+
+
 def _cpu_paged_attention(
     queries: mx.array,
     key_pool: mx.array,
@@ -139,8 +143,8 @@ def bind(kernels: bool, launch: Launcher = metal_launch) -> None:
         paged_attention = _cpu_paged_attention
         quantized_matmul = _cpu_quantized_matmul
         gguf_matmul = gguf_reference.gguf_matmul
-        # The native CPU kernel where it applies; None tells models/gated_delta.py to use its MLX step.
-        gated_delta_step = cpu_kernels.gated_delta_step
+        # No Metal kernel: models/gated_delta.py uses the native CPU kernel where it applies, else MLX ops.
+        gated_delta_step = _no_kernel
     else:
         paged_attention = partial(_kernel_paged_attention, launch=launch)
         quantized_matmul = partial(_kernel_quantized_matmul, launch=launch)

@@ -4,7 +4,9 @@ Each thread owns one value column ``j`` of one (sequence, head) state matrix, re
 sequence's slot of the state pool: it predicts ``(k^T S')_j`` of the decayed state, forms its error,
 then updates and reads column ``j`` in one pass. Columns are independent (the delta rule's outer-product
 update touches column ``j`` only through ``delta_j``), so there is no threadgroup memory and no barrier.
-The output layout is ``cpu_kernels.gated_delta_step``'s: per sequence its new states, then its outputs.
+Each head's block is laid out as in the state pool (``models/state.py``): its ``[Dk, Dv]`` matrix, then
+a row for its output; a Metal kernel cannot write its inputs, so the rows come out as a new array that
+the state's write copies into the slots.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ _SOURCE = """
   const uint j = thread_position_in_grid.x;
   const uint bh = thread_position_in_grid.y;
   if (j >= uint(DV)) return;
-  const uint b = bh / uint(H), h = bh % uint(H);
-  constexpr size_t STATE = size_t(H) * DK * DV;
-  constexpr size_t ROW = STATE + size_t(H) * DV;
-  const device float* S = states + size_t(slots[b]) * STATE + size_t(h) * DK * DV;
-  device float* S_new = rows + size_t(b) * ROW + size_t(h) * DK * DV;
+  const uint b = bh / uint(H);
+  constexpr size_t HEAD = size_t(DK + 1) * DV;
+  const device float* S = states + (size_t(slots[b]) * H + bh % uint(H)) * HEAD;
+  device float* S_new = rows + size_t(bh) * HEAD;
   const device float* qv = queries + size_t(bh) * DK;
   const device float* kv = keys + size_t(bh) * DK;
   const float dec = decay[bh];
@@ -34,7 +35,7 @@ _SOURCE = """
     S_new[i * DV + j] = s;
     o += s * qv[i];
   }
-  rows[size_t(b) * ROW + STATE + size_t(h) * DV + j] = o;
+  S_new[DK * DV + j] = o;
 """
 
 GATED_DELTA_STEP = KernelSpec(
@@ -56,8 +57,9 @@ def gated_delta_step(
     *,
     launch: Launcher = metal_launch,
 ) -> mx.array:
-    """``pool`` ``[S, 1, H * Dk * Dv]`` float32, ``slots`` ``[B]``, ``q``/``k`` ``[B, H, Dk]``, ``v``
-    ``[B, H, Dv]``, ``decay``/``beta`` ``[B, H]`` -> ``[B, H * Dk * Dv + H * Dv]`` (new states, outputs)."""
+    """``pool`` ``[S, 1, H * (Dk + 1) * Dv]`` float32, ``slots`` ``[B]``, ``q``/``k`` ``[B, H, Dk]``, ``v``
+    ``[B, H, Dv]``, ``decay``/``beta`` ``[B, H]`` -> ``[B, H * (Dk + 1) * Dv]``, each sequence's new slot
+    row."""
     b, h, dk = k.shape
     dv = v.shape[-1]
     inputs = [pool, slots.astype(mx.int32)] + [a.astype(mx.float32) for a in (q, k, v, decay, beta)]
@@ -67,7 +69,7 @@ def gated_delta_step(
         template=[("H", h), ("DK", dk), ("DV", dv)],
         grid=(dv, b * h, 1),
         threadgroup=(min(dv, 128), 1, 1),
-        output_shapes=[(b, h * dk * dv + h * dv)],
+        output_shapes=[(b, h * (dk + 1) * dv)],
         output_dtypes=[mx.float32],
     )
     return rows

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,7 +31,7 @@ from mlx_infer.metal_kernels import gated_delta as metal_gated_delta
 from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
 from mlx_infer.models.base import LayerKV, new_cache
 from mlx_infer.models.gated_delta import chunk_gated_delta, decode_step, recurrent_gated_delta
-from mlx_infer.models.state import LayerState
+from mlx_infer.models.state import LayerState, StateSpec
 from mlx_infer.plan.planner import make_plan
 from mlx_infer.sampling import SamplingParams
 
@@ -207,29 +206,38 @@ DECODE_SHAPES = [(4, 16, 8), (2, 128, 128)]
 
 
 def _decode_step_case(heads: int, dk: int, dv: int):
-    """A decode step's inputs: states read out of scattered slots of a larger array, one sequence starting
-    from zeros (keep 0) over a slot holding garbage."""
+    """A decode step's inputs: states in scattered slots of a larger pool (each head's matrix and its
+    output row), one sequence starting from zeros (keep 0) over a slot holding garbage."""
     q, k, v, g, beta, _ = _random_delta_inputs(3, 1, heads, dk, dv)
-    pool = mx.random.normal((6, 1, heads * dk * dv), key=mx.random.key(1))
+    pool = mx.random.normal((6, 1, heads * (dk + 1) * dv), key=mx.random.key(1))
     slots, keep = mx.array([4, 0, 2]), mx.array([1.0, 0.0, 1.0])
     return q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool, slots, keep
 
 
-def _reference_decode_step(monkeypatch, *case):
-    monkeypatch.setattr(dispatch, "gated_delta_step", lambda *args: None)
-    out, rows = decode_step(*case)
-    monkeypatch.undo()
-    return np.array(out), np.array(rows)
+def _decode(monkeypatch, q, k, v, g, beta, pool, slots, keep, native: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(outputs, the pool afterwards) of ``decode_step`` with the native kernel or the MLX reference."""
+    heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
+    state = LayerState(pool.shape[0], StateSpec(((heads, dk + 1, dv),)))
+    state.arrays[0] = mx.array(pool)
+    with monkeypatch.context() as patch:
+        if not native:
+            patch.setattr(cpu_kernels, "gated_delta_step", lambda *args: None)
+        out = decode_step(q, k, v, g, beta, state, 0, slots, keep)
+        return np.array(out), np.array(state.arrays[0]).reshape(pool.shape[0], heads, dk + 1, dv)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
 def test_native_decode_step_equals_the_reference(monkeypatch, shape):
+    """In place in the slots it reads; the other slots are left as they were."""
     case = _decode_step_case(*shape)
-    out, rows = decode_step(*case)
-    want_out, want_rows = _reference_decode_step(monkeypatch, *case)
-    np.testing.assert_allclose(np.array(out), want_out, atol=1e-4)
-    np.testing.assert_allclose(np.array(rows[:, : math.prod(shape)]), want_rows, atol=1e-4)
+    out, pool = _decode(monkeypatch, *case, native=True)
+    want_out, want_pool = _decode(monkeypatch, *case, native=False)
+    np.testing.assert_allclose(out, want_out, atol=1e-4)
+    np.testing.assert_allclose(pool, want_pool, atol=1e-4)
+    untouched = [1, 3, 5]
+    before = np.array(case[5]).reshape(pool.shape)
+    np.testing.assert_array_equal(pool[untouched], before[untouched])
 
 
 @pytest.mark.skipif(not toolchain_available(), reason="the Metal emulator needs `pip install ziglang`")
@@ -240,10 +248,9 @@ def test_metal_decode_step_equals_the_reference(monkeypatch, shape):
     rows = metal_gated_delta.gated_delta_step(
         pool, slots, q, k, v, mx.exp(g) * keep[:, None], beta, launch=Emulator().launch
     )
-    want_out, want_rows = _reference_decode_step(monkeypatch, *case)
-    state = math.prod(shape)
-    np.testing.assert_allclose(np.array(rows[:, :state]), want_rows, atol=1e-4)
-    np.testing.assert_allclose(np.array(rows[:, state:]).reshape(want_out.shape), want_out, atol=1e-4)
+    _, want_pool = _decode(monkeypatch, *case, native=False)
+    got = np.array(rows).reshape(-1, *want_pool.shape[1:])
+    np.testing.assert_allclose(got, want_pool[[4, 0, 2]], atol=1e-4)
 
 
 @pytest.mark.skipif(not toolchain_available(), reason="the Metal emulator needs `pip install ziglang`")

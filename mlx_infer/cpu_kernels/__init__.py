@@ -170,10 +170,10 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array, dims: int) -> mx.array | Non
 def gated_delta_step(
     pool: mx.array, slots: mx.array, q: mx.array, k: mx.array, v: mx.array, decay: mx.array, beta: mx.array
 ) -> mx.array | None:
-    """One decode step of the gated delta rule, each sequence's state read from its row of ``pool``
-    (``[S, 1, H * Dk * Dv]``), as one op: ``[B, H * Dk * Dv + H * Dv]``, the new states then the outputs
-    (see ``src/gated_delta.h``); None where the kernel does not apply (the caller computes it with MLX
-    ops, ``models/gated_delta.py``)."""
+    """One decode step of the gated delta rule in place in the state pool (``[S, 1, H * (Dk + 1) * Dv]``:
+    per head a state matrix, then a row for its output; see ``src/gated_delta.h``), as one op; returns the
+    updated pool, or None where the kernel does not apply (the caller computes it with MLX ops,
+    ``models/gated_delta.py``)."""
     if pool.dtype != mx.float32 or not applies():
         return None
     return _native.gated_delta_step(pool, slots, q, k, v, decay, beta)

@@ -198,7 +198,8 @@ class ModelRunner:
             slot = mx.array([self.kv.state_slot(s.request.request_id)], dtype=mx.int32)
             for i, layer in enumerate(self._states()):
                 n = len(layer.arrays)
-                layer.put(slot, rows[i * n : (i + 1) * n])
+                for j, saved in enumerate(rows[i * n : (i + 1) * n]):
+                    layer.put(j, slot, saved)
 
     def _save_checkpoints(self, batch: list[ScheduledRequest]) -> list[mx.array]:
         """Hybrid models with prefix caching: the state of each sequence whose computed tokens end on a

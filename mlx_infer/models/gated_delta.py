@@ -19,7 +19,9 @@ import functools
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_infer import cpu_kernels
 from mlx_infer.models.base import BatchMetadata
+from mlx_infer.models.state import LayerState
 from mlx_infer.models.step_memo import StepMemo
 
 CHUNK = 64  # transformers' chunk_gated_delta_rule default (and FLA's)
@@ -175,25 +177,38 @@ def decode_step(
     v: mx.array,
     g: mx.array,
     beta: mx.array,
-    pool: mx.array,
+    state: LayerState,
+    index: int,
     slots: mx.array,
     keep: mx.array,
-) -> tuple[mx.array, mx.array]:
-    """One token per sequence, each state read from its row of the slot array ``pool``
-    (``[S, 1, H * Dk * Dv]``): (``[B, H, Dv]`` outputs, ``[B, W]`` rows whose first ``H * Dk * Dv``
-    values are the new states). One kernel where there is one (Metal, or the native CPU kernel; see
-    ``metal_kernels/dispatch.py``), :func:`recurrent_gated_delta` otherwise (the reference)."""
+) -> mx.array:
+    """One token per sequence, each state read from and written back to its slot of ``state``'s array
+    ``index`` (``[S, 1, H * (Dk + 1) * Dv]``: per head the ``[Dk, Dv]`` matrix, then a row that receives
+    the head's output); returns the outputs ``[B, H, Dv]``.
+
+    One kernel where there is one: the Metal kernel (``metal_kernels/dispatch.py``), or off Metal the native
+    CPU kernel, which updates the slots in place; :func:`recurrent_gated_delta` otherwise (the reference).
+    """
     from mlx_infer.metal_kernels import dispatch
 
     b, h, dk = k.shape
     dv = v.shape[-1]
     decay = mx.exp(g) * keep[:, None]
-    rows = dispatch.gated_delta_step(pool, slots, q, k, v, decay, beta)
-    if rows is not None:
-        return rows[:, h * dk * dv :].reshape(b, h, dv), rows
-    state = pool[slots].reshape(b, h, dk, dv)
-    out, state = recurrent_gated_delta(q, k, v, g, beta, state, keep)
-    return out, state.reshape(b, -1)
+    rows = None
+    if dispatch.USE_KERNELS:
+        rows = dispatch.gated_delta_step(state.arrays[index], slots, q, k, v, decay, beta)
+    else:
+        pool = state.detach(index)  # unreferenced, so the kernel may update it in place
+        updated = cpu_kernels.gated_delta_step(pool, slots, q, k, v, decay, beta)
+        state.attach(index, pool if updated is None else updated)
+        if updated is not None:
+            return updated.reshape(-1, h, dk + 1, dv)[slots, :, dk]
+    if rows is None:
+        current = state.arrays[index][slots].reshape(b, h, dk + 1, dv)[:, :, :dk]
+        out, new = recurrent_gated_delta(q, k, v, g, beta, current, keep)
+        rows = mx.concatenate([new, out[:, :, None]], axis=2)
+    state.put(index, slots, rows)
+    return rows.reshape(b, h, dk + 1, dv)[:, :, dk]
 
 
 @functools.cache

@@ -238,37 +238,38 @@ class GatedDeltaNet(nn.Module):
         return qkv, z.reshape(n, self.num_v_heads, self.head_v_dim), b.reshape(n, -1), a.reshape(n, -1)
 
     def state_spec(self) -> StateSpec:
-        """Per sequence: the convolution's last ``K - 1`` inputs and a ``[Dk, Dv]`` matrix per value head."""
+        """Per sequence: the convolution's last ``K - 1`` inputs and a ``[Dk, Dv]`` matrix per value head,
+        each followed by a row for the head's output (where the decode kernels write it)."""
         return StateSpec(
-            ((self.conv_kernel - 1, self.conv_dim), (self.num_v_heads, self.head_k_dim, self.head_v_dim))
+            ((self.conv_kernel - 1, self.conv_dim), (self.num_v_heads, self.head_k_dim + 1, self.head_v_dim))
         )
 
     def __call__(self, x: mx.array, state: LayerState, meta: BatchMetadata) -> mx.array:
         qkv, z, b, a = self.project(x)
         keep = continuing(meta)  # 0: the sequence starts here, from zero state
         if meta.max_query_len == 1:
-            out, window, recurrent = self.decode(qkv, b, a, state, meta, keep)
+            out = self.decode(qkv, b, a, state, meta, keep)
         else:
-            out, window, recurrent = self.prefill(qkv, b, a, state, meta, keep)
-        state.write(meta, [window, recurrent])
+            out = self.prefill(qkv, b, a, state, meta, keep)
         return self.out_proj(self.norm(out.astype(x.dtype), z).reshape(x.shape[0], -1))
 
     def decode(
         self, qkv: mx.array, b: mx.array, a: mx.array, state: LayerState, meta: BatchMetadata, keep: mx.array
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """One token per sequence: (output [B, Hv, Dv], new window, new state rows)."""
+    ) -> mx.array:
+        """One token per sequence: the output [B, Hv, Dv]; the new window and state go to the slots."""
         prelude = decode_prelude(self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
         weight = self.conv1d.weight[:, 0, :].T
         q, k, v, g, beta, window = prelude(
             qkv, state.read(meta, 0), weight, a, b, self.A_log, self.dt_bias, keep
         )
-        out, recurrent = decode_step(q, k, v, g, beta, state.arrays[1], meta.state_slots, keep)
-        return out, window, recurrent
+        state.put(0, meta.state_slots, window)
+        return decode_step(q, k, v, g, beta, state, 1, meta.state_slots, keep)
 
     def prefill(
         self, qkv: mx.array, b: mx.array, a: mx.array, state: LayerState, meta: BatchMetadata, keep: mx.array
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """Sequences of any length, padded to ``[B, Qmax]``: (output [T, Hv, Dv], new window, new state)."""
+    ) -> mx.array:
+        """Sequences of any length, padded to ``[B, Qmax]``: the output [T, Hv, Dv]; the new window and
+        state go to the slots."""
         layout = Ragged.of(meta)
         window = state.read(meta, 0) * keep[:, None, None]
         mixed, window = causal_conv1d(layout.pad(qkv), window, self.conv1d.weight[:, 0, :], layout)
@@ -282,9 +283,12 @@ class GatedDeltaNet(nn.Module):
         g, beta = decay_and_beta(layout.pad(a), layout.pad(b), self.A_log, self.dt_bias)
         # Padding rows must leave the state as it is: no decay (g = 0) and no write (beta = 0).
         valid = layout.valid[..., None]
-        initial = state.read(meta, 1) * keep[:, None, None, None]
+        initial = state.read(meta, 1)[:, :, : self.head_k_dim] * keep[:, None, None, None]
         out, recurrent = chunk_gated_delta(q, k, v, g * valid, beta * valid, initial)
-        return layout.unpad(out), window, recurrent
+        # The slot's row after each head's matrix is the decode kernels' output row: nothing to keep there.
+        scratch = mx.zeros((bsz, self.num_v_heads, 1, self.head_v_dim), dtype=recurrent.dtype)
+        state.write(meta, [window, mx.concatenate([recurrent, scratch], axis=2)])
+        return layout.unpad(out)
 
 
 class SparseMoeBlock(qwen3_moe.SparseMoeBlock):

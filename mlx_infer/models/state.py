@@ -63,22 +63,30 @@ class LayerState:
     def write(self, meta: BatchMetadata, values: list[mx.array]) -> None:
         """Copy each sequence's new rows into its slot: ``values[i]`` is ``[B, *shape]``, or ``[B, W]``
         rows whose first ``size`` values are the state."""
-        self.put(meta.state_slots, values)
-
-    def put(self, slots: mx.array, values: list[mx.array]) -> None:
-        """Rows ``values[i]`` (``[n, ...]``, the state first) into ``slots`` (``[n]``). Like
-        ``LayerKV.write``, dropping the old references first lets the write reuse (donate) the arrays'
-        buffers instead of copying them."""
-        arrays, self.arrays = self.arrays, []
         for i, v in enumerate(values):
-            arr = arrays[i]
-            arrays[i] = None  # type: ignore[call-overload]
-            rows = v.reshape(v.shape[0], -1)
-            native = cpu_kernels.kv_write(arr, rows, slots)
-            if native is None:
-                arr[slots] = rows[:, None, : arr.shape[-1]].astype(arr.dtype)
-                native = arr
-            self.arrays.append(native)
+            self.put(i, meta.state_slots, v)
+
+    def put(self, index: int, slots: mx.array, rows: mx.array) -> None:
+        """Rows (``[n, ...]``, the state first) into ``slots`` (``[n]``) of array ``index``. Like
+        ``LayerKV.write``, dropping the old reference first lets the write reuse (donate) the array's
+        buffer instead of copying it."""
+        arr = self.detach(index)
+        rows = rows.reshape(rows.shape[0], -1)
+        native = cpu_kernels.kv_write(arr, rows, slots)
+        if native is None:
+            arr[slots] = rows[:, None, : arr.shape[-1]].astype(arr.dtype)
+            native = arr
+        self.attach(index, native)
+
+    def detach(self, index: int) -> mx.array:
+        """Array ``index``, no longer referenced here (an op may then update it in place); give the
+        result back with :meth:`attach`."""
+        arr = self.arrays[index]
+        self.arrays[index] = None  # type: ignore[call-overload]
+        return arr
+
+    def attach(self, index: int, arr: mx.array) -> None:
+        self.arrays[index] = arr
 
     def save(self, slot: int) -> list[mx.array]:
         """Copies of one slot's rows (a gather, so later in-place writes to the slot leave them alone)."""
