@@ -290,7 +290,7 @@ def test_convert_quantizes_a_composite_hybrid_checkpoint(tmp_path):
     assert convert_cli.run(parser.parse_args([*args, "--no-eval"])) == 0
     ref = np.load(TINY / "qwen3_5_moe" / "reference.npz")
     tokens = ref["tokens_1"]
-    model = load(str(out)).model
+    model = load(str(out), keep_quantized=True).model
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
     meta = build_metadata([SequenceSlice(list(range(64)), 0, len(tokens), want_all_logits=True)], 4)
     got = np.array(model(mx.array(tokens), new_cache(model, 64, 4, mx.float32), meta))
