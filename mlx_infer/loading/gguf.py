@@ -23,6 +23,8 @@ from gguf.quants import dequantize
 from mlx_infer.errors import InvalidCheckpoint, UnsupportedArchitecture
 from mlx_infer.loading.gguf_config import hf_config, llama3_scaling
 from mlx_infer.loading.gguf_file import GGUFHeader, read_header, tensor_bytes
+from mlx_infer.loading.gguf_gemma4 import NAMES as GEMMA4_NAMES
+from mlx_infer.loading.gguf_gemma4 import fold_rope_freqs, hf_key, stacked_experts
 from mlx_infer.loading.gguf_mxfp4 import mxfp4_from_gguf
 from mlx_infer.loading.hf import one_line
 
@@ -90,6 +92,7 @@ ARCH_OVERRIDES: dict[str, dict[MODEL_TENSOR, str]] = {
         MODEL_TENSOR.FFN_UP_EXP: L + "mlp.experts.up_proj",
         MODEL_TENSOR.FFN_DOWN_EXP: L + "mlp.experts.down_proj",
     },
+    "gemma4": GEMMA4_NAMES,
 }
 # Tensors that are not weights of a module but RoPE parameters, folded into the config.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -128,7 +131,10 @@ def read_gguf(path: Path, kquant_blocks: bool = False) -> GGUFCheckpoint:
         if base not in names:
             raise UnsupportedArchitecture(f"{source}: tensor {name!r} of a {arch} GGUF is not supported")
         hf = names[base]
-        key = f"{hf}_{suffix}" if hf.endswith("e_score_correction") else f"{hf}.{suffix}"
+        if arch == "gemma4":
+            key = hf_key(hf, suffix)  # its scales that are parameters rather than a module's weight
+        else:
+            key = f"{hf}_{suffix}" if hf.endswith("e_score_correction") else f"{hf}.{suffix}"
         # Block rows are whole output features, so the Q/K row permutation moves them like float rows.
         weights[key] = _fix_layout(hf, suffix, value, config, arch)
         qtype = dequantized_from.get(name)
@@ -136,6 +142,8 @@ def read_gguf(path: Path, kquant_blocks: bool = False) -> GGUFCheckpoint:
             kquants[hf] = blocks[name]
         elif qtype is not None and qtype not in FLOAT_TYPES and value.ndim >= 2:
             requantize[hf] = 8 if qtype in EIGHT_BIT_SOURCES else 4
+    if arch == "gemma4":
+        stacked_experts(weights, requantize)
     return GGUFCheckpoint(config, weights, header.metadata, requantize, kquants)
 
 
@@ -217,7 +225,9 @@ def _read_tensors(
 def _fold_rope_tensors(raw: dict[str, mx.array], config: dict[str, Any], arch: str, source: str) -> None:
     """Turn RoPE factor tensors into the ``rope_scaling`` config the models read."""
     factors = {n: np.array(raw.pop(n).astype(mx.float32)) for n in ROPE_TENSORS if n in raw}
-    if "rope_freqs.weight" in factors:
+    if arch == "gemma4" and "rope_freqs.weight" in factors:  # proportional RoPE of its global layers
+        fold_rope_freqs(factors["rope_freqs.weight"], config, source)
+    elif "rope_freqs.weight" in factors:
         head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
         scaling = llama3_scaling(factors["rope_freqs.weight"], config.get("rope_theta", 10000.0), head_dim)
         if scaling is None:

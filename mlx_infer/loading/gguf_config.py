@@ -13,6 +13,7 @@ import numpy as np
 
 from mlx_infer.errors import InvalidCheckpoint, UnsupportedArchitecture
 from mlx_infer.loading.gguf_file import TensorInfo
+from mlx_infer.loading.gguf_gemma4 import gemma4_config
 
 # GGUF general.architecture -> Hugging Face model_type.
 MODEL_TYPES = {
@@ -28,7 +29,11 @@ MODEL_TYPES = {
     "mistral3": "ministral3",
     "gpt-oss": "gpt_oss",
     "deepseek2": "deepseek_v3",  # DeepSeek V2/V3/R1, Kimi K2
+    "gemma4": "gemma4_text",  # the text model (llama.cpp keeps vision and audio in an mmproj file)
 }
+# Metadata that may be a per-layer array, and the architectures whose config reads such arrays.
+_PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv", "feed_forward_length")
+_PER_LAYER_ARRAYS = {"gemma4"}
 
 
 def hf_config(metadata: dict[str, Any], tensors: dict[str, TensorInfo], source: str) -> dict[str, Any]:
@@ -42,17 +47,23 @@ def hf_config(metadata: dict[str, Any], tensors: dict[str, TensorInfo], source: 
     def get(key: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{key}", default)
 
+    arrays = [key for key in _PER_LAYER_KEYS if isinstance(get(key), list)]
+    if arrays and arch not in _PER_LAYER_ARRAYS:
+        raise UnsupportedArchitecture(f"{source}: per-layer {arrays[0]} is not supported for {arch}")
+
+    def first(key: str, default: Any = None) -> Any:  # an array's first layer (the extras read the rest)
+        value = get(key, default)
+        return value[0] if isinstance(value, list) else value
+
     try:
-        n_heads = get("attention.head_count")
-        if isinstance(n_heads, list) or isinstance(get("attention.head_count_kv"), list):
-            raise UnsupportedArchitecture(f"{source}: per-layer head counts are not supported")
+        n_heads = first("attention.head_count")
         config: dict[str, Any] = {
             "model_type": MODEL_TYPES[arch],
             "hidden_size": int(get("embedding_length")),
             "num_hidden_layers": int(get("block_count")),
-            "intermediate_size": int(get("feed_forward_length", 0)),
+            "intermediate_size": int(first("feed_forward_length", 0)),
             "num_attention_heads": int(n_heads),
-            "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+            "num_key_value_heads": int(first("attention.head_count_kv", n_heads)),
             "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             "max_position_embeddings": int(get("context_length", 4096)),
             "vocab_size": tensors["token_embd.weight"].shape[0],
@@ -69,6 +80,11 @@ def hf_config(metadata: dict[str, Any], tensors: dict[str, TensorInfo], source: 
     _ARCH_EXTRAS.get(arch, lambda *_: None)(config, get, head_dim)
     for key, tensor in _TENSOR_FLAGS.get(arch, {}).items():
         config[key] = tensor in tensors
+    if arch == "gemma4":
+        try:
+            gemma4_config(config, get, tensors, source)
+        except (TypeError, KeyError) as e:
+            raise InvalidCheckpoint(f"{source}: GGUF metadata lacks {e} for architecture {arch}") from None
     return config
 
 

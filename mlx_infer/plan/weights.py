@@ -191,7 +191,8 @@ def _gguf_read_fraction(name: str, tied: bool, config: dict[str, Any]) -> float:
     if name == "token_embd.weight" and not tied:
         return 0.0  # a lookup reads one row per token; the untied head is read instead
     if "_exps." in name:
-        return config["num_experts_per_tok"] / _expert_count(config)
+        chosen = config.get("num_experts_per_tok") or config["top_k_experts"]  # gemma4: top_k_experts
+        return chosen / _expert_count(config)
     return 1.0
 
 
