@@ -5,6 +5,8 @@ onto ``tokenizers`` models the way transformers' GGUF loader maps them (so both 
 - ``gpt2``: byte-level BPE; vocabulary and merges from the file, the split regex from ``tokenizer.ggml.pre``.
 - ``llama``: SentencePiece BPE with byte fallback; merges are recovered from the token scores, spaces are
   ``▁`` (Metaspace), a prefix space is added when ``add_space_prefix`` says so.
+- ``gemma4`` (Gemma 4): SentencePiece-style BPE with byte fallback over raw UTF-8, merges from the file,
+  spaces ``▁`` (no prefix space), text split only into newline runs and the rest, as llama.cpp reads it.
 Control tokens (token type 3) become special added tokens, user-defined ones (type 4) plain added tokens.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from mlx_infer.errors import UnsupportedArchitecture
 
@@ -36,6 +38,7 @@ _SPLITS = {
 # Pre-tokenizer types that split every digit apart before the GPT-2 regex (SmolLM's tokenizer.json does
 # this with a Digits pre-tokenizer; llama.cpp with a leading \p{N} regex).
 _DIGIT_SPLIT = {"smollm", "starcoder", "refact", "codeshell"}
+_GEMMA4_END_TOKENS = ("<turn|>", "<|tool_response>")  # end of a turn, and of a turn that calls a tool
 
 
 @dataclass
@@ -123,6 +126,24 @@ def _sentencepiece(meta: dict, tokens: list[str], unk: str | None) -> Tokenizer:
     return backend
 
 
+def _gemma4(meta: dict, tokens: list[str], unk: str | None) -> Tokenizer:
+    """llama.cpp's ``gemma4`` vocabulary: spaces become ``▁``, the text is cut into runs of newlines and
+    the text between them, and the file's merges run over each piece's UTF-8 characters (bytes outside
+    the vocabulary fall back to ``<0xXX>``). A piece the vocabulary holds whole is that token without
+    merging (llama.cpp's rule for newline runs, which hold the only such pieces in practice)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # llama.cpp cuts a merge at its first space after the first character.
+    merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1 :]) for m in _value(meta["tokenizer.ggml.merges"])]
+    backend = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True,
+                                   dropout=None, ignore_merges=True))  # fmt: skip
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend
+
+
 def bos_eos_post_processor(
     bos: tuple[str, int] | None, eos: tuple[str, int] | None
 ) -> processors.TemplateProcessing:
@@ -157,8 +178,13 @@ def build_gguf_vocab(meta: dict) -> GGUFVocab:
     elif kind == "llama":
         backend, alphabet = _sentencepiece(meta, tokens, named["unk_token"] and named["unk_token"][0]), None
         add_bos_default = True  # llama.cpp adds BOS to SentencePiece vocabularies that do not say otherwise
+    elif kind == "gemma4":
+        backend, alphabet = _gemma4(meta, tokens, named["unk_token"] and named["unk_token"][0]), None
+        add_bos_default = True
     else:
-        raise UnsupportedArchitecture(f"GGUF tokenizer model {kind!r} is not supported (only gpt2 and llama)")
+        raise UnsupportedArchitecture(
+            f"GGUF tokenizer model {kind!r} is not supported (only gpt2, llama and gemma4)"
+        )
 
     # Control tokens must match whole in text, never be cut into pieces. In a byte-level vocabulary a
     # "control" token spelled outside the byte alphabet is mislabelled and skipped, like transformers does.
@@ -177,6 +203,8 @@ def build_gguf_vocab(meta: dict) -> GGUFVocab:
                                                     named["eos_token"] if add_eos else None)
 
     eos_ids = {t[1] for t in (named["eos_token"], token_at("eot_token_id"), token_at("eom_token_id")) if t}
+    if kind == "gemma4":  # llama.cpp ends generation at these too (Gemma 4's generation_config lists them)
+        eos_ids |= {i for i, t in enumerate(tokens) if t in _GEMMA4_END_TOKENS}
     templates = {k.removeprefix("tokenizer.chat_template.") or "default": _value(v)
                  for k, v in meta.items() if k.startswith("tokenizer.chat_template.")}
     default = _value(meta.get("tokenizer.chat_template"))

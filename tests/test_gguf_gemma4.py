@@ -9,6 +9,7 @@ heads than sliding ones, a sliding-window pattern and proportional RoPE stored a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -23,6 +24,7 @@ from mlx_infer.loading import load
 from mlx_infer.loading.gguf_config import hf_config
 from mlx_infer.loading.gguf_file import read_header
 from mlx_infer.plan import make_plan
+from mlx_infer.tokenizer import Tokenizer
 
 TINY = Path(__file__).parent / "oracle" / "tiny"
 NAMES = ("gemma4_text", "gemma4")
@@ -157,3 +159,32 @@ def test_per_layer_arrays_are_refused_for_other_architectures():
     metadata["general.architecture"] = "qwen3"
     with pytest.raises(UnsupportedArchitecture, match="per-layer attention.head_count_kv"):
         hf_config(metadata, tensors, "m.gguf")
+
+
+# ---- the gemma4 tokenizer ---------------------------------------------------------------------------
+VOCAB = Path(__file__).parent / "oracle" / "gemma4_tokenizer"
+
+
+@pytest.fixture(scope="module")
+def gemma4_tokenizer() -> Tokenizer:
+    """A vocabulary of Gemma 4's kind written by llama.cpp's converter (oracle/make_gemma4_tokenizer.py)."""
+    return Tokenizer.from_gguf_metadata(read_header(VOCAB / "vocab.gguf").metadata)
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_gemma4_vocabulary_tokenizes_as_llama_cpp(gemma4_tokenizer: Tokenizer, case: int):
+    """llama.cpp's own ids (with the BOS the file asks for): spaces as ``▁``, newline runs whole where the
+    vocabulary has them (a run of 7 it lacks is cut by the merges), bytes outside the vocabulary as
+    ``<0xXX>``, special and user-defined tokens whole; decoding gives the text back."""
+    text, want = json.loads((VOCAB / "llama_cpp_ids.json").read_text())[case]
+    ids = gemma4_tokenizer.encode(text)
+    assert ids == want
+    assert gemma4_tokenizer.decode(ids[1:]) == text
+
+
+def test_gemma4_vocabulary_ends_turns_and_hides_only_control_tokens(gemma4_tokenizer: Tokenizer):
+    vocab = gemma4_tokenizer.backend.get_vocab()
+    assert {vocab["<eos>"], vocab["<turn|>"], vocab["<|tool_response>"]} <= gemma4_tokenizer.eos_token_ids
+    ids = gemma4_tokenizer.encode("<|turn>model\n<|channel>hi<channel|><turn|>", add_special_tokens=False)
+    # <|channel> is user-defined in the file (the converter keeps it visible for the chat parser).
+    assert gemma4_tokenizer.decode(ids, skip_special_tokens=True) == "model\n<|channel>hi<channel|>"
