@@ -1,7 +1,8 @@
 """Convert a tiny random checkpoint of tests/oracle/tiny/ to GGUF with llama.cpp's own converter.
 
 llama.cpp's ``convert_hf_to_gguf.py`` is the independent oracle of the GGUF layout (tensor names, the
-split and transposed MLA ``attn_k_b`` / ``attn_v_b``, stacked experts, metadata keys). Only the
+split and transposed MLA ``attn_k_b`` / ``attn_v_b``, stacked experts, metadata keys; Gemma 4's per-layer
+arrays, ``rope_freqs`` and fused ``ffn_gate_up_exps``). Only the
 vocabulary is written here: the converter identifies real BPE tokenizers by a hash, and the tiny
 folders' word-level tokenizer is none of them, so the same ``w<i>`` words go in as a plain token list.
 
