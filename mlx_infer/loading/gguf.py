@@ -21,6 +21,7 @@ from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TENSORS, TENSOR
 from gguf.quants import dequantize
 
 from mlx_infer.errors import InvalidCheckpoint, UnsupportedArchitecture
+from mlx_infer.loading import gguf_hybrid
 from mlx_infer.loading.gguf_config import hf_config, llama3_scaling
 from mlx_infer.loading.gguf_file import GGUFHeader, read_header, tensor_bytes
 from mlx_infer.loading.gguf_mxfp4 import mxfp4_from_gguf
@@ -90,6 +91,8 @@ ARCH_OVERRIDES: dict[str, dict[MODEL_TENSOR, str]] = {
         MODEL_TENSOR.FFN_UP_EXP: L + "mlp.experts.up_proj",
         MODEL_TENSOR.FFN_DOWN_EXP: L + "mlp.experts.down_proj",
     },
+    # Qwen3-Next, Qwen3.5 (Gated DeltaNet hybrids): loading/gguf_hybrid.py
+    **dict.fromkeys(gguf_hybrid.ARCHS, gguf_hybrid.TENSOR_NAMES),
 }
 # Tensors that are not weights of a module but RoPE parameters, folded into the config.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -122,13 +125,14 @@ def read_gguf(path: Path, kquant_blocks: bool = False) -> GGUFCheckpoint:
     names = gguf_to_hf_names(arch, config["num_hidden_layers"])
     weights, requantize, kquants = {}, {}, {}
     for name, value in raw.items():
-        base, _, suffix = name.rpartition(".")
+        # Most names end in .weight/.bias (or MLX's .scales/.biases); a few are bare (Qwen3-Next's ssm_a).
+        base, suffix = (name, "") if name in names else name.rpartition(".")[::2]
         if block_index(name) >= config["num_hidden_layers"]:
-            continue  # a multi-token-prediction layer (GLM-4.5), which generation does not use
+            continue  # a multi-token-prediction layer (GLM-4.5, Qwen3.5), which generation does not use
         if base not in names:
             raise UnsupportedArchitecture(f"{source}: tensor {name!r} of a {arch} GGUF is not supported")
         hf = names[base]
-        key = f"{hf}_{suffix}" if hf.endswith("e_score_correction") else f"{hf}.{suffix}"
+        key = f"{hf}_{suffix}" if hf.endswith("e_score_correction") else gguf_hybrid.param_key(hf, suffix)
         # Block rows are whole output features, so the Q/K row permutation moves them like float rows.
         weights[key] = _fix_layout(hf, suffix, value, config, arch)
         qtype = dequantized_from.get(name)
@@ -136,6 +140,8 @@ def read_gguf(path: Path, kquant_blocks: bool = False) -> GGUFCheckpoint:
             kquants[hf] = blocks[name]
         elif qtype is not None and qtype not in FLOAT_TYPES and value.ndim >= 2:
             requantize[hf] = 8 if qtype in EIGHT_BIT_SOURCES else 4
+    if arch in gguf_hybrid.ARCHS:
+        gguf_hybrid.restore_hf_layout(weights, config, arch, kquants)
     return GGUFCheckpoint(config, weights, header.metadata, requantize, kquants)
 
 

@@ -7,10 +7,12 @@ folders' word-level tokenizer is none of them, so the same ``w<i>`` words go in 
 
 Run it with the oracle venv and a llama.cpp source tree (the one vendored in the llama-cpp-python sdist):
 
-    /tmp/oracle-venv/bin/python tests/oracle/make_tiny_gguf.py LLAMA_CPP_DIR NAME [OUTTYPE]
+    /tmp/oracle-venv/bin/python tests/oracle/make_tiny_gguf.py LLAMA_CPP_DIR NAME [OUTTYPE [ARGS...]]
 
 It writes ``tests/oracle/tiny/<NAME>/model.<OUTTYPE>.gguf`` (default f32); transformers' logits in the
-folder's ``reference.npz`` are then the GGUF's reference too.
+folder's ``reference.npz`` are then the GGUF's reference too. ARGS go to the converter as they
+are: the Qwen3-Next / Qwen3.5 converters want ``--no-mtp`` for a checkpoint without the
+multi-token-prediction layer (they insist on one otherwise).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 TINY = Path(__file__).parent / "tiny"
 
 
-def main(llama_cpp: Path, name: str, outtype: str = "f32") -> None:
+def main(llama_cpp: Path, name: str, outtype: str = "f32", *converter_args: str) -> None:
     sys.path.insert(0, str(llama_cpp))
     sys.path.insert(1, str(llama_cpp / "gguf-py"))
     import convert_hf_to_gguf
@@ -47,7 +49,7 @@ def main(llama_cpp: Path, name: str, outtype: str = "f32") -> None:
     convert_hf_to_gguf.get_model_class = get_model_class
     folder = TINY / name
     sys.argv = ["convert_hf_to_gguf.py", str(folder), "--outtype", outtype,
-                "--outfile", str(folder / f"model.{outtype}.gguf")]  # fmt: skip
+                "--outfile", str(folder / f"model.{outtype}.gguf"), *converter_args]  # fmt: skip
     convert_hf_to_gguf.main()
 
 
