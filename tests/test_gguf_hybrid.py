@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from mlx.utils import tree_flatten
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.loading import load
+from mlx_infer.loading.gguf_file import read_header
 from mlx_infer.loading.gguf_hybrid import untile
 from mlx_infer.models import base
 from mlx_infer.plan import make_plan
@@ -23,8 +25,11 @@ TINY = Path(__file__).parent / "oracle" / "tiny"
 BLOCK = 4
 TOL = 2e-4  # test_architectures.py's
 
-# folder -> model type the GGUF loads as
-CASES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# folder -> model type the GGUF loads as. Qwen3-Next's file (which carries a multi-token-prediction layer
+# after the model's, as real conversions do) loads as Qwen3.5-MoE's text model (loading/gguf_hybrid.py).
+CASES = {
+    "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_next_all_moe": "qwen3_5_moe_text"
+}
 
 
 def prefill_then_decode(model, tokens: np.ndarray) -> np.ndarray:
@@ -67,3 +72,48 @@ def test_untile_inverts_the_converters_value_head_order():
     tiled = grouped.reshape(hk, per, d, 5).swapaxes(0, 1).reshape(grouped.shape)
     assert np.array_equal(np.array(untile(mx.array(tiled), hk, hk * per)), grouped)
     assert np.array_equal(np.array(untile(mx.array(tiled.T), hk, hk * per, axis=-1)), grouped.T)
+
+
+def rewrite_gguf(src: Path, dst: Path, change) -> None:
+    """Copy ``src`` to ``dst``: its metadata as it is, its tensors as ``change(tensors)`` returns them."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        array = field.types[0] == gguf.GGUFValueType.ARRAY
+        writer.add_key_value(name, field.contents(), field.types[0], field.types[-1] if array else None)
+    tensors = {t.name: np.array(t.data).reshape(tuple(reversed(t.shape.tolist()))) for t in reader.tensors}
+    for name, value in change(tensors).items():
+        writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_older_qwen3_next_gguf_with_ssm_in_loads_the_same(tmp_path: Path):
+    """Qwen3-Next files written before the converter split the projection hold Hugging Face's interleaved
+    ``in_proj_qkvz`` whole as ``ssm_in`` (llama.cpp's legacy path views its rows as [q, k, v, z] per key
+    head): the same model as the split attn_qkv / attn_gate."""
+    path = TINY / "qwen3_next_all_moe" / "model.f32.gguf"
+    config = load(str(path)).config
+    hk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+
+    def interleave(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = dict(tensors)
+        for name in [n for n in tensors if n.endswith("attn_gate.weight")]:
+            block = name.removesuffix("attn_gate.weight")
+            qkv, z = out.pop(block + "attn_qkv.weight"), out.pop(name)
+            q, k, v = np.split(qkv, [hk * dk, 2 * hk * dk])
+            groups = [x.reshape(hk, -1, x.shape[-1]) for x in (q, k, v, z)]
+            out[block + "ssm_in.weight"] = np.concatenate(groups, axis=1).reshape(-1, qkv.shape[-1])
+        return out
+
+    rewrite_gguf(path, tmp_path / "legacy.gguf", interleave)
+    names = read_header(tmp_path / "legacy.gguf").tensors
+    assert "blk.0.ssm_in.weight" in names and "blk.0.attn_qkv.weight" not in names
+    tokens = np.load(TINY / "qwen3_next_all_moe" / "reference.npz")["tokens_0"]
+    want = prefill_then_decode(load(str(path)).model, tokens)
+    got = prefill_then_decode(load(str(tmp_path / "legacy.gguf")).model, tokens)
+    np.testing.assert_array_equal(got, want)
