@@ -12,14 +12,20 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
+from gguf.constants import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 from mlx.utils import tree_flatten
+from test_loading import random_k_quant
 
 from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.loading import load
+from mlx_infer.loading.gguf import read_gguf
 from mlx_infer.loading.gguf_file import read_header
 from mlx_infer.loading.gguf_hybrid import untile
+from mlx_infer.metal_kernels import dispatch
 from mlx_infer.models import base
 from mlx_infer.plan import make_plan
+from mlx_infer.plan.weights import read_metadata
 
 TINY = Path(__file__).parent / "oracle" / "tiny"
 BLOCK = 4
@@ -117,3 +123,58 @@ def test_older_qwen3_next_gguf_with_ssm_in_loads_the_same(tmp_path: Path):
     want = prefill_then_decode(load(str(path)).model, tokens)
     got = prefill_then_decode(load(str(tmp_path / "legacy.gguf")).model, tokens)
     np.testing.assert_array_equal(got, want)
+
+
+def test_qwen35_k_quant_blocks_move_by_rows_and_ssm_out_is_decoded(tmp_path: Path, monkeypatch):
+    """Where K-quant matrices stay raw blocks (Metal), the value-head reordering moves whole rows of blocks
+    (in_proj_qkv's v rows, in_proj_z, in_proj_b/a); ssm_out's columns move by head (64 values here, 128 in
+    Qwen3.5), inside a 256-value block, so it is read dequantized (and re-quantized), and the plan says so."""
+    hidden, hk, hv, dk, dv, ffn = 256, 2, 4, 64, 64, 256
+    conv = 2 * hk * dk + hv * dv
+    rng = np.random.default_rng(3)
+    matrices = {"attn_qkv": (conv, hidden, Q.Q4_K), "attn_gate": (hv * dv, hidden, Q.Q4_K),
+                "ssm_beta": (hv, hidden, Q.Q6_K), "ssm_alpha": (hv, hidden, Q.Q6_K),
+                "ssm_out": (hidden, hv * dv, Q.Q4_K), "ffn_gate": (ffn, hidden, Q.Q4_K),
+                "ffn_up": (ffn, hidden, Q.Q4_K), "ffn_down": (hidden, ffn, Q.Q6_K)}  # fmt: skip
+    writer = gguf.GGUFWriter(str(tmp_path / "kq.gguf"), "qwen35")
+    for key, value in {"block_count": 1, "context_length": 64, "embedding_length": hidden,
+                       "feed_forward_length": ffn, "attention.head_count": 2, "attention.head_count_kv": 1,
+                       "attention.key_length": 64, "attention.value_length": 64, "rope.dimension_count": 16,
+                       "ssm.conv_kernel": 4, "ssm.state_size": dk, "ssm.group_count": hk,
+                       "ssm.time_step_rank": hv, "ssm.inner_size": hv * dv}.items():  # fmt: skip
+        writer.add_uint32(f"qwen35.{key}", value)
+    writer.add_float32("qwen35.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_array("qwen35.attention.recurrent_layers", [True])
+    raw = {}
+    for name, (rows, cols, qtype) in matrices.items():
+        raw[name] = random_k_quant(qtype, rows, cols, rng)
+        writer.add_tensor(f"blk.0.{name}.weight", raw[name], raw_dtype=qtype)
+    vectors = {"token_embd.weight": (128, hidden), "output_norm.weight": (hidden,),
+               "blk.0.attn_norm.weight": (hidden,), "blk.0.post_attention_norm.weight": (hidden,),
+               "blk.0.ssm_a": (hv,), "blk.0.ssm_dt.bias": (hv,), "blk.0.ssm_conv1d.weight": (conv, 4),
+               "blk.0.ssm_norm.weight": (dv,)}  # fmt: skip
+    for name, shape in vectors.items():
+        writer.add_tensor(name, -np.abs(rng.standard_normal(shape, np.float32)) - 0.1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    blocks = read_gguf(tmp_path / "kq.gguf", kquant_blocks=True)
+    decoded = read_gguf(tmp_path / "kq.gguf")
+    p = "model.layers.0.linear_attn."
+    assert blocks.kquants[p + "in_proj_z"] == "Q4_K" and blocks.kquants[p + "in_proj_b"] == "Q6_K"
+    np.testing.assert_array_equal(np.array(blocks.weights[p + "in_proj_z.weight"]),
+                                  np.array(untile(mx.array(raw["attn_gate"]), hk, hv)))
+    for name, qtype in [("in_proj_qkv", Q.Q4_K), ("in_proj_z", Q.Q4_K), ("in_proj_a", Q.Q6_K)]:
+        rows = np.array(blocks.weights[p + name + ".weight"])  # the blocks, decoded: the CPU read's values
+        want = np.array(decoded.weights[p + name + ".weight"])
+        np.testing.assert_array_equal(dequantize(rows, qtype), want)
+    assert p + "out_proj" not in blocks.kquants and blocks.requantize[p + "out_proj"] == 4
+    want = untile(mx.array(dequantize(raw["ssm_out"], Q.Q4_K)), hk, hv, axis=-1)
+    np.testing.assert_array_equal(np.array(blocks.weights[p + "out_proj.weight"]), np.array(want))
+
+    monkeypatch.setattr(dispatch, "USE_KERNELS", True)
+    planned = {t.name: t for t in read_metadata(str(tmp_path / "kq.gguf"), "metal", None).tensors}
+    assert planned["blk.0.attn_gate.weight"].gguf_bytes > 0
+    assert planned["blk.0.ssm_out.weight"].gguf_bytes == 0 and planned["blk.0.ssm_out.weight"].requantize == 4

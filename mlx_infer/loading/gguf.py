@@ -120,7 +120,9 @@ def read_gguf(path: Path, kquant_blocks: bool = False) -> GGUFCheckpoint:
     if all(t.qtype in MX_LOAD_EXACT for t in header.tensors.values()):
         raw, dequantized_from, blocks = _mx_load(path), {}, {}
     else:
-        raw, dequantized_from, blocks = _read_tensors(path, header, kquant_blocks)
+        # Matrices whose columns a layout fix moves in units smaller than a K-quant block are decoded.
+        decoded = gguf_hybrid.column_permuted(arch, config) if kquant_blocks else set()
+        raw, dequantized_from, blocks = _read_tensors(path, header, kquant_blocks, decoded)
     _fold_rope_tensors(raw, config, arch, source)
     names = gguf_to_hf_names(arch, config["num_hidden_layers"])
     weights, requantize, kquants = {}, {}, {}
@@ -193,7 +195,7 @@ def _mx_load(path: Path) -> dict[str, mx.array]:
 
 
 def _read_tensors(
-    path: Path, header: GGUFHeader, kquant_blocks: bool
+    path: Path, header: GGUFHeader, kquant_blocks: bool, decoded: set[str]
 ) -> tuple[dict[str, mx.array], dict[str, Q], dict[str, str]]:
     """Every tensor, dequantized to float32 (with its source type), or kept as raw blocks (with its kind).
 
@@ -205,7 +207,7 @@ def _read_tensors(
             scales_name = name.removesuffix(".weight") + ".scales"
             weights[name], weights[scales_name] = mxfp4_from_gguf(tensor_bytes(path, info), info.shape)
             continue
-        if kquant_blocks and info.qtype in BLOCK_KINDS and len(info.shape) == 2:
+        if kquant_blocks and info.qtype in BLOCK_KINDS and len(info.shape) == 2 and name not in decoded:
             weights[name] = mx.array(np.array(tensor_bytes(path, info)))
             blocks[name] = BLOCK_KINDS[info.qtype]
             continue

@@ -93,6 +93,15 @@ def param_key(hf: str, suffix: str) -> str:
     return f"{hf}.{suffix}"
 
 
+def column_permuted(arch: str, config: dict[str, Any]) -> set[str]:
+    """GGUF names of the matrices whose columns the value-head reordering moves (Qwen3.5's ``ssm_out``).
+    A raw K-quant block spans 256 columns, more than a head's, so these are read dequantized instead."""
+    if arch not in ARCHS or arch == "qwen3next" or not needs_v_reorder(config):
+        return set()
+    linear = [i for i, kind in enumerate(config["layer_types"]) if kind == "linear_attention"]
+    return {f"blk.{i}.ssm_out.weight" for i in linear}
+
+
 def needs_v_reorder(config: dict[str, Any]) -> bool:
     return config["linear_num_key_heads"] != config["linear_num_value_heads"]
 
@@ -120,7 +129,7 @@ def restore_hf_layout(
         if p + "in_proj_ba.weight" in weights:
             _split_ba(weights, kquants, p, config)
         if arch != "qwen3next" and needs_v_reorder(config):
-            _untile_v_heads(weights, p, config)
+            _untile_v_heads(weights, kquants, p, config)
 
 
 def _rows(weights: dict[str, mx.array], module: str) -> list[str]:
@@ -177,7 +186,7 @@ def untile(x: mx.array, key_heads: int, value_heads: int, axis: int = 0) -> mx.a
     return heads.swapaxes(axis, axis + 1).reshape(x.shape)
 
 
-def _untile_v_heads(weights: dict[str, mx.array], p: str, c: dict[str, Any]) -> None:
+def _untile_v_heads(weights: dict[str, mx.array], kquants: dict[str, str], p: str, c: dict[str, Any]) -> None:
     hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
     key_dim = hk * c["linear_key_head_dim"]
 
@@ -192,6 +201,8 @@ def _untile_v_heads(weights: dict[str, mx.array], p: str, c: dict[str, Any]) -> 
             weights[key] = untile(weights[key], hk, hv)
     for key in (p + "A_log", p + "dt_bias"):
         weights[key] = untile(weights[key], hk, hv)
+    if p + "out_proj" in kquants:
+        raise InvalidCheckpoint(f"{p}out_proj: its value-head columns cannot move inside raw K-quant blocks")
     for key in _rows(weights, p + "out_proj"):
         x = weights[key]
         if x.shape[-1] % hv:
