@@ -178,3 +178,29 @@ def test_qwen35_k_quant_blocks_move_by_rows_and_ssm_out_is_decoded(tmp_path: Pat
     planned = {t.name: t for t in read_metadata(str(tmp_path / "kq.gguf"), "metal", None).tensors}
     assert planned["blk.0.attn_gate.weight"].gguf_bytes > 0
     assert planned["blk.0.ssm_out.weight"].gguf_bytes == 0 and planned["blk.0.ssm_out.weight"].requantize == 4
+
+
+def fuse_as_the_converter_does(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """convert_hf_to_gguf.py's --fuse-qkv (a full-attention layer's q, k, v rows into attn_qkv) and
+    --fuse-gate-up-exps (each expert's gate rows, then its up rows, into ffn_gate_up_exps)."""
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith("attn_q.weight")]:
+        block = name.removesuffix("attn_q.weight")
+        parts = [out.pop(block + f"attn_{x}.weight") for x in "qkv"]
+        out[block + "attn_qkv.weight"] = np.concatenate(parts)
+    for name in [n for n in tensors if n.endswith("ffn_gate_exps.weight")]:
+        block = name.removesuffix("ffn_gate_exps.weight")
+        gate, up = out.pop(name), out.pop(block + "ffn_up_exps.weight")
+        out[block + "ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
+    return out
+
+
+def test_gguf_with_the_converters_fused_qkv_and_gate_up_loads_the_same(tmp_path: Path):
+    path = TINY / "qwen3_5_moe" / "model.f32.gguf"
+    rewrite_gguf(path, tmp_path / "fused.gguf", fuse_as_the_converter_does)
+    names = read_header(tmp_path / "fused.gguf").tensors
+    assert "blk.1.attn_qkv.weight" in names and "blk.1.attn_q.weight" not in names
+    assert "blk.0.ffn_gate_up_exps.weight" in names
+    tokens = np.load(TINY / "qwen3_5_moe" / "reference.npz")["tokens_0"]
+    want = prefill_then_decode(load(str(path)).model, tokens)
+    np.testing.assert_array_equal(prefill_then_decode(load(str(tmp_path / "fused.gguf")).model, tokens), want)

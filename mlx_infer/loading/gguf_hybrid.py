@@ -13,7 +13,9 @@ What llama.cpp's converter (``convert_hf_to_gguf.py``, Qwen3NextModel and its Qw
   (``[k0v0, k0v1, k1v0, k1v1]``) to tiled (``[k0v0, k1v0, k0v1, k1v1]``) wherever they appear: the v rows of
   ``in_proj_qkv`` and of the convolution, ``in_proj_z``, ``in_proj_b``/``in_proj_a``, ``A_log``,
   ``dt_bias``, and the columns of ``out_proj``;
-- the multi-token-prediction layer goes after the model's layers (``nextn_predict_layers``).
+- the multi-token-prediction layer goes after the model's layers (``nextn_predict_layers``);
+- optionally (``--fuse-qkv``, ``--fuse-gate-up-exps``) a full-attention layer's q, k, v rows are one
+  ``attn_qkv`` and each expert's gate and up rows one ``ffn_gate_up_exps``.
 
 Every reordering moves whole rows (or whole head blocks of columns), so quantized rows, their scales and
 biases, and raw K-quant blocks move alike; values are only changed on float tensors (norms, ``A``).
@@ -49,12 +51,14 @@ TENSOR_NAMES: dict[MODEL_TENSOR, str] = {
     MODEL_TENSOR.SSM_CONV1D: A + "conv1d",
     MODEL_TENSOR.SSM_NORM: A + "norm",
     MODEL_TENSOR.SSM_OUT: A + "out_proj",
+    # --fuse-gate-up-exps: gate rows then up rows of each expert; split back in restore_hf_layout.
+    MODEL_TENSOR.FFN_GATE_UP_EXP: L + "mlp.switch_mlp.gate_up_proj",
     MODEL_TENSOR.FFN_GATE_INP_SHEXP: L + "mlp.shared_expert_gate",
     MODEL_TENSOR.FFN_GATE_SHEXP: L + "mlp.shared_expert.gate_proj",
     MODEL_TENSOR.FFN_UP_SHEXP: L + "mlp.shared_expert.up_proj",
     MODEL_TENSOR.FFN_DOWN_SHEXP: L + "mlp.shared_expert.down_proj",
 }
-PARTS = ("weight", "scales", "biases")  # a quantized matrix's arrays, all with the same rows
+PARTS = ("weight", "scales", "biases", "bias")  # a (quantized) matrix's arrays, all with the same rows
 
 
 def hf_config(config: dict[str, Any], get, head_dim: int, arch: str) -> None:
@@ -117,9 +121,12 @@ def restore_hf_layout(
         elif key.endswith("shared_expert_gate.weight") and weights[key].ndim == 1:
             weights[key] = weights[key][None]  # llama.cpp reads it as a vector
     for i, kind in enumerate(config["layer_types"]):
-        if kind != "linear_attention":
-            continue
+        _split_gate_up(weights, f"model.layers.{i}.mlp.switch_mlp.")
         p = f"model.layers.{i}.linear_attn."
+        if kind != "linear_attention":
+            if p + "in_proj_qkv.weight" in weights:  # --fuse-qkv: a full-attention layer's q, k, v rows
+                _split_attention_qkv(weights, kquants, p + "in_proj_qkv", i, config)
+            continue
         a = weights[p + "A_log"]
         weights[p + "A_log"] = mx.log(-a.astype(mx.float32)).astype(a.dtype)
         conv = weights[p + "conv1d.weight"]
@@ -146,6 +153,26 @@ def _move(weights: dict[str, mx.array], kquants: dict[str, str], module: str, pa
             weights[f"{new}.{suffix}"] = take(value)
     if kind is not None:
         kquants.update(dict.fromkeys(parts, kind))
+
+
+def _split_gate_up(weights: dict[str, mx.array], prefix: str) -> None:
+    """Stacked experts' fused ``gate_up_proj`` ``[E, 2I, D]`` (gate rows first) -> gate and up."""
+    for key in [k for k in weights if k.startswith(prefix + "gate_up_proj.")]:
+        gate, up = mx.split(weights.pop(key), 2, axis=1)
+        suffix = key.rpartition(".")[2]
+        weights[f"{prefix}gate_proj.{suffix}"], weights[f"{prefix}up_proj.{suffix}"] = gate, up
+
+
+def _split_attention_qkv(
+    weights: dict[str, mx.array], kquants: dict[str, str], module: str, layer: int, c: dict[str, Any]
+) -> None:
+    q = 2 * c["num_attention_heads"] * c["head_dim"]  # each head's query, then its output gate
+    kv = c["num_key_value_heads"] * c["head_dim"]
+    attn = f"model.layers.{layer}.self_attn."
+    _move(weights, kquants, module, {
+        attn + "q_proj": lambda x: x[:q], attn + "k_proj": lambda x: x[q : q + kv],
+        attn + "v_proj": lambda x: x[q + kv :],
+    })  # fmt: skip
 
 
 def _split_qkvz(weights: dict[str, mx.array], kquants: dict[str, str], p: str, c: dict[str, Any]) -> None:
