@@ -125,53 +125,68 @@ def test_older_qwen3_next_gguf_with_ssm_in_loads_the_same(tmp_path: Path):
     np.testing.assert_array_equal(got, want)
 
 
-def test_qwen35_k_quant_blocks_move_by_rows_and_ssm_out_is_decoded(tmp_path: Path, monkeypatch):
-    """Where K-quant matrices stay raw blocks (Metal), the value-head reordering moves whole rows of blocks
-    (in_proj_qkv's v rows, in_proj_z, in_proj_b/a); ssm_out's columns move by head (64 values here, 128 in
-    Qwen3.5), inside a 256-value block, so it is read dequantized (and re-quantized), and the plan says so."""
-    hidden, hk, hv, dk, dv, ffn = 256, 2, 4, 64, 64, 256
-    conv = 2 * hk * dk + hv * dv
-    rng = np.random.default_rng(3)
-    matrices = {"attn_qkv": (conv, hidden, Q.Q4_K), "attn_gate": (hv * dv, hidden, Q.Q4_K),
-                "ssm_beta": (hv, hidden, Q.Q6_K), "ssm_alpha": (hv, hidden, Q.Q6_K),
-                "ssm_out": (hidden, hv * dv, Q.Q4_K), "ffn_gate": (ffn, hidden, Q.Q4_K),
-                "ffn_up": (ffn, hidden, Q.Q4_K), "ffn_down": (hidden, ffn, Q.Q6_K)}  # fmt: skip
-    writer = gguf.GGUFWriter(str(tmp_path / "kq.gguf"), "qwen35")
-    for key, value in {"block_count": 1, "context_length": 64, "embedding_length": hidden,
-                       "feed_forward_length": ffn, "attention.head_count": 2, "attention.head_count_kv": 1,
+# A Qwen3.5 DeltaNet layer large enough for quantized rows: 2 key heads, 4 value heads of 64.
+HIDDEN, HK, HV, DK, DV, FFN = 256, 2, 4, 64, 64, 256
+CONV = 2 * HK * DK + HV * DV
+
+
+def write_qwen35_layer(path: Path, qtypes: dict[str, Q], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A one-layer qwen35 GGUF (no attention layer; enough for read_gguf and the plan) whose matrices have
+    the given types; returns their stored bytes."""
+    shapes = {"attn_qkv": (CONV, HIDDEN), "attn_gate": (HV * DV, HIDDEN), "ssm_beta": (HV, HIDDEN),
+              "ssm_alpha": (HV, HIDDEN), "ssm_out": (HIDDEN, HV * DV), "ffn_gate": (FFN, HIDDEN),
+              "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}  # fmt: skip
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    for key, value in {"block_count": 1, "context_length": 64, "embedding_length": HIDDEN,
+                       "feed_forward_length": FFN, "attention.head_count": 2, "attention.head_count_kv": 1,
                        "attention.key_length": 64, "attention.value_length": 64, "rope.dimension_count": 16,
-                       "ssm.conv_kernel": 4, "ssm.state_size": dk, "ssm.group_count": hk,
-                       "ssm.time_step_rank": hv, "ssm.inner_size": hv * dv}.items():  # fmt: skip
+                       "ssm.conv_kernel": 4, "ssm.state_size": DK, "ssm.group_count": HK,
+                       "ssm.time_step_rank": HV, "ssm.inner_size": HV * DV}.items():  # fmt: skip
         writer.add_uint32(f"qwen35.{key}", value)
     writer.add_float32("qwen35.attention.layer_norm_rms_epsilon", 1e-6)
     writer.add_array("qwen35.attention.recurrent_layers", [True])
     raw = {}
-    for name, (rows, cols, qtype) in matrices.items():
-        raw[name] = random_k_quant(qtype, rows, cols, rng)
+    for name, (rows, cols) in shapes.items():
+        qtype = qtypes[name]
+        if qtype in (Q.Q4_K, Q.Q6_K):
+            raw[name] = random_k_quant(qtype, rows, cols, rng)
+        else:
+            raw[name] = gguf.quants.quantize(rng.standard_normal((rows, cols), np.float32) / 16, qtype)
         writer.add_tensor(f"blk.0.{name}.weight", raw[name], raw_dtype=qtype)
-    vectors = {"token_embd.weight": (128, hidden), "output_norm.weight": (hidden,),
-               "blk.0.attn_norm.weight": (hidden,), "blk.0.post_attention_norm.weight": (hidden,),
-               "blk.0.ssm_a": (hv,), "blk.0.ssm_dt.bias": (hv,), "blk.0.ssm_conv1d.weight": (conv, 4),
-               "blk.0.ssm_norm.weight": (dv,)}  # fmt: skip
+    vectors = {"token_embd.weight": (128, HIDDEN), "output_norm.weight": (HIDDEN,),
+               "blk.0.attn_norm.weight": (HIDDEN,), "blk.0.post_attention_norm.weight": (HIDDEN,),
+               "blk.0.ssm_a": (HV,), "blk.0.ssm_dt.bias": (HV,), "blk.0.ssm_conv1d.weight": (CONV, 4),
+               "blk.0.ssm_norm.weight": (DV,)}  # fmt: skip
     for name, shape in vectors.items():
-        writer.add_tensor(name, -np.abs(rng.standard_normal(shape, np.float32)) - 0.1)
+        writer.add_tensor(name, -np.abs(rng.standard_normal(shape, np.float32)) - 0.1)  # ssm_a < 0
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return raw
+
+
+def test_qwen35_k_quant_blocks_move_by_rows_and_ssm_out_is_decoded(tmp_path: Path, monkeypatch):
+    """Where K-quant matrices stay raw blocks (Metal), the value-head reordering moves whole rows of blocks
+    (in_proj_qkv's v rows, in_proj_z, in_proj_b/a); ssm_out's columns move by head (64 values here, 128 in
+    Qwen3.5), inside a 256-value block, so it is read dequantized (and re-quantized), and the plan says so."""
+    qtypes = {name: Q.Q6_K if name in ("ssm_beta", "ssm_alpha", "ffn_down") else Q.Q4_K
+              for name in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out", "ffn_gate", "ffn_up",
+                           "ffn_down")}  # fmt: skip
+    raw = write_qwen35_layer(tmp_path / "kq.gguf", qtypes, np.random.default_rng(3))
 
     blocks = read_gguf(tmp_path / "kq.gguf", kquant_blocks=True)
     decoded = read_gguf(tmp_path / "kq.gguf")
     p = "model.layers.0.linear_attn."
     assert blocks.kquants[p + "in_proj_z"] == "Q4_K" and blocks.kquants[p + "in_proj_b"] == "Q6_K"
     np.testing.assert_array_equal(np.array(blocks.weights[p + "in_proj_z.weight"]),
-                                  np.array(untile(mx.array(raw["attn_gate"]), hk, hv)))
+                                  np.array(untile(mx.array(raw["attn_gate"]), HK, HV)))
     for name, qtype in [("in_proj_qkv", Q.Q4_K), ("in_proj_z", Q.Q4_K), ("in_proj_a", Q.Q6_K)]:
         rows = np.array(blocks.weights[p + name + ".weight"])  # the blocks, decoded: the CPU read's values
         want = np.array(decoded.weights[p + name + ".weight"])
         np.testing.assert_array_equal(dequantize(rows, qtype), want)
     assert p + "out_proj" not in blocks.kquants and blocks.requantize[p + "out_proj"] == 4
-    want = untile(mx.array(dequantize(raw["ssm_out"], Q.Q4_K)), hk, hv, axis=-1)
+    want = untile(mx.array(dequantize(raw["ssm_out"], Q.Q4_K)), HK, HV, axis=-1)
     np.testing.assert_array_equal(np.array(blocks.weights[p + "out_proj.weight"]), np.array(want))
 
     monkeypatch.setattr(dispatch, "USE_KERNELS", True)
@@ -204,3 +219,27 @@ def test_gguf_with_the_converters_fused_qkv_and_gate_up_loads_the_same(tmp_path:
     tokens = np.load(TINY / "qwen3_5_moe" / "reference.npz")["tokens_0"]
     want = prefill_then_decode(load(str(path)).model, tokens)
     np.testing.assert_array_equal(prefill_then_decode(load(str(tmp_path / "fused.gguf")).model, tokens), want)
+
+
+def test_qwen35_q8_0_value_heads_move_with_their_scales(tmp_path: Path):
+    """Q8_0 loads as MLX affine words, scales and biases (group 32): the value-head reordering moves their
+    rows, and out_proj's columns a head (64 values: 2 groups, 16 words) at a time, values intact."""
+    names = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out", "ffn_gate", "ffn_up", "ffn_down")
+    raw = write_qwen35_layer(tmp_path / "q8.gguf", dict.fromkeys(names, Q.Q8_0), np.random.default_rng(4))
+    weights = read_gguf(tmp_path / "q8.gguf").weights
+    p = "model.layers.0.linear_attn."
+
+    def values(module: str) -> np.ndarray:
+        w, s, b = (weights[f"{p}{module}.{x}"] for x in ("weight", "scales", "biases"))
+        return np.array(mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=8))
+
+    def stored(name: str) -> mx.array:
+        return mx.array(dequantize(raw[name], Q.Q8_0))
+
+    def same(got: np.ndarray, want: mx.array) -> None:  # up to the rounding of s * (q + 128) - 128 * s
+        np.testing.assert_allclose(got, np.array(want), rtol=0, atol=1e-6)
+
+    same(values("out_proj"), untile(stored("ssm_out"), HK, HV, axis=-1))
+    same(values("in_proj_z"), untile(stored("attn_gate"), HK, HV))
+    qkv = stored("attn_qkv")
+    same(values("in_proj_qkv"), mx.concatenate([qkv[: 2 * HK * DK], untile(qkv[2 * HK * DK :], HK, HV)]))
