@@ -17,13 +17,13 @@ from gguf.quants import dequantize
 from mlx.utils import tree_flatten
 from test_loading import random_k_quant
 
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import new_cache
 from mlx_infer.loading import load
 from mlx_infer.loading.gguf import read_gguf
 from mlx_infer.loading.gguf_file import read_header
 from mlx_infer.loading.gguf_hybrid import untile
 from mlx_infer.metal_kernels import dispatch
-from mlx_infer.models import base
 from mlx_infer.plan import make_plan
 from mlx_infer.plan.weights import read_metadata
 
@@ -42,7 +42,7 @@ def prefill_then_decode(model, tokens: np.ndarray) -> np.ndarray:
     """Logits of every position: two prefill chunks (the second crossing DeltaNet's 64-token chunks), then
     one decode step each for the last three tokens."""
     n_blocks = -(-len(tokens) // BLOCK) + 4
-    cache = base.new_cache(model, n_blocks, BLOCK, mx.float32, num_state_slots=1)
+    cache = new_cache(model, n_blocks, BLOCK, mx.float32, num_state_slots=1)
     table = [int(b) for b in np.random.default_rng(0).permutation(n_blocks)]
     done, rows = 0, []
     first = len(tokens) // 3
