@@ -70,20 +70,26 @@ def hf_config(config: dict[str, Any], get, head_dim: int, arch: str) -> None:
         interval = int(get("full_attention_interval", 4))
         recurrent = [(i + 1) % interval != 0 for i in range(n)]
     config["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent[:n]]
-    v_heads = int(get("ssm.time_step_rank"))
+
+    def need(key: str) -> int:
+        if get(key) is None:
+            raise InvalidCheckpoint(f"GGUF metadata lacks {arch}.{key}")
+        return int(get(key))
+
+    v_heads = need("ssm.time_step_rank")
     config.update(
-        linear_conv_kernel_dim=int(get("ssm.conv_kernel")),
-        linear_key_head_dim=int(get("ssm.state_size")),
-        linear_num_key_heads=int(get("ssm.group_count")),
+        linear_conv_kernel_dim=need("ssm.conv_kernel"),
+        linear_key_head_dim=need("ssm.state_size"),
+        linear_num_key_heads=need("ssm.group_count"),
         linear_num_value_heads=v_heads,
-        linear_value_head_dim=int(get("ssm.inner_size")) // v_heads,
+        linear_value_head_dim=need("ssm.inner_size") // v_heads,
         partial_rotary_factor=int(get("rope.dimension_count", head_dim // 4)) / head_dim,
     )
     if get("expert_count") is not None:
         config.update(
-            num_experts=int(get("expert_count")),
-            num_experts_per_tok=int(get("expert_used_count")),
-            moe_intermediate_size=int(get("expert_feed_forward_length")),
+            num_experts=need("expert_count"),
+            num_experts_per_tok=need("expert_used_count"),
+            moe_intermediate_size=need("expert_feed_forward_length"),
             shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)),
         )
 
