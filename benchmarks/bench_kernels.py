@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_infer import blas, cpu_kernels
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.metal_kernels import paged_attention, quantized, reference
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16

@@ -11,8 +11,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.runner import ModelRunner, activation_dtype, kv_pool_dtype
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.kv.manager import KVCacheManager
 
 BLOCK_SIZE = 16

@@ -19,9 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.errors import InvalidRequest
-from mlx_infer.models.base import new_cache
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import new_cache
 
 DEFAULT_EVAL_FILE = Path(__file__).with_name("eval_text.txt")
 WINDOW = 512  # tokens per forward: long enough for context, short enough for CPU memory and time

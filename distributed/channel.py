@@ -1,6 +1,6 @@
 """Rank 0 tells the other ranks what each step computes, so every rank runs the same forward.
 
-A step travels as int32s: the token ids and what :func:`mlx_infer.engine.batch.build_metadata` needs
+A step travels as int32s: the token ids and what :func:`mlx_infer.interface.batch.build_metadata` needs
 (query and context lengths, block tables, and the logit rows when they are not the default), so every rank
 builds identical :class:`BatchMetadata`. It is broadcast with ``all_sum`` over a buffer that is zero except
 on rank 0: one collective of ``CAPACITY`` ints for a small step, a second one only for the overflow of a big
@@ -14,8 +14,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
-from mlx_infer.models.base import BatchMetadata
+from mlx_infer.interface.batch import BatchMetadata, SequenceSlice, build_metadata
 
 from .traffic import Traffic
 

@@ -18,7 +18,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer.errors import DistributedError
-from mlx_infer.models.base import BatchMetadata, KVSpec, LayerKV, select_rows
+from mlx_infer.interface.batch import BatchMetadata
+from mlx_infer.interface.kv import KVSpec, LayerKV
+from mlx_infer.models.base import select_rows
 
 from .traffic import Traffic
 

@@ -23,10 +23,11 @@ import numpy as np
 from mlx_infer.engine.engine import Engine, EngineConfig, pool_num_blocks
 from mlx_infer.engine.runner import kv_bytes_per_token, kv_pool_dtype, prepare_for_cpu
 from mlx_infer.errors import DistributedError
+from mlx_infer.interface.batch import BatchMetadata
+from mlx_infer.interface.kv import LayerKV
 from mlx_infer.kv.memory import device_memory_bytes
 from mlx_infer.kv.pages import allocate_pools
 from mlx_infer.loading import LoadedModel, load
-from mlx_infer.models.base import BatchMetadata, LayerKV
 from mlx_infer.plan.planner import layout_state_bytes
 
 from .channel import StepChannel

@@ -17,7 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer.errors import DistributedError
-from mlx_infer.models.base import BatchMetadata, LayerKV
+from mlx_infer.interface.batch import BatchMetadata
+from mlx_infer.interface.kv import LayerKV
 
 from .traffic import Traffic
 

@@ -18,9 +18,9 @@ from functools import partial
 import mlx.core as mx
 
 from mlx_infer import cpu_kernels
+from mlx_infer.interface.batch import BatchMetadata
 from mlx_infer.metal_kernels import gguf_reference, reference
 from mlx_infer.metal_kernels.launch import Launcher, metal_launch
-from mlx_infer.models.base import BatchMetadata
 
 
 def _kernel_paged_attention(

@@ -4,7 +4,7 @@ Each thread owns one value column ``j`` of one (sequence, head) state matrix, re
 sequence's slot of the state pool: it predicts ``(k^T S')_j`` of the decayed state, forms its error,
 then updates and reads column ``j`` in one pass. Columns are independent (the delta rule's outer-product
 update touches column ``j`` only through ``delta_j``), so there is no threadgroup memory and no barrier.
-Each head's block is laid out as in the state pool (``models/state.py``): its ``[Dk, Dv]`` matrix, then
+Each head's block is laid out as in the state pool (``interface/state.py``): its ``[Dk, Dv]`` matrix, then
 a row for its output; a Metal kernel cannot write its inputs, so the rows come out as a new array that
 the state's write copies into the slots.
 """

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlx_infer.interface.batch import BatchMetadata
 from mlx_infer.metal_kernels.launch import KernelSpec, Launcher, metal_launch
-from mlx_infer.models.base import BatchMetadata
 
 N_SIMD = 4  # SIMD groups per threadgroup (128 threads)
 PARTITION_KEYS = 256  # keys per partition of the split-KV variant

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_infer.models.base import BatchMetadata, split_int8_rows
-from mlx_infer.models.step_memo import StepMemo
+from mlx_infer.interface.batch import BatchMetadata
+from mlx_infer.interface.kv import split_int8_rows
+from mlx_infer.interface.step_memo import StepMemo
 
 _step = StepMemo()  # per-step mask and gather rows, shared by every layer
 

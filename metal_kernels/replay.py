@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.metal_kernels import gguf_reference, paged_attention, quantized, reference
 from mlx_infer.metal_kernels.launch import Launcher, metal_launch
 

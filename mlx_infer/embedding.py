@@ -27,13 +27,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.errors import ContextTooLong, InvalidCheckpoint, InvalidRequest, UnsupportedArchitecture
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import new_cache
 from mlx_infer.loading import hf, open_checkpoint, resolve
 from mlx_infer.loading.build import build_model
 from mlx_infer.loading.policy import apply_weight_policy
 from mlx_infer.models import ENCODER_TYPES, encoder_module
-from mlx_infer.models.base import new_cache
 
 POOLING_MODES = ("mean", "cls", "last")
 # sentence-transformers' Pooling config keys -> our modes (the others: max, sqrt-len, weighted mean).

@@ -5,9 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import new_cache
 from mlx_infer.models import model_module
-from mlx_infer.models.base import new_cache
 
 
 class CharTokenizer:

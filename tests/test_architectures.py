@@ -14,10 +14,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.interface import kv as kv_cache
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import LayerKV
 from mlx_infer.loading import load
-from mlx_infer.models import base
-from mlx_infer.models.base import LayerKV
 
 TINY = Path(__file__).parent / "oracle" / "tiny"
 BLOCK = 4
@@ -30,7 +30,7 @@ TOL = 2e-4
 
 
 def new_cache(model, num_blocks: int = NUM_BLOCKS, block: int = BLOCK, dtype=mx.float32) -> list[LayerKV]:
-    return base.new_cache(model, num_blocks, block, dtype, num_state_slots=NUM_SLOTS)
+    return kv_cache.new_cache(model, num_blocks, block, dtype, num_state_slots=NUM_SLOTS)
 
 
 def forward(model, cache, slices: list[SequenceSlice], tokens) -> np.ndarray:

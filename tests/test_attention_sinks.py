@@ -14,10 +14,10 @@ import pytest
 from test_kernels import EMU, needs_emulator
 
 from mlx_infer import cpu_kernels
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import pool_rows, split_int8_rows
 from mlx_infer.metal_kernels import paged_attention as pa
 from mlx_infer.metal_kernels import reference
-from mlx_infer.models.base import pool_rows, split_int8_rows
 
 BLOCK = 16
 N_HEADS, N_KV, HEAD_DIM = 6, 2, 64

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import LayerKV
 from mlx_infer.loading import load, open_checkpoint
 from mlx_infer.loading.build import build_model
-from mlx_infer.models.base import LayerKV
 from mlx_infer.plan import make_plan
 
 TINY = Path(__file__).parent / "oracle" / "tiny"

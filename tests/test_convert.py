@@ -16,11 +16,11 @@ from conftest import TINY_LLAMA_CONFIG, TINY_WORDS, make_tiny_llama, write_hf_fo
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_infer.convert import cli, output
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.errors import InvalidRequest, ModelNotFound
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import new_cache
 from mlx_infer.loading import load, open_checkpoint
 from mlx_infer.loading.build import build_model
-from mlx_infer.models.base import new_cache
 
 
 def convert(model: str | Path, out: Path, *flags: str) -> dict:

@@ -14,8 +14,8 @@ import pytest
 from mlx_infer import cli, cli_options, cpu_kernels
 from mlx_infer.cpu_kernels import build
 from mlx_infer.distributed import launch
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.loading import load
 from mlx_infer.sampling import SamplingParams
 

@@ -23,15 +23,15 @@ from test_kernels import attention_case
 
 from mlx_infer import cpu_kernels
 from mlx_infer.distributed import shard_tensor
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.errors import DistributedError
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import new_cache, pool_rows
 from mlx_infer.loading import load
 from mlx_infer.metal_kernels import dispatch, reference
 from mlx_infer.metal_kernels import paged_attention as pa
 from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
-from mlx_infer.models.base import new_cache, pool_rows
 from mlx_infer.models.mla import QuantizedMultiLinear
 from mlx_infer.plan import make_plan
 from mlx_infer.sampling import SamplingParams

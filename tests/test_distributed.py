@@ -37,9 +37,9 @@ from mlx_infer.distributed.channel import decode_step, encode_step
 from mlx_infer.distributed.pipeline import layer_ranges
 from mlx_infer.distributed.runtime import Session, load_sharded
 from mlx_infer.distributed.tensor import _keep_columns, _keep_rows, _shard_mlp
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import EngineConfig
 from mlx_infer.errors import DistributedError
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.models.native_block import NativeBlock
 
 PY = sys.executable
@@ -487,8 +487,8 @@ import mlx.core as mx
 import numpy as np
 from test_models import BLOCK, CONFIGS, NUM_BLOCKS, build, hf_weights
 from mlx_infer.distributed import shard_pipeline, shard_tensor
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
-from mlx_infer.models.base import new_cache
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import new_cache
 
 from mlx_infer.distributed.runtime import init_group
 group = init_group()

@@ -15,8 +15,8 @@ import pytest
 from mlx.utils import tree_flatten
 from test_models import CONFIGS, build, hf_weights, new_cache, step, tokens_for
 
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.models.base import rope_frequencies
 from mlx_infer.models.fused import FusedLinear, FusedMLP, fuse_projections
 from mlx_infer.models.rope_cpu import apply_rope_cpu

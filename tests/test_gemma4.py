@@ -13,17 +13,17 @@ from mlx.utils import tree_flatten
 from test_kernels import ATOL, attention_case, attention_error, needs_emulator
 
 from mlx_infer.distributed import shard_pipeline, shard_tensor
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.runner import kv_bytes_per_token
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.engine.speculative import SpeculativeConfig
 from mlx_infer.errors import DistributedError
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import new_cache
 from mlx_infer.kv.pages import owned
 from mlx_infer.loading import load, open_checkpoint
 from mlx_infer.loading.build import build_model
 from mlx_infer.models import gemma4
-from mlx_infer.models.base import new_cache
 from mlx_infer.plan import make_plan
 from mlx_infer.plan.weights import read_metadata
 from mlx_infer.sampling import SamplingParams

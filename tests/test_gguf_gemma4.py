@@ -18,8 +18,8 @@ import pytest
 from mlx.utils import tree_flatten
 from test_architectures import TOL, block_table, forward, new_cache
 
-from mlx_infer.engine.batch import SequenceSlice
 from mlx_infer.errors import UnsupportedArchitecture
+from mlx_infer.interface.batch import SequenceSlice
 from mlx_infer.loading import load
 from mlx_infer.loading.gguf_config import hf_config
 from mlx_infer.loading.gguf_file import read_header

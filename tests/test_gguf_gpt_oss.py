@@ -13,7 +13,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as Q
 from test_architectures import TOL, block_table, forward, new_cache
 
-from mlx_infer.engine.batch import SequenceSlice
+from mlx_infer.interface.batch import SequenceSlice
 from mlx_infer.loading import hf, load
 from mlx_infer.models.gpt_oss import clamped_swiglu
 

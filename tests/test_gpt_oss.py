@@ -52,8 +52,8 @@ def test_tensor_parallel_shards_sum_to_the_whole_model():
     from test_distributed import FakeGroup
 
     from mlx_infer.distributed import shard_tensor
-    from mlx_infer.engine.batch import SequenceSlice, build_metadata
-    from mlx_infer.models.base import new_cache
+    from mlx_infer.interface.batch import SequenceSlice, build_metadata
+    from mlx_infer.interface.kv import new_cache
 
     folder = str(TINY / "gpt_oss")
     whole = load(folder).model
@@ -115,7 +115,7 @@ def test_the_metal_kernels_give_transformers_logits(emulated_kernels):
     by the emulator): the long prompt's logits, chunked then decoded, equal transformers' as on the CPU."""
     from test_architectures import TOL, block_table, forward, new_cache
 
-    from mlx_infer.engine.batch import SequenceSlice
+    from mlx_infer.interface.batch import SequenceSlice
 
     model = load(str(TINY / "gpt_oss_mxfp4")).model
     ref = np.load(TINY / "gpt_oss_mxfp4" / "reference.npz")

@@ -20,18 +20,18 @@ from engine_helpers import CharTokenizer, greedy_reference
 from distributed.runtime import load_sharded
 from mlx_infer import cpu_kernels
 from mlx_infer.convert import cli as convert_cli
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.engine.speculative import SpeculativeConfig
 from mlx_infer.errors import DistributedError, UnsupportedArchitecture
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import LayerKV, new_cache
+from mlx_infer.interface.state import LayerState, StateSpec
 from mlx_infer.loading import load
 from mlx_infer.metal_kernels import dispatch
 from mlx_infer.metal_kernels import gated_delta as metal_gated_delta
 from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
-from mlx_infer.models.base import LayerKV, new_cache
 from mlx_infer.models.gated_delta import chunk_gated_delta, decode_step, recurrent_gated_delta
-from mlx_infer.models.state import LayerState, StateSpec
 from mlx_infer.plan.planner import make_plan
 from mlx_infer.sampling import SamplingParams
 

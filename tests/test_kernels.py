@@ -12,13 +12,13 @@ import pytest
 from conftest import make_tiny_llama
 
 from mlx_infer import cpu_kernels
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import new_cache
 from mlx_infer.loading import policy
 from mlx_infer.metal_kernels import dispatch, gguf_reference, quantized, reference
 from mlx_infer.metal_kernels import paged_attention as pa
 from mlx_infer.metal_kernels.emulator import Emulator, EmulatorError, toolchain_available
 from mlx_infer.metal_kernels.layers import KernelQuantizedEmbedding, KernelQuantizedLinear
-from mlx_infer.models.base import new_cache
 
 needs_emulator = pytest.mark.skipif(not toolchain_available(),
                                     reason="the emulator needs `pip install ziglang`")

@@ -16,13 +16,13 @@ from engine_helpers import CharTokenizer, tiny_llama
 from test_kernels import EMU, attention_case, needs_emulator
 
 from mlx_infer import cli, cpu_kernels
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.runner import kv_pool_dtype
 from mlx_infer.engine.scheduler import SchedulerConfig
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import LayerKV, pool_rows, split_int8_rows
 from mlx_infer.metal_kernels import paged_attention as pa
 from mlx_infer.metal_kernels import reference
-from mlx_infer.models.base import LayerKV, pool_rows, split_int8_rows
 from mlx_infer.plan import planner
 from mlx_infer.sampling import SamplingParams
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_infer.engine.runner import kv_bytes_per_token
+from mlx_infer.interface.kv import KVSpec, new_cache
 from mlx_infer.kv.pages import allocate_pools, drop_blocks, pages_droppable
-from mlx_infer.models.base import KVSpec, new_cache
 from mlx_infer.plan.planner import layout_bytes_per_token
 
 

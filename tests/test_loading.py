@@ -21,8 +21,9 @@ from gguf.constants import MODEL_ARCH_NAMES, GGMLQuantizationType
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_infer import cpu_kernels
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.errors import InvalidCheckpoint, ModelNotFound, UnsupportedArchitecture
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import new_cache
 from mlx_infer.loading import load, policy
 from mlx_infer.loading.gguf import gguf_to_hf_names
 from mlx_infer.loading.gguf_config import MODEL_TYPES, llama3_scaling
@@ -30,7 +31,7 @@ from mlx_infer.loading.gguf_file import read_header, tensor_bytes
 from mlx_infer.metal_kernels import dispatch
 from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
 from mlx_infer.metal_kernels.layers import GGUFEmbedding, GGUFLinear, KernelQuantizedLinear
-from mlx_infer.models.base import new_cache, rope_frequencies
+from mlx_infer.models.base import rope_frequencies
 
 Q = GGMLQuantizationType
 TOKENS = [1, 5, 17, 42, 8, 33, 60, 2, 9, 11]

@@ -16,10 +16,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.errors import InvalidCheckpoint, UnsupportedArchitecture
-from mlx_infer.models import base, model_module
-from mlx_infer.models.base import LayerKV
+from mlx_infer.interface import kv as kv_cache
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import LayerKV
+from mlx_infer.models import model_module
 
 BLOCK = 4
 NUM_BLOCKS = 24
@@ -290,7 +291,7 @@ def build(cfg: dict, weights: dict[str, np.ndarray]) -> nn.Module:
 def new_cache(
     model: nn.Module, num_blocks: int = NUM_BLOCKS, block: int = BLOCK, dtype=mx.float32
 ) -> list[LayerKV]:
-    return base.new_cache(model, num_blocks, block, dtype)
+    return kv_cache.new_cache(model, num_blocks, block, dtype)
 
 
 def step(model, cache, slices: list[SequenceSlice], tokens: list[int]) -> np.ndarray:

@@ -20,10 +20,10 @@ from test_models import CONFIGS, build, hf_weights, new_cache, step
 
 from mlx_infer import cpu_kernels
 from mlx_infer.engine import runner
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import LayerKV
 from mlx_infer.loading import load
 from mlx_infer.loading.policy import apply_weight_policy
-from mlx_infer.models.base import LayerKV
 from mlx_infer.models.fused import fuse_projections
 from mlx_infer.models.native_block import NativeBlock, native_blocks
 

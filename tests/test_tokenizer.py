@@ -251,3 +251,18 @@ def test_gguf_byte_level_pre_tokenizers(pre: str, pieces: list[str]):
     })
     assert [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str("abc 12345  x")] == pieces
     assert tok.decode(tok.encode("abc 12345  x")) == "abc 12345  x"
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    ("qwen2", ["cafe", "Ìģ", "Ġx"]),  # the combining acute accent (U+0301) is not a letter: split off
+    ("qwen35", ["cafeÌģ", "Ġx"]),  # Qwen3.5's regex keeps marks (\p{M}) inside words
+])
+def test_gguf_qwen35_pre_tokenizer_keeps_combining_marks_in_words(pre: str, pieces: list[str]):
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer.from_gguf_metadata({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": alphabet,
+        "tokenizer.ggml.merges": [], "tokenizer.ggml.eos_token_id": mx.array(0, dtype=mx.uint32),
+    })
+    text = "cafe\u0301 x"
+    assert [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str(text)] == pieces
+    assert tok.decode(tok.encode(text)) == text

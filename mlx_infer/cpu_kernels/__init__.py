@@ -36,10 +36,10 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_infer.cpu_kernels.build import Unavailable, load
-from mlx_infer.models.step_memo import StepMemo
+from mlx_infer.interface.step_memo import StepMemo
 
 if TYPE_CHECKING:  # models.base uses this package (RoPE): no import cycle at run time
-    from mlx_infer.models.base import BatchMetadata
+    from mlx_infer.interface.batch import BatchMetadata
 
 log = logging.getLogger("mlx_infer")
 

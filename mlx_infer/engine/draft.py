@@ -19,8 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.runner import activation_dtype, prepare_for_cpu
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.pages import allocate_pools, drop_blocks
 

@@ -12,15 +12,15 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_infer import cpu_kernels
-from mlx_infer.engine.batch import SequenceSlice, build_metadata
 from mlx_infer.engine.request import Request
 from mlx_infer.engine.scheduler import ScheduledRequest
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.state import LayerState
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.pages import allocate_pools, drop_blocks
 from mlx_infer.loading.policy import cpu_backend
 from mlx_infer.models.fused import fuse_projections
 from mlx_infer.models.native_block import native_blocks
-from mlx_infer.models.state import LayerState
 from mlx_infer.plan import planner
 from mlx_infer.sampling import SampleResult, SamplerRow, sample
 

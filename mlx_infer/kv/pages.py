@@ -27,8 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_infer.models.base import LayerKV, new_cache
-from mlx_infer.models.state import LayerState
+from mlx_infer.interface.kv import LayerKV, new_cache
+from mlx_infer.interface.state import LayerState
 
 MADV_DONTNEED = 4  # Linux
 

@@ -1,6 +1,6 @@
 """The slot pool of per-sequence recurrent states (hybrid models' linear-attention layers).
 
-A recurrent layer keeps a fixed-size state per sequence instead of K/V per token (``models/state.py``):
+A recurrent layer keeps a fixed-size state per sequence instead of K/V per token (``interface/state.py``):
 every such layer has one state array per kind with ``num_slots`` rows, and a running sequence owns the
 same row (its slot) in all of them. A sequence takes a slot when the KV manager first allocates for it
 and gives it back when it is freed (finished, aborted or preempted). A recomputed sequence restarts

@@ -21,6 +21,7 @@ from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TENSORS, TENSOR
 from gguf.quants import dequantize
 
 from mlx_infer.errors import InvalidCheckpoint, UnsupportedArchitecture
+from mlx_infer.loading import gguf_hybrid
 from mlx_infer.loading.gguf_config import hf_config, llama3_scaling
 from mlx_infer.loading.gguf_file import GGUFHeader, read_header, tensor_bytes
 from mlx_infer.loading.gguf_gemma4 import NAMES as GEMMA4_NAMES
@@ -93,6 +94,8 @@ ARCH_OVERRIDES: dict[str, dict[MODEL_TENSOR, str]] = {
         MODEL_TENSOR.FFN_DOWN_EXP: L + "mlp.experts.down_proj",
     },
     "gemma4": GEMMA4_NAMES,
+    # Qwen3-Next, Qwen3.5 (Gated DeltaNet hybrids): loading/gguf_hybrid.py
+    **dict.fromkeys(gguf_hybrid.ARCHS, gguf_hybrid.TENSOR_NAMES),
 }
 # Tensors that are not weights of a module but RoPE parameters, folded into the config.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -120,21 +123,24 @@ def read_gguf(path: Path, kquant_blocks: bool = False) -> GGUFCheckpoint:
     if all(t.qtype in MX_LOAD_EXACT for t in header.tensors.values()):
         raw, dequantized_from, blocks = _mx_load(path), {}, {}
     else:
-        raw, dequantized_from, blocks = _read_tensors(path, header, kquant_blocks)
+        # Matrices whose columns a layout fix moves in units smaller than a K-quant block are decoded.
+        decoded = gguf_hybrid.column_permuted(arch, config) if kquant_blocks else set()
+        raw, dequantized_from, blocks = _read_tensors(path, header, kquant_blocks, decoded)
     _fold_rope_tensors(raw, config, arch, source)
     names = gguf_to_hf_names(arch, config["num_hidden_layers"])
     weights, requantize, kquants = {}, {}, {}
     for name, value in raw.items():
-        base, _, suffix = name.rpartition(".")
+        # Most names end in .weight/.bias (or MLX's .scales/.biases); a few are bare (Qwen3-Next's ssm_a).
+        base, suffix = (name, "") if name in names else name.rpartition(".")[::2]
         if block_index(name) >= config["num_hidden_layers"]:
-            continue  # a multi-token-prediction layer (GLM-4.5), which generation does not use
+            continue  # a multi-token-prediction layer (GLM-4.5, Qwen3.5), which generation does not use
         if base not in names:
             raise UnsupportedArchitecture(f"{source}: tensor {name!r} of a {arch} GGUF is not supported")
         hf = names[base]
         if arch == "gemma4":
             key = hf_key(hf, suffix)  # its scales that are parameters rather than a module's weight
         else:
-            key = f"{hf}_{suffix}" if hf.endswith("e_score_correction") else f"{hf}.{suffix}"
+            key = f"{hf}_{suffix}" if hf.endswith("e_score_correction") else gguf_hybrid.param_key(hf, suffix)
         # Block rows are whole output features, so the Q/K row permutation moves them like float rows.
         weights[key] = _fix_layout(hf, suffix, value, config, arch)
         qtype = dequantized_from.get(name)
@@ -144,6 +150,8 @@ def read_gguf(path: Path, kquant_blocks: bool = False) -> GGUFCheckpoint:
             requantize[hf] = 8 if qtype in EIGHT_BIT_SOURCES else 4
     if arch == "gemma4":
         stacked_experts(weights, requantize)
+    if arch in gguf_hybrid.ARCHS:
+        gguf_hybrid.restore_hf_layout(weights, config, arch, kquants)
     return GGUFCheckpoint(config, weights, header.metadata, requantize, kquants)
 
 
@@ -195,7 +203,7 @@ def _mx_load(path: Path) -> dict[str, mx.array]:
 
 
 def _read_tensors(
-    path: Path, header: GGUFHeader, kquant_blocks: bool
+    path: Path, header: GGUFHeader, kquant_blocks: bool, decoded: set[str]
 ) -> tuple[dict[str, mx.array], dict[str, Q], dict[str, str]]:
     """Every tensor, dequantized to float32 (with its source type), or kept as raw blocks (with its kind).
 
@@ -207,7 +215,7 @@ def _read_tensors(
             scales_name = name.removesuffix(".weight") + ".scales"
             weights[name], weights[scales_name] = mxfp4_from_gguf(tensor_bytes(path, info), info.shape)
             continue
-        if kquant_blocks and info.qtype in BLOCK_KINDS and len(info.shape) == 2:
+        if kquant_blocks and info.qtype in BLOCK_KINDS and len(info.shape) == 2 and name not in decoded:
             weights[name] = mx.array(np.array(tensor_bytes(path, info)))
             blocks[name] = BLOCK_KINDS[info.qtype]
             continue

@@ -7,11 +7,13 @@ base) is hard-coded here the same way.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
 from mlx_infer.errors import InvalidCheckpoint, UnsupportedArchitecture
+from mlx_infer.loading import gguf_hybrid
 from mlx_infer.loading.gguf_file import TensorInfo
 from mlx_infer.loading.gguf_gemma4 import gemma4_config
 
@@ -30,6 +32,7 @@ MODEL_TYPES = {
     "gpt-oss": "gpt_oss",
     "deepseek2": "deepseek_v3",  # DeepSeek V2/V3/R1, Kimi K2
     "gemma4": "gemma4_text",  # the text model (llama.cpp keeps vision and audio in an mmproj file)
+    **gguf_hybrid.MODEL_TYPES,  # Qwen3-Next, Qwen3.5
 }
 # Metadata that may be a per-layer array, and the architectures whose config reads such arrays.
 _PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv", "feed_forward_length")
@@ -248,4 +251,5 @@ _TENSOR_FLAGS = {
 _ARCH_EXTRAS = {
     "gemma3": _gemma3, "qwen3moe": _qwen3moe, "phi3": _phi3, "glm4moe": _glm4moe, "mistral3": _mistral3,
     "gpt-oss": _gpt_oss, "deepseek2": _deepseek2,
+    **{arch: functools.partial(gguf_hybrid.hf_config, arch=arch) for arch in gguf_hybrid.ARCHS},
 }

@@ -1,4 +1,5 @@
-"""What every architecture shares: the batch metadata, the attention interface, RoPE and the registry.
+"""What every architecture shares: the attention entry point, RoPE and the :class:`CausalLM` skeleton
+(the batch metadata and per-layer caches they take are in ``mlx_infer/interface/``).
 
 Models run on a *flattened ragged batch*: ``tokens`` is ``[T]`` (all scheduled tokens of all
 sequences, one after the other) and every attention layer calls :func:`attention` with the
@@ -17,10 +18,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_infer import cpu_kernels
+from mlx_infer.interface.batch import BatchMetadata
+from mlx_infer.interface.kv import KVSpec, LayerKV
 from mlx_infer.models.rope_config import scaling_type
 from mlx_infer.models.rope_cpu import apply_rope_cpu
-from mlx_infer.models.state import LayerState, StateSpec
 
 
 @dataclass
@@ -32,172 +33,6 @@ class BaseModelArgs:
     def from_dict(cls, params: dict[str, Any]):
         names = inspect.signature(cls).parameters
         return cls(**{k: v for k, v in params.items() if k in names})
-
-
-@dataclass
-class BatchMetadata:
-    """One model step over ``B`` sequences whose new tokens are flattened into ``T`` rows.
-
-    Host-built once per step (numpy) by the model runner; all arrays are int32.
-    """
-
-    positions: mx.array  # [T] absolute position of each new token (RoPE, causal and window masks)
-    slot_mapping: mx.array  # [T] flat pool slot (block * block_size + offset) receiving each token's K/V
-    block_tables: mx.array  # [B, max_blocks] physical block of each logical block (padding: 0)
-    context_lens: mx.array  # [B] tokens in the cache once this step's tokens are written
-    query_lens: tuple[int, ...]  # host copy: new tokens per sequence (sum = T)
-    key_slots: mx.array  # [B, L] pool slot of logical key position j (L = max_blocks * block_size)
-    q_pad_index: mx.array | None  # [B, Qmax] row of T for each padded query (None when every Q is 1)
-    q_unpad_index: mx.array | None  # [T] row of the padded [B * Qmax] layout for each token
-    q_positions: mx.array  # [B, Qmax] position of each padded query (padding: 0, so no row is fully masked)
-    logits_index: mx.array | None  # rows of T whose logits are wanted (None: all rows)
-    block_size: int
-    state_slots: mx.array | None = None  # [B] recurrent-state slot of each sequence (models/state.py)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def max_query_len(self) -> int:
-        return max(self.query_lens)
-
-
-INT8_SCALE_BYTES = 4  # an int8 pool row ends with its float32 scale
-
-
-@dataclass(frozen=True)
-class KVSpec:
-    """What one layer keeps per token: K and V pools of ``n_kv_heads x head_dim`` of its own, or, with
-    ``source``, none: it attends over layer ``source``'s pools (Gemma 4's KV sharing), writing nothing."""
-
-    n_kv_heads: int
-    head_dim: int
-    source: int | None = None
-    # No V pool: the layer reads its values out of its key rows (MLA's latent rows, :class:`LatentKV`).
-    values_in_keys: bool = False
-
-    @property
-    def owns_pool(self) -> bool:
-        return self.source is None
-
-
-class LayerKV:
-    """The K and V pools of one attention layer.
-
-    Stored flat as ``[num_blocks * block_size, n_kv_heads, head_dim]``: the same memory as the
-    ``[num_blocks, block_size, n_kv_heads, head_dim]`` layout the kernels index, and the shape
-    MLX's scatter writes in place when the pool is donated (no other reference alive).
-
-    ``dtype`` is the pool's (the KV cache dtype): float32, float16 or bfloat16 rows, or ``mx.int8``:
-    each (token, KV head) row quantized symmetrically with one float32 scale (``max|x| / 127``) stored
-    right after its ``head_dim`` values, so the pools are ``[slots, n_kv_heads, head_dim + 4]`` int8
-    and a slot stays one contiguous run (see :func:`quantize_rows`, ``cpu_kernels/src/kv_format.h``).
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype):
-        self.block_size = block_size
-        self.head_dim = head_dim
-        row = head_dim + INT8_SCALE_BYTES if dtype == mx.int8 else head_dim
-        self.keys = mx.zeros((num_blocks * block_size, n_kv_heads, row), dtype=dtype)
-        self.values = mx.zeros((num_blocks * block_size, n_kv_heads, row), dtype=dtype)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.keys.shape[0] // self.block_size
-
-    def write(self, keys: mx.array, values: mx.array, slot_mapping: mx.array) -> None:
-        """Scatter this step's ``[T, n_kv_heads, head_dim]`` keys/values into their slots (rounded to
-        the pool's dtype, or quantized into an int8 pool).
-
-        Rebinding ``self.keys`` drops the last reference to the old pool, so the lazy scatter may
-        reuse (donate) its buffer instead of copying the whole pool every step.
-        """
-        k, v = self.keys, self.values
-        self.keys = self.values = None  # type: ignore[assignment]
-        native_k = cpu_kernels.kv_write(k, keys, slot_mapping)
-        if native_k is not None:  # one op per pool instead of four (CPU backend)
-            self.keys, self.values = native_k, cpu_kernels.kv_write(v, values, slot_mapping)
-            return
-        k[slot_mapping] = pool_rows(keys, k.dtype)
-        v[slot_mapping] = pool_rows(values, v.dtype)
-        self.keys, self.values = k, v
-
-    def state(self) -> list[mx.array]:
-        return [self.keys, self.values]
-
-
-class LatentKV(LayerKV):
-    """A multi-head latent attention layer's pool (``models/mla.py``): ``[slots, 1, row]`` rows and no
-    value pool, the values being a prefix of each row, so ``values`` is the key pool itself."""
-
-    def __init__(self, num_blocks: int, block_size: int, head_dim: int, dtype: mx.Dtype):
-        self.block_size = block_size
-        self.head_dim = head_dim
-        row = head_dim + INT8_SCALE_BYTES if dtype == mx.int8 else head_dim
-        self.keys = mx.zeros((num_blocks * block_size, 1, row), dtype=dtype)
-
-    @property
-    def values(self) -> mx.array:  # type: ignore[override]
-        return self.keys
-
-    def write(self, keys: mx.array, values: mx.array | None, slot_mapping: mx.array) -> None:
-        """Scatter this step's ``[T, 1, row]`` rows (``values`` must be None: they are in the rows).
-
-        Rebinding ``self.keys`` drops the last reference to the old pool, so the scatter may donate it.
-        """
-        assert values is None, "a latent layer's values are a prefix of its rows"
-        pool = self.keys
-        self.keys = None  # type: ignore[assignment]
-        native = cpu_kernels.kv_write(pool, keys, slot_mapping)
-        if native is not None:
-            self.keys = native
-            return
-        pool[slot_mapping] = pool_rows(keys, pool.dtype)
-        self.keys = pool
-
-    def state(self) -> list[mx.array]:
-        return [self.keys]
-
-
-def new_cache(
-    model: nn.Module, num_blocks: int, block_size: int, dtype: mx.Dtype, num_state_slots: int = 1
-) -> list[LayerKV | LayerState]:
-    """One entry per layer of ``model.kv_layout()``, unevaluated: a pool-owning layer's own
-    :class:`LayerKV` (:class:`LatentKV` for MLA), a sharing layer the very object of its source, a
-    recurrent layer (``StateSpec``) its :class:`LayerState` of ``num_state_slots`` slots."""
-    cache: list[LayerKV | LayerState] = []
-    for spec in model.kv_layout():
-        if isinstance(spec, StateSpec):
-            cache.append(LayerState(num_state_slots, spec))
-        elif spec.values_in_keys:
-            cache.append(LatentKV(num_blocks, block_size, spec.head_dim, dtype))
-        elif spec.owns_pool:
-            cache.append(LayerKV(num_blocks, block_size, spec.n_kv_heads, spec.head_dim, dtype))
-        else:
-            cache.append(cache[spec.source])
-    return cache
-
-
-def pool_rows(x: mx.array, dtype: mx.Dtype) -> mx.array:
-    """``[T, n_kv, D]`` keys or values as a pool of ``dtype`` stores them."""
-    return quantize_rows(x) if dtype == mx.int8 else x.astype(dtype)
-
-
-def quantize_rows(x: mx.array) -> mx.array:
-    """``[..., D]`` values -> ``[..., D + 4]`` int8: each row symmetric, ``q = round(x / scale)`` with
-    ``scale = max|x| / 127`` (ties to even, as the native write), then the scale's four bytes. An
-    all-zero row gets scale 0 and zeros."""
-    x = x.astype(mx.float32)
-    scale = mx.abs(x).max(axis=-1, keepdims=True) / 127.0
-    q = mx.where(scale > 0, x / mx.where(scale > 0, scale, 1.0), 0.0)
-    q = mx.clip(mx.round(q), -127, 127).astype(mx.int8)
-    return mx.concatenate([q, scale.view(mx.int8)], axis=-1)
-
-
-def split_int8_rows(rows: mx.array) -> tuple[mx.array, mx.array]:
-    """``[..., D + 4]`` int8 rows -> (``[..., D]`` int8 values, ``[...]`` float32 scales)."""
-    return rows[..., :-INT8_SCALE_BYTES], rows[..., -INT8_SCALE_BYTES:].view(mx.float32)[..., 0]
 
 
 def attention(

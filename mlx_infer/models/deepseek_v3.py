@@ -25,12 +25,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer.errors import UnsupportedArchitecture
+from mlx_infer.interface.batch import BatchMetadata
+from mlx_infer.interface.kv import KVSpec, LatentKV
 from mlx_infer.models.base import (
     BaseModelArgs,
-    BatchMetadata,
     CausalLM,
-    KVSpec,
-    LatentKV,
     apply_rope,
     rope_attention_factor,
     rope_frequencies,

@@ -20,9 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer import cpu_kernels
-from mlx_infer.models.base import BatchMetadata
-from mlx_infer.models.state import LayerState
-from mlx_infer.models.step_memo import StepMemo
+from mlx_infer.interface.batch import BatchMetadata
+from mlx_infer.interface.state import LayerState
+from mlx_infer.interface.step_memo import StepMemo
 
 CHUNK = 64  # transformers' chunk_gated_delta_rule default (and FLA's)
 

@@ -16,11 +16,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer.errors import UnsupportedArchitecture
+from mlx_infer.interface.batch import BatchMetadata
+from mlx_infer.interface.kv import LayerKV
 from mlx_infer.models.base import (
     BaseModelArgs,
-    BatchMetadata,
     CausalLM,
-    LayerKV,
     apply_rope,
     attention,
     rope_attention_factor,

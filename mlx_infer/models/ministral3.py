@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlx_infer.interface.batch import BatchMetadata
+from mlx_infer.interface.kv import LayerKV
 from mlx_infer.models import llama
-from mlx_infer.models.base import BatchMetadata, LayerKV, attention
+from mlx_infer.models.base import attention
 
 
 @dataclass

@@ -18,7 +18,8 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_infer.models.base import BatchMetadata, LatentKV
+from mlx_infer.interface.batch import BatchMetadata
+from mlx_infer.interface.kv import LatentKV
 
 
 def latent_attention(

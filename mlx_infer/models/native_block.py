@@ -19,9 +19,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer import cpu_kernels
+from mlx_infer.interface.batch import BatchMetadata
+from mlx_infer.interface.kv import LayerKV
 from mlx_infer.metal_kernels.layers import KernelQuantizedLinear
 from mlx_infer.models import llama, qwen2
-from mlx_infer.models.base import BatchMetadata, LayerKV
 from mlx_infer.models.fused import CompiledRMSNorm, FusedMLP, FusedQuantizedLinear, silu_gate
 from mlx_infer.models.rope_cpu import step_tables
 

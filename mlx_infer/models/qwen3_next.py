@@ -20,18 +20,11 @@ import mlx.nn as nn
 
 from mlx_infer import cpu_kernels
 from mlx_infer.errors import InvalidCheckpoint
+from mlx_infer.interface.batch import BatchMetadata
+from mlx_infer.interface.kv import KVSpec, LayerKV
+from mlx_infer.interface.state import LayerState, StateSpec, continuing
 from mlx_infer.models import qwen3_moe
-from mlx_infer.models.base import (
-    BaseModelArgs,
-    BatchMetadata,
-    CausalLM,
-    KVSpec,
-    LayerKV,
-    apply_rope,
-    attention,
-    rope_frequencies,
-    rope_scale,
-)
+from mlx_infer.models.base import BaseModelArgs, CausalLM, apply_rope, attention, rope_frequencies, rope_scale
 from mlx_infer.models.gated_delta import (
     Ragged,
     causal_conv1d,
@@ -43,7 +36,6 @@ from mlx_infer.models.gated_delta import (
 )
 from mlx_infer.models.llama import MLP
 from mlx_infer.models.rope_config import resolve_rope
-from mlx_infer.models.state import LayerState, StateSpec, continuing
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

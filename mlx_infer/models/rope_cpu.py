@@ -16,7 +16,7 @@ from functools import partial
 import mlx.core as mx
 
 from mlx_infer import cpu_kernels
-from mlx_infer.models.step_memo import StepMemo
+from mlx_infer.interface.step_memo import StepMemo
 
 _tables = StepMemo()
 

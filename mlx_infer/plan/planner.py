@@ -26,7 +26,7 @@ from mlx_infer.plan.bandwidth import memory_bandwidth
 from mlx_infer.plan.weights import FLOAT_BYTES, Metadata, convert_to_bits, held, read_metadata
 
 if TYPE_CHECKING:  # the planner reads checkpoints without importing MLX's model code
-    from mlx_infer.models.base import KVSpec
+    from mlx_infer.interface.kv import KVSpec
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 BUDGET_ENV = "MLX_INFER_MEMORY_BUDGET"  # overrides the device's memory, e.g. "8GiB" (tests, what-ifs)
@@ -89,7 +89,7 @@ def layout_bytes_per_token(layout: list[KVSpec], dtype: str) -> int:
 
 def layout_state_bytes(layout: list) -> int:
     """Recurrent-state bytes of one sequence over the layers of ``layout`` that keep a state
-    (``models/state.py``'s ``StateSpec``: a fixed size per sequence, whatever its length)."""
+    (``interface/state.py``'s ``StateSpec``: a fixed size per sequence, whatever its length)."""
     return sum(s.bytes_per_slot() for s in layout if hasattr(s, "bytes_per_slot"))
 
 

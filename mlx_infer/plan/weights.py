@@ -141,6 +141,7 @@ def _gguf_metadata(path: Path, backend: str, keep_quantized: bool | None) -> Met
     )
     from mlx_infer.loading.gguf_config import hf_config
     from mlx_infer.loading.gguf_file import read_header
+    from mlx_infer.loading.gguf_hybrid import column_permuted
 
     header = read_header(path)
     config = hf_config(header.metadata, header.tensors, path.name)
@@ -154,6 +155,7 @@ def _gguf_metadata(path: Path, backend: str, keep_quantized: bool | None) -> Met
     # the K-quant matrices that stay raw blocks for the Metal kernels (loading/gguf.py, policy.py).
     exact = all(t.qtype in MX_LOAD_EXACT for t in infos)
     raw_blocks = not exact and _kquants_stay_raw(backend, keep_quantized)
+    decoded = column_permuted(header.metadata["general.architecture"], config)  # read dequantized
     affine = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8}
     tied = "output.weight" not in header.tensors
     tensors = []
@@ -170,7 +172,7 @@ def _gguf_metadata(path: Path, backend: str, keep_quantized: bool | None) -> Met
             tensors.append(Tensor(dtype="float32" if t.qtype == Q.F32 else "float16", **common))
         elif t.qtype == Q.MXFP4:  # gpt-oss's experts, read as MLX mxfp4 (loading/gguf_mxfp4.py)
             tensors.append(Tensor(dtype="uint8", bits=4, group_size=32, mode="mxfp4", expert=True, **common))
-        elif raw_blocks and t.qtype in BLOCK_KINDS and len(t.shape) == 2:
+        elif raw_blocks and t.qtype in BLOCK_KINDS and len(t.shape) == 2 and t.name not in decoded:
             tensors.append(Tensor(dtype="float32", gguf_bytes=t.nbytes, **common))
         else:
             requantize = 0

@@ -261,6 +261,8 @@ ARCHS.update({
     "qwen3_next": _hybrid(
         "qwen3_next", **_HYBRID_MOE, decoder_sparse_step=1, mlp_only_layers=[2], norm_topk_prob=True
     ),
+    # As Qwen3-Next-80B is published (every layer sparse): the layout llama.cpp's GGUF can hold.
+    "qwen3_next_all_moe": _hybrid("qwen3_next", **_HYBRID_MOE, decoder_sparse_step=1, mlp_only_layers=[]),
     "qwen3_5_text": _hybrid("qwen3_5_text"),
     "qwen3_5_moe_text": _hybrid("qwen3_5_moe_text", **_HYBRID_MOE),
     # Composite (image-text) checkpoints: the text model under model.language_model, a vision tower beside it.

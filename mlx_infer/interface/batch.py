@@ -1,4 +1,5 @@
-"""Host-side construction of a step's :class:`BatchMetadata` from per-sequence block tables."""
+"""A step's batch as every layer and kernel sees it (:class:`BatchMetadata`), and its host-side
+construction from per-sequence block tables (:func:`build_metadata`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,34 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from mlx_infer.models.base import BatchMetadata
+
+@dataclass
+class BatchMetadata:
+    """One model step over ``B`` sequences whose new tokens are flattened into ``T`` rows.
+
+    Host-built once per step (numpy) by the model runner; all arrays are int32.
+    """
+
+    positions: mx.array  # [T] absolute position of each new token (RoPE, causal and window masks)
+    slot_mapping: mx.array  # [T] flat pool slot (block * block_size + offset) receiving each token's K/V
+    block_tables: mx.array  # [B, max_blocks] physical block of each logical block (padding: 0)
+    context_lens: mx.array  # [B] tokens in the cache once this step's tokens are written
+    query_lens: tuple[int, ...]  # host copy: new tokens per sequence (sum = T)
+    key_slots: mx.array  # [B, L] pool slot of logical key position j (L = max_blocks * block_size)
+    q_pad_index: mx.array | None  # [B, Qmax] row of T for each padded query (None when every Q is 1)
+    q_unpad_index: mx.array | None  # [T] row of the padded [B * Qmax] layout for each token
+    q_positions: mx.array  # [B, Qmax] position of each padded query (padding: 0, so no row is fully masked)
+    logits_index: mx.array | None  # rows of T whose logits are wanted (None: all rows)
+    block_size: int
+    state_slots: mx.array | None = None  # [B] recurrent-state slot of each sequence (interface/state.py)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
 
 
 @dataclass

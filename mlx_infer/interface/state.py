@@ -21,8 +21,8 @@ import mlx.core as mx
 
 from mlx_infer import cpu_kernels
 
-if TYPE_CHECKING:  # base imports this module (new_cache builds LayerState)
-    from mlx_infer.models.base import BatchMetadata
+if TYPE_CHECKING:
+    from mlx_infer.interface.batch import BatchMetadata
 
 
 @dataclass(frozen=True)
