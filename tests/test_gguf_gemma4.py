@@ -24,6 +24,7 @@ from mlx_infer.loading import load
 from mlx_infer.loading.gguf_config import hf_config
 from mlx_infer.loading.gguf_file import read_header
 from mlx_infer.plan import make_plan
+from mlx_infer.plan.weights import read_metadata
 from mlx_infer.tokenizer import Tokenizer
 
 TINY = Path(__file__).parent / "oracle" / "tiny"
@@ -81,6 +82,23 @@ def test_plan_of_the_gguf_equals_what_load_holds(name: str):
     # The KV-shared layers own no pools: the GGUF's plan counts the folder's bytes a token.
     folder = make_plan(str(TINY / name), context=64, backend="cpu")
     assert plan.kv_bytes_per_token == folder.kv_bytes_per_token
+
+
+def read_fractions(name: str) -> dict[str, float]:
+    tensors = read_metadata(str(TINY / name / "model.f32.gguf"), "cpu", None).tensors
+    return {t.name: t.read_fraction for t in tensors}
+
+
+def test_decode_reads_a_row_of_the_per_layer_table_and_top_k_of_the_experts():
+    """The GGUF's plan reads what the folder's does: the per-layer table is a lookup, 2 of 4 experts run."""
+    text, moe = read_fractions("gemma4_text"), read_fractions("gemma4")
+    assert text["per_layer_token_embd.weight"] == 0.0 and text["per_layer_model_proj.weight"] == 1.0
+    assert moe["blk.0.ffn_gate_up_exps.weight"] == 0.5 and moe["blk.0.ffn_gate.weight"] == 1.0
+    assert moe["blk.0.ffn_down_exps.scale"] == 1.0  # the router's per-expert scale, read whole
+    for name in NAMES:
+        paths = (TINY / name, TINY / name / "model.f32.gguf")
+        folder, gguf_file = (make_plan(str(p), context=64, backend="cpu") for p in paths)
+        assert gguf_file.decode_tok_s_bound == pytest.approx(folder.decode_tok_s_bound, rel=1e-9)
 
 
 def write_q8_0(source: Path, dest: Path, dequantized: bool = False) -> None:

@@ -192,7 +192,9 @@ def _kquants_stay_raw(backend: str, keep_quantized: bool | None) -> bool:
 def _gguf_read_fraction(name: str, tied: bool, config: dict[str, Any]) -> float:
     if name == "token_embd.weight" and not tied:
         return 0.0  # a lookup reads one row per token; the untied head is read instead
-    if "_exps." in name:
+    if name == "per_layer_token_embd.weight":
+        return 0.0  # Gemma 4's per-layer inputs: a lookup too
+    if "_exps." in name and name.endswith(".weight"):  # not gemma4's per-expert scale (ffn_down_exps.scale)
         chosen = config.get("num_experts_per_tok") or config["top_k_experts"]  # gemma4: top_k_experts
         return chosen / _expert_count(config)
     return 1.0
