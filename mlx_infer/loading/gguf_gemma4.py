@@ -103,7 +103,9 @@ def gemma4_config(
     if int(get("rope.dimension_count", head_full)) != head_full or (
         int(get("rope.dimension_count_swa", head_swa)) != head_swa
     ):
-        raise UnsupportedArchitecture(f"{source}: gemma4 RoPE over part of a head (but rope_freqs')")
+        raise UnsupportedArchitecture(
+            f"{source}: gemma4 RoPE over part of a head is supported only as rope_freqs gives it"
+        )
     kv_heads = _per_layer(get("attention.head_count_kv"), n_layers, "attention.head_count_kv", source)
     heads = _per_layer(get("attention.head_count"), n_layers, "attention.head_count", source)
     if len(set(heads)) != 1:
