@@ -2,9 +2,9 @@
 
 llama.cpp's ``convert_hf_to_gguf.py`` is the independent oracle of the GGUF layout (tensor names, the
 split and transposed MLA ``attn_k_b`` / ``attn_v_b``, stacked experts, metadata keys; Gemma 4's per-layer
-arrays, ``rope_freqs`` and fused ``ffn_gate_up_exps``). Only the
-vocabulary is written here: the converter identifies real BPE tokenizers by a hash, and the tiny
-folders' word-level tokenizer is none of them, so the same ``w<i>`` words go in as a plain token list.
+arrays, ``rope_freqs`` and fused ``ffn_gate_up_exps``). Only the vocabulary is written here: the converter
+identifies real BPE tokenizers by a hash, and the tiny folders' word-level tokenizer is none of them, so
+the same ``w<i>`` words go in as a plain token list (make_gemma4_tokenizer.py tests a real vocabulary).
 
 Run it with the oracle venv and a llama.cpp source tree (the one vendored in the llama-cpp-python sdist):
 
