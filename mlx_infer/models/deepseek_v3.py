@@ -36,6 +36,7 @@ from mlx_infer.models.base import (
     rope_scale,
     yarn_mscale,
 )
+from mlx_infer.models.composite import text_tower
 from mlx_infer.models.llama import MLP
 from mlx_infer.models.mla import MultiLinear, latent_attention
 from mlx_infer.models.qwen3_moe import SwitchGLU, stack_experts
@@ -284,7 +285,7 @@ class Model(CausalLM):
         return [KVSpec(1, self.args.latent_dim, values_in_keys=True)] * len(self.layers)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = super().sanitize(text_model(weights))
+        weights = super().sanitize(text_tower(weights, _OTHER_TOWERS, _TEXT_PREFIXES))
         n_layers = self.args.num_hidden_layers
         # Multi-token-prediction modules are saved as layers past the last one; nothing here runs them.
         weights = {k: v for k, v in weights.items() if _layer_index(k) is None or _layer_index(k) < n_layers}
@@ -341,16 +342,6 @@ _TEXT_PREFIXES = {
 }
 _OTHER_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "model.vision_tower.",
                  "model.mm_projector.", "model.multi_modal_projector.")  # fmt: skip
-
-
-def text_model(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    out = {}
-    for name, value in weights.items():
-        if name.startswith(_OTHER_TOWERS):
-            continue
-        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
-        out[name if prefix is None else _TEXT_PREFIXES[prefix] + name[len(prefix) :]] = value
-    return out
 
 
 def _layer_index(name: str) -> int | None:

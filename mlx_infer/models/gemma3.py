@@ -27,21 +27,8 @@ from mlx_infer.models.base import (
     rope_frequencies,
     rope_scale,
 )
+from mlx_infer.models.composite import text_tower
 from mlx_infer.models.rope_config import resolve_rope
-
-# Prefixes of the text tower in Gemma3ForConditionalGeneration checkpoints (older and newer
-# transformers layouts) and of the parts this text-only model drops.
-_TEXT_PREFIXES = {
-    "language_model.model.": "model.",
-    "language_model.lm_head.": "lm_head.",
-    "model.language_model.": "model.",
-}
-_DROPPED_PREFIXES = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-)
 
 
 @dataclass
@@ -206,7 +193,7 @@ class Model(CausalLM):
         return softcap(super().head(h), self.args.final_logit_softcapping)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        out = text_tower(weights, _DROPPED_PREFIXES)
+        out = text_tower(weights)
         if self.args.tie_word_embeddings:
             out.pop("lm_head.weight", None)
         return out
@@ -219,18 +206,3 @@ def scaled(h: mx.array, scale: float) -> mx.array:
 
 def softcap(x: mx.array, cap: float | None) -> mx.array:
     return x if cap is None else mx.tanh(x / cap) * cap
-
-
-def text_tower(weights: dict[str, mx.array], dropped: tuple[str, ...]) -> dict[str, mx.array]:
-    """The text tower's weights under the text-only names (``model.``, ``lm_head.``), without the
-    ``dropped`` towers and RoPE buffers."""
-    out = {}
-    for name, value in weights.items():
-        if name.startswith(dropped) or "rotary_emb.inv_freq" in name:
-            continue
-        for prefix, replacement in _TEXT_PREFIXES.items():
-            if name.startswith(prefix):
-                name = replacement + name[len(prefix) :]
-                break
-        out[name] = value
-    return out

@@ -32,7 +32,8 @@ from mlx_infer.errors import UnsupportedArchitecture
 from mlx_infer.interface.batch import BatchMetadata
 from mlx_infer.interface.kv import KVSpec, LayerKV
 from mlx_infer.models.base import BaseModelArgs, CausalLM, apply_rope, attention
-from mlx_infer.models.gemma3 import MLP, residual, scaled, softcap, text_tower
+from mlx_infer.models.composite import text_tower
+from mlx_infer.models.gemma3 import MLP, residual, scaled, softcap
 from mlx_infer.models.qwen3_moe import SwitchGLU
 from mlx_infer.models.rope_config import resolve_rope, scaling_type
 

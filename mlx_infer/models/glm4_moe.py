@@ -17,8 +17,9 @@ import mlx.nn as nn
 
 from mlx_infer.models import qwen2
 from mlx_infer.models.base import CausalLM, apply_rope, rope_frequencies
+from mlx_infer.models.deepseek_v3 import MoE
 from mlx_infer.models.llama import MLP
-from mlx_infer.models.qwen3_moe import SwitchGLU, stack_experts
+from mlx_infer.models.qwen3_moe import stack_experts
 
 
 @dataclass
@@ -37,6 +38,10 @@ class ModelArgs(qwen2.ModelArgs):
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
+    # GLM routes as DeepSeek V3 does (sigmoid scores, the correction bias for selection only, groups
+    # ranked by their two best scores), so its MoE is DeepSeek V3's.
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
 
     def __post_init__(self):
         super().__post_init__()
@@ -67,51 +72,6 @@ class Attention(qwen2.Attention):
             x, positions, self.rope_dims, self.rope_base, False, self.rope_scale, self._freqs,
             self.rope_factor,
         )
-
-
-class Router(nn.Module):
-    """``mlp.gate`` of the checkpoints: ``weight`` [E, D] and ``e_score_correction_bias`` [E]."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.weight = mx.zeros((args.n_routed_experts, args.hidden_size))
-        self.e_score_correction_bias = mx.zeros((args.n_routed_experts,))
-        self.top_k = args.num_experts_per_tok
-        self.n_group, self.topk_group = args.n_group, args.topk_group
-        self.norm_topk_prob = args.norm_topk_prob
-        self.routed_scaling_factor = args.routed_scaling_factor
-
-    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """``x`` [T, D] -> (expert indices [T, k], their weights [T, k], float32)."""
-        # In float32 whatever the weights' dtype, as transformers keeps the router.
-        scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.astype(mx.float32).T)
-        choice = scores + self.e_score_correction_bias.astype(mx.float32)
-        dropped = self.n_group - self.topk_group
-        if dropped > 0:
-            grouped = choice.reshape(choice.shape[0], self.n_group, -1)
-            group_scores = mx.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # [T, n_group]
-            worst = mx.argpartition(group_scores, kth=dropped - 1, axis=-1)[..., :dropped]
-            grouped = mx.put_along_axis(grouped, worst[..., None], mx.array(-mx.inf), axis=-2)
-            choice = grouped.reshape(choice.shape)
-        inds = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
-        weights = mx.take_along_axis(scores, inds, axis=-1)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return inds, weights * self.routed_scaling_factor
-
-
-class MoE(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate = Router(args)
-        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.n_routed_experts)
-        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        inds, weights = self.gate(x)
-        y = self.switch_mlp(x, inds)
-        routed = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
-        return routed + self.shared_experts(x)
 
 
 class Model(CausalLM):

@@ -15,18 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer.models import ministral3
-
-_TEXT_PREFIXES = {
-    "language_model.model.": "model.",
-    "language_model.lm_head.": "lm_head.",
-    "model.language_model.": "model.",
-}
-_DROPPED_PREFIXES = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-)
+from mlx_infer.models.composite import text_tower
 
 
 @dataclass
@@ -44,15 +33,7 @@ class ModelArgs(ministral3.ModelArgs):
 
 class Model(ministral3.Model):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        out = {}
-        for name, value in weights.items():
-            if name.startswith(_DROPPED_PREFIXES):
-                continue
-            for prefix, replacement in _TEXT_PREFIXES.items():
-                if name.startswith(prefix):
-                    name = replacement + name[len(prefix) :]
-                    break
-            out[name] = value
+        out = text_tower(weights)
         if self.args.tie_word_embeddings and "lm_head.weight" in out:
             # A head the checkpoint has is used, as transformers does when the composite's flag (True by
             # default, so also in configs that never set it) says tied but both tensors are stored.

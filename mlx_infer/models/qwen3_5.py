@@ -14,14 +14,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer.models import qwen3_next
+from mlx_infer.models.composite import text_tower
 
-# Prefixes of the text model in composite checkpoints (transformers' layout, mlx-lm's) and of the parts
-# a text-only model drops.
-_TEXT_PREFIXES = {
-    "model.language_model.": "model.",
-    "language_model.model.": "model.",
-    "language_model.lm_head.": "lm_head.",
-}
+# What a text-only model drops from image-text checkpoints (and the multi-token-prediction layer).
 _DROPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "mtp.")
 
 
@@ -55,13 +50,5 @@ class Model(qwen3_next.Model):
     linear_attention_class = GatedDeltaNet
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        out = {}
-        for name, value in weights.items():
-            if name.startswith(_DROPPED_PREFIXES):
-                continue
-            for prefix, replacement in _TEXT_PREFIXES.items():
-                if name.startswith(prefix):
-                    name = replacement + name[len(prefix) :]
-                    break
-            out[name] = value
+        out = text_tower(weights, _DROPPED_PREFIXES)
         return super().sanitize(out)
