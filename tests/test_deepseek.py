@@ -19,6 +19,7 @@ import pytest
 from conftest import write_hf_folder
 from engine_helpers import CharTokenizer, greedy_reference
 from mlx.utils import tree_flatten
+from test_distributed import FakeGroup
 from test_kernels import attention_case
 
 from mlx_infer import cpu_kernels
@@ -113,17 +114,6 @@ def test_kimi_k2_loads_as_deepseek_v3(tiny, tmp_path: Path):
     kimi = load(str(folder)).model
     assert kimi.args.model_type == "kimi_k2"
     assert np.abs(prefill_then_decode(kimi, tokens) - want).max() < 2e-4
-
-
-class FakeGroup:
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
 
 
 def test_tensor_parallel_refuses_mla_and_names_the_way_that_works(tiny):

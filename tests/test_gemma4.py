@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from engine_helpers import CharTokenizer
 from mlx.utils import tree_flatten
+from test_distributed import FakeGroup
 from test_kernels import ATOL, attention_case, attention_error, needs_emulator
 
 from mlx_infer.distributed import shard_pipeline, shard_tensor
@@ -175,17 +176,6 @@ def test_decode_reads_a_row_of_the_per_layer_table_and_top_k_of_the_experts():
     moe = {t.name: t.read_fraction for t in read_metadata(str(TINY / "gemma4"), "cpu", None).tensors}
     assert moe["model.layers.0.experts.switch_glu.gate_proj.weight"] == 0.5
     assert moe["model.layers.0.mlp.gate_proj.weight"] == 1.0
-
-
-class FakeGroup:
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
 
 
 def random_gemma4(**overrides) -> gemma4.Model:
