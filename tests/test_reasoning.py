@@ -73,6 +73,21 @@ def test_detect_and_resolve():
         resolve("nope", "")
 
 
+@pytest.mark.parametrize(
+    "template",
+    [
+        # DeepSeek-R1: drops past reasoning, and (0528) opens the block in the generation prompt.
+        "{% set content = content.split('</think>')[-1] %}{{'<｜Assistant｜><think>\\n'}}",
+        # DeepSeek V3.1: thinking on or off by the prompt's end.
+        "{% if thinking %}{{'<｜Assistant｜><think>'}}{% else %}{{'<｜Assistant｜></think>'}}{% endif %}",
+        # GLM-4.5 / 4.6 / 4.7: an empty block when thinking is off.
+        "{{ '<|assistant|>' }}{% if not enable_thinking %}{{ '<think></think>' }}{% endif %}",
+    ],
+)
+def test_deepseek_and_glm_templates_get_the_think_split(template):
+    assert resolve("auto", template) == "think"
+
+
 def test_prompt_ending_in_think_starts_in_reasoning():
     assert starts_in_reasoning("<|im_start|>assistant\n<think>\n")
     assert not starts_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")

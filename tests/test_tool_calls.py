@@ -148,6 +148,72 @@ CASES = [
         [("get_weather", PARIS)],
     ),
     ("generic", '```json\n{"name": "Bob"}\n```', '```json\n{"name": "Bob"}\n```', []),
+    # GLM-4.5 / 4.6: key/value pairs, JSON values read as JSON, others as strings; 4.7 without newlines.
+    (
+        "glm45",
+        "I will check both.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris, <b>FR</b>"
+        "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>[1, 2]</arg_value>\n</tool_call>\n"
+        "<tool_call>get_time\n</tool_call>",
+        "I will check both.",
+        [("get_weather", {"city": "Paris, <b>FR</b>", "days": [1, 2]}), ("get_time", {})],
+    ),
+    (
+        "glm45",
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+        '<arg_key>opts</arg_key><arg_value>{"utc": true}</arg_value></tool_call>',
+        "",
+        [("get_weather", {"city": "Paris", "opts": {"utc": True}})],
+    ),
+    # A Hermes-style JSON block is no GLM call: text.
+    (
+        "glm45",
+        'x <tool_call>{"name": "get_weather"}</tool_call>',
+        'x<tool_call>{"name": "get_weather"}</tool_call>',
+        [],
+    ),
+    # DeepSeek V3 / R1: "function<｜tool▁sep｜>NAME" and a ```json fence, several calls in one region.
+    (
+        "deepseek_v3",
+        "Let me see.\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Pa```ris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>'
+        "get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "Let me see.",
+        [("get_weather", {"city": "Pa```ris"}), ("get_time", {})],
+    ),
+    # A call without its separator is malformed: the region is text.
+    (
+        "deepseek_v3",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁call▁end｜>",
+        [],
+    ),
+    # DeepSeek V3.1: "NAME<｜tool▁sep｜>ARGS".
+    (
+        "deepseek_v31",
+        "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Paris", "days": [1, 2]}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}'
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "Sure.",
+        [("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {})],
+    ),
+    ("deepseek_v31", "No <｜tool▁sep｜> here.", "No <｜tool▁sep｜> here.", []),
+    # Kimi K2: functions.NAME:IDX heads.
+    (
+        "kimi_k2",
+        "Checking. <|tool_calls_section_begin|> <|tool_call_begin|> functions.get_weather:0 "
+        '<|tool_call_argument_begin|> {"city": "Paris"} <|tool_call_end|> <|tool_call_begin|>'
+        "functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
+        "Checking.",
+        [("get_weather", PARIS), ("get_time", {})],
+    ),
+    (
+        "kimi_k2",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_end|>"
+        "<|tool_calls_section_end|> done",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_end|>"
+        "<|tool_calls_section_end|> done",
+        [],
+    ),
 ]
 
 
@@ -243,6 +309,23 @@ SMOLLM2_TEMPLATE = (
         ("{{ '<start_of_turn>' + role }}", (), "gemma3"),
         (SMOLLM2_TEMPLATE, (), "smollm2"),
         ("{{ messages }}", (), "generic"),
+        # GLM-4.5's template (it also has <tool_call>, which alone means Hermes).
+        ("<tool_call>{{ tc.name }}\n<arg_key>{{ k }}</arg_key>\n<arg_value>", (), "glm45"),
+        ("{{ '<|user|>' }}", ("<arg_key>",), "glm45"),
+        (
+            "{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + "
+            "'\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```'}}",
+            (),
+            "deepseek_v3",
+        ),
+        (
+            "{{'<｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>' + "
+            "tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}",
+            (),
+            "deepseek_v31",
+        ),
+        ("{{ '<|tool_calls_section_begin|>' }}", (), "kimi_k2"),
+        ("{{ '<|im_user|>' }}", ("<|tool_calls_section_begin|>",), "kimi_k2"),
     ],
 )
 def test_detect_family_from_template_and_tokens(template, tokens, family):
@@ -401,3 +484,46 @@ def test_prompt_opened_think_block_unless_a_call_is_forced(forced):
         assert _stripped(parser.result) == (text, "", [])
     else:
         assert _stripped(parser.result) == ("", "The call:", [("get_weather", "{}")])
+
+
+NEW_FAMILIES = ("glm45", "deepseek_v3", "deepseek_v31", "kimi_k2")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in NEW_FAMILIES], ids=lambda c: c[0])
+def test_marked_families_equal_in_random_small_deltas(case):
+    import random
+
+    family, text, content, calls = case
+    whole = parse_output(text, family=FAMILIES[family], tool_names=TOOLS)
+    rng = random.Random(len(text))
+    for _ in range(50):
+        pieces, i = [], 0
+        while i < len(text):
+            n = rng.randint(1, 6)
+            pieces.append(text[i : i + n])
+            i += n
+        streamed = _streamed(text, pieces, family=FAMILIES[family], tool_names=TOOLS)
+        assert _stripped(streamed) == _stripped(whole)
+
+
+def test_kimi_call_ids_are_the_models_own():
+    text = CASES[[c[0] for c in CASES].index("kimi_k2")][1]
+    parsed = parse_output(text, family=FAMILIES["kimi_k2"], tool_names=TOOLS)
+    assert [c.id for c in parsed.tool_calls] == ["functions.get_weather:0", "functions.get_time:1"]
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_marked_family_truncated_call_keeps_what_arrived(family):
+    text = FAMILIES[family].render_calls([("get_weather", {"city": "Paris", "days": 3})])
+    cut = text[: text.index("3") + 1]
+    parsed = _check_every_split(cut, family=FAMILIES[family], tool_names=TOOLS)
+    assert [c.name for c in parsed.tool_calls] == ["get_weather"]
+    assert parsed.content == ""
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_marked_family_reasoning_then_call(family):
+    call = FAMILIES[family].render_calls([("get_weather", PARIS)])
+    text = f"<think>\nNeed the weather.\n</think>\n\n{call}"
+    parsed = _check_every_split(text, family=FAMILIES[family], tool_names=TOOLS, reasoning="think")
+    assert _stripped(parsed) == ("Need the weather.", "", [("get_weather", '{"city": "Paris"}')])

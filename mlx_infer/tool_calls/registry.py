@@ -7,15 +7,30 @@ from typing import Any
 
 from mlx_infer.errors import InvalidRequest
 from mlx_infer.tool_calls.base import ToolFamily
+from mlx_infer.tool_calls.deepseek import DeepSeekV3, DeepSeekV31
 from mlx_infer.tool_calls.gemma3 import Gemma3
 from mlx_infer.tool_calls.generic import Generic
+from mlx_infer.tool_calls.glm45 import Glm45
 from mlx_infer.tool_calls.hermes import Hermes
+from mlx_infer.tool_calls.kimi_k2 import KimiK2
 from mlx_infer.tool_calls.llama3 import Llama3
 from mlx_infer.tool_calls.mistral import Mistral
 from mlx_infer.tool_calls.smollm2 import SmolLM2
 
 FAMILIES: dict[str, ToolFamily] = {
-    f.name: f for f in (Hermes(), SmolLM2(), Llama3(), Mistral(), Gemma3(), Generic())
+    f.name: f
+    for f in (
+        Hermes(),
+        SmolLM2(),
+        Llama3(),
+        Mistral(),
+        Gemma3(),
+        Glm45(),
+        DeepSeekV3(),
+        DeepSeekV31(),
+        KimiK2(),
+        Generic(),
+    )
 }
 ALIASES = {
     "qwen": "hermes",
@@ -23,6 +38,11 @@ ALIASES = {
     "qwen3": "hermes",
     "llama3": "llama3_json",
     "pythonic": "gemma3",
+    "glm4_moe": "glm45",
+    "glm47": "glm45",
+    "deepseek_r1": "deepseek_v3",
+    "deepseek_v3.1": "deepseek_v31",
+    "kimi": "kimi_k2",
 }
 CHOICES = ("auto", "none", *FAMILIES, *ALIASES)
 
@@ -36,6 +56,15 @@ def template_sources(templates: str | Mapping[str, str] | None) -> str:
 
 def detect(template: str, has_token: Any = lambda token: False) -> ToolFamily:
     """The family a chat template (and the tokenizer's special tokens, via ``has_token``) points to."""
+    # GLM-4.5+ shares Hermes's <tool_call> but writes key/value pairs in it.
+    if "<arg_key>" in template or has_token("<arg_key>"):
+        return FAMILIES["glm45"]
+    if "<｜tool▁sep｜>" in template or has_token("<｜tool▁sep｜>"):
+        # V3 / R1 write "function<｜tool▁sep｜>NAME" and a ```json fence; V3.1 "NAME<｜tool▁sep｜>ARGS".
+        v3 = "```json" in template or "'function<｜tool▁sep｜>'" in template
+        return FAMILIES["deepseek_v3" if v3 or not template else "deepseek_v31"]
+    if "<|tool_calls_section_begin|>" in template or has_token("<|tool_calls_section_begin|>"):
+        return FAMILIES["kimi_k2"]
     if "<tool_call>" in template:
         return FAMILIES["hermes"]
     if "[TOOL_CALLS]" in template or has_token("[TOOL_CALLS]"):
