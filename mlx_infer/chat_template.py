@@ -150,7 +150,18 @@ def _call_with_object_arguments(call: Any) -> Any:
         return call
     if not isinstance(arguments, dict):
         return call
-    return {**call, "function": {**function, "arguments": arguments}}
+    return {**call, "function": {**function, "arguments": _Arguments(arguments)}}
+
+
+class _Arguments(dict):
+    """Call arguments as the object templates expect, that still joins strings as its JSON text: the
+    DeepSeek V3 / R1 / V3.1 templates write ``'<｜tool▁sep｜>' + tool['function']['arguments']``."""
+
+    def __add__(self, other: Any) -> Any:
+        return _tojson(self) + other if isinstance(other, str) else NotImplemented
+
+    def __radd__(self, other: Any) -> Any:
+        return other + _tojson(self) if isinstance(other, str) else NotImplemented
 
 
 def select_template(templates: str | Mapping[str, str] | None, tools: list | None) -> str:

@@ -527,3 +527,55 @@ def test_marked_family_reasoning_then_call(family):
     text = f"<think>\nNeed the weather.\n</think>\n\n{call}"
     parsed = _check_every_split(text, family=FAMILIES[family], tool_names=TOOLS, reasoning="think")
     assert _stripped(parsed) == ("Need the weather.", "", [("get_weather", '{"city": "Paris"}')])
+
+
+# How each family's own chat template writes past calls (the call-rendering part of the real templates).
+HISTORY_TEMPLATES = {
+    "glm45": (
+        "{% for m in messages %}{% for tc in m.tool_calls or [] %}{% set tc = tc.function %}"
+        "{{ '\\n<tool_call>' + tc.name }}\n{% for k, v in tc.arguments.items() %}<arg_key>{{ k }}</arg_key>\n"
+        "<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>\n{% endfor %}"
+        "</tool_call>{% endfor %}{% endfor %}"
+    ),
+    "deepseek_v3": (
+        "{% for m in messages %}{{'<｜tool▁calls▁begin｜>'}}{% for tool in m.tool_calls or [] %}"
+        "{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + "
+        "'```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}"
+        "{% endfor %}{{'<｜tool▁calls▁end｜>'}}{% endfor %}"
+    ),
+    "deepseek_v31": (
+        "{% for m in messages %}{{'<｜tool▁calls▁begin｜>'}}{% for tool in m.tool_calls or [] %}"
+        "{{'<｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>' + "
+        "tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}{% endfor %}"
+        "{{'<｜tool▁calls▁end｜>'}}{% endfor %}"
+    ),
+    "kimi_k2": (
+        "{% for m in messages %}<|tool_calls_section_begin|>{% for tool_call in m.tool_calls or [] %}"
+        "<|tool_call_begin|>{{ tool_call['id'] }}<|tool_call_argument_begin|>"
+        "{% if tool_call['function']['arguments'] is string %}{{ tool_call['function']['arguments'] }}"
+        "{% else %}{{ tool_call['function']['arguments'] | tojson }}{% endif %}<|tool_call_end|>"
+        "{% endfor %}<|tool_calls_section_end|>{% endfor %}"
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(HISTORY_TEMPLATES))
+def test_past_calls_round_trip_through_the_family_template(family):
+    """A parsed answer sent back as history renders as the model wrote it, and parses back the same."""
+    text = FAMILIES[family].render_calls(
+        [("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {"utc": True})]
+    )
+    parsed = parse_output(text, family=FAMILIES[family], tool_names=TOOLS)
+    calls = [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in parsed.tool_calls
+    ]
+    rendered = render_chat(
+        HISTORY_TEMPLATES[family], [{"role": "assistant", "tool_calls": calls}], special_tokens={}
+    )
+    again = parse_output(rendered, family=FAMILIES[family], tool_names=TOOLS)
+    assert _stripped(again) == _stripped(parsed)
+    assert [(c.name, json.loads(c.arguments)) for c in again.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": [1, 2]}),
+        ("get_time", {"utc": True}),
+    ]
