@@ -579,3 +579,15 @@ def test_past_calls_round_trip_through_the_family_template(family):
         ("get_weather", {"city": "Paris", "days": [1, 2]}),
         ("get_time", {"utc": True}),
     ]
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_forced_grammar_names_markers_inside_calls_by_token_id(family):
+    fam = FAMILIES[family]
+    markers = [*fam.starts, *([fam.end] if fam.end else []), *fam.markers]
+    special = {m: 200 + i for i, m in enumerate(dict.fromkeys(markers))}
+    grammar = forced_call_grammar(fam, [WEATHER_TOOL], special=special)
+    for marker in fam.markers:
+        assert f"<[{special[marker]}]>" in grammar, marker
+        assert json.dumps(marker, ensure_ascii=False) not in grammar
+    _byte_matcher(grammar)  # llguidance accepts it

@@ -181,7 +181,9 @@ class ToolFamily:
     """How one model family writes tool calls.
 
     ``start`` / ``end``: the markers of a region of calls; ``bare_at_start``: bare JSON calls at the
-    start of the output count too; ``arguments_key``: the key the family's calls use for arguments.
+    start of the output count too; ``arguments_key``: the key the family's calls use for arguments;
+    ``markers``: the family's other markers (inside calls), which a forcing grammar names by token id
+    where the tokenizer has them as special tokens.
     """
 
     name = "generic"
@@ -189,6 +191,7 @@ class ToolFamily:
     end: str | None = None
     bare_at_start = True
     arguments_key = "arguments"
+    markers: tuple[str, ...] = ()
 
     def parser(self, tool_names: Collection[str]) -> ToolParser:
         return JsonCallParser(self.starts, self.end, self.bare_at_start, tool_names)
@@ -214,8 +217,11 @@ class ToolFamily:
         return json.dumps({"name": name, self.arguments_key: arguments}, ensure_ascii=False)
 
     # ---- forcing a call -------------------------------------------------------------------------------
-    def call_rule(self, name: str, parameters: Mapping[str, Any]) -> str:
-        """A Lark rule body for one call of ``name`` whose arguments follow the JSON schema ``parameters``."""
+    def call_rule(
+        self, name: str, parameters: Mapping[str, Any], special: Mapping[str, int] | None = None
+    ) -> str:
+        """A Lark rule body for one call of ``name`` whose arguments follow the JSON schema ``parameters``
+        (``special``: as for ``call_grammar``)."""
         schema = {
             "x-guidance": COMPACT_JSON,
             "type": "object",

@@ -57,6 +57,7 @@ class DeepSeekV3(ToolFamily):
     starts = (CALLS_BEGIN, CALL_BEGIN)
     end = CALLS_END
     bare_at_start = False
+    markers = (CALL_BEGIN, CALL_END, SEP)
 
     def parser(self, tool_names: Collection[str]) -> ToolParser:
         return MarkedCallParser(self.starts, self.end, CALL_BEGIN, CALL_END, _view_v3)
@@ -67,9 +68,12 @@ class DeepSeekV3(ToolFamily):
     def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
         return CALLS_BEGIN + "\n".join(self.render_call(n, a) for n, a in calls) + CALLS_END
 
-    def call_rule(self, name: str, parameters: Mapping[str, Any]) -> str:
+    def call_rule(
+        self, name: str, parameters: Mapping[str, Any], special: Mapping[str, int] | None = None
+    ) -> str:
         schema = {"x-guidance": COMPACT_JSON, **parameters}
-        head = json.dumps(f"function{SEP}{name}\n```json\n", ensure_ascii=False)
+        sep = marker_literal(SEP, special or {})
+        head = f'"function" {sep} {json.dumps(name + chr(10) + "```json" + chr(10), ensure_ascii=False)}'
         return f'{head} %json{json.dumps(schema, ensure_ascii=False)} "\\n```"'
 
     def call_grammar(self, call_rule: str, parallel: bool, special: Mapping[str, int]) -> str:
@@ -91,9 +95,12 @@ class DeepSeekV31(DeepSeekV3):
     def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
         return CALLS_BEGIN + "".join(self.render_call(n, a) for n, a in calls) + CALLS_END
 
-    def call_rule(self, name: str, parameters: Mapping[str, Any]) -> str:
+    def call_rule(
+        self, name: str, parameters: Mapping[str, Any], special: Mapping[str, int] | None = None
+    ) -> str:
         schema = {"x-guidance": COMPACT_JSON, **parameters}
-        return f"{json.dumps(name + SEP, ensure_ascii=False)} %json{json.dumps(schema, ensure_ascii=False)}"
+        head = f"{json.dumps(name, ensure_ascii=False)} {marker_literal(SEP, special or {})}"
+        return f"{head} %json{json.dumps(schema, ensure_ascii=False)}"
 
     def call_grammar(self, call_rule: str, parallel: bool, special: Mapping[str, int]) -> str:
         begin, end = marker_literal(CALLS_BEGIN, special), marker_literal(CALLS_END, special)

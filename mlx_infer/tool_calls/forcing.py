@@ -37,7 +37,7 @@ def forced_call_grammar(
     if not functions:
         raise InvalidRequest("tool_choice 'required' needs at least one tool", "tool_choice")
     rules = [
-        f"call_{i}: {family.call_rule(f['name'], f.get('parameters') or {'type': 'object'})}"
+        f"call_{i}: {family.call_rule(f['name'], f.get('parameters') or {'type': 'object'}, special or {})}"
         for i, f in enumerate(functions)
     ]
     call = "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))

@@ -183,7 +183,9 @@ class Gemma3(ToolFamily):
         calls = f'{call_rule} (", " {call_rule})*' if parallel else call_rule
         return f'start: "[" {calls} "]"'
 
-    def call_rule(self, name: str, parameters: Mapping[str, Any]) -> str:
+    def call_rule(
+        self, name: str, parameters: Mapping[str, Any], special: Mapping[str, int] | None = None
+    ) -> str:
         """One call ``name(key=value, ...)`` in Lark: the required keys in order, then any optional
         ones; each value a JSON value of its schema (JSON's true/false/null read back as Python's)."""
         properties = parameters.get("properties") or {}

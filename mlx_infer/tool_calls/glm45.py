@@ -50,6 +50,7 @@ class Glm45(ToolFamily):
     starts = (CALL_BEGIN,)
     end = None
     bare_at_start = False
+    markers = (ARG_KEY, "</arg_key>", "<arg_value>", "</arg_value>")
 
     def parser(self, tool_names: Collection[str]) -> ToolParser:
         return MarkedCallParser(self.starts, self.end, CALL_BEGIN, CALL_END, _view)
@@ -68,16 +69,22 @@ class Glm45(ToolFamily):
             blocks.append(f"{CALL_BEGIN}{name}\n{pairs}{CALL_END}")
         return "\n".join(blocks)
 
-    def call_rule(self, name: str, parameters: Mapping[str, Any]) -> str:
+    def call_rule(
+        self, name: str, parameters: Mapping[str, Any], special: Mapping[str, int] | None = None
+    ) -> str:
         """``NAME\\n`` then the pairs: required keys in order, then any optional ones; values as JSON."""
         properties = parameters.get("properties") or {}
         required = [k for k in properties if k in set(parameters.get("required") or [])]
         optional = [k for k in properties if k not in required]
 
+        def lit(marker: str) -> str:
+            return marker_literal(marker, special or {})
+
         def pair(key: str) -> str:
-            head = json.dumps(f"<arg_key>{key}</arg_key>\n<arg_value>", ensure_ascii=False)
+            key_text = json.dumps(key, ensure_ascii=False)
+            head = f'{lit(ARG_KEY)} {key_text} {lit("</arg_key>")} "\\n" {lit("<arg_value>")}'
             schema = json.dumps({"x-guidance": COMPACT_JSON, **properties[key]}, ensure_ascii=False)
-            return f'{head} %json{schema} "</arg_value>\\n"'
+            return f'{head} %json{schema} {lit("</arg_value>")} "\\n"'
 
         parts = [" ".join(pair(k) for k in required)] if required else []
         if optional:

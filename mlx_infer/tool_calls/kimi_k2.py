@@ -43,6 +43,7 @@ class KimiK2(ToolFamily):
     starts = (SECTION_BEGIN, SECTION_BEGIN_ALT, CALL_BEGIN)
     end = SECTION_END
     bare_at_start = False
+    markers = (CALL_BEGIN, CALL_END, ARGUMENT_BEGIN)
 
     def parser(self, tool_names: Collection[str]) -> ToolParser:
         return MarkedCallParser(self.starts, self.end, CALL_BEGIN, CALL_END, _view)
@@ -58,10 +59,12 @@ class KimiK2(ToolFamily):
             + SECTION_END
         )
 
-    def call_rule(self, name: str, parameters: Mapping[str, Any]) -> str:
+    def call_rule(
+        self, name: str, parameters: Mapping[str, Any], special: Mapping[str, int] | None = None
+    ) -> str:
         schema = {"x-guidance": COMPACT_JSON, **parameters}
         head = json.dumps(f"functions.{name}:", ensure_ascii=False)
-        arg = json.dumps(ARGUMENT_BEGIN)
+        arg = marker_literal(ARGUMENT_BEGIN, special or {})
         return f"{head} /[0-9]+/ {arg} %json{json.dumps(schema, ensure_ascii=False)}"
 
     def call_grammar(self, call_rule: str, parallel: bool, special: Mapping[str, int]) -> str:

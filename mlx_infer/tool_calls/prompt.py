@@ -161,7 +161,7 @@ def _name_and_arguments(call: Mapping[str, Any]) -> tuple[str, Any]:
 
 def special_marker_ids(tokenizer: Any, family: ToolFamily) -> dict[str, int]:
     """The family's markers that this tokenizer has as single special tokens (a grammar names them by id)."""
-    markers = (*family.starts, *((family.end,) if family.end else ()), "</tool_call>")
+    markers = (*family.starts, *((family.end,) if family.end else ()), *family.markers, "</tool_call>")
     special = {}
     try:
         added = tokenizer.backend.get_added_tokens_decoder()
