@@ -82,17 +82,18 @@ class MarkedCallParser(ToolParser):
 
     def _in_text(self, events: list[Event]) -> bool:
         before, marker, after = split_at_marker(self.buf, self.starts)
-        kept = before.rstrip(WHITESPACE)  # whitespace before a call goes
+        kept = before.rstrip(WHITESPACE)  # whitespace before a call goes (it stays if the call is no call)
         _text(events, kept)
+        space = before[len(kept) :]
         if marker is None:
-            self.buf = before[len(kept) :] + after
+            self.buf = space + after
             return False
         self.state = "region"
         self.region_calls = 0
         if marker == self.call_begin:  # a call with no region marker: the region starts at the call
-            self.region_raw, self.buf = "", marker + after
+            self.region_raw, self.buf = space, marker + after
         else:
-            self.region_raw, self.buf = marker, after
+            self.region_raw, self.buf = space + marker, after
         return True
 
     def _in_region(self, events: list[Event], final: bool) -> bool:
