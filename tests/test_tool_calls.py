@@ -159,7 +159,7 @@ CASES = [
     ),
     (
         "glm45",
-        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+        "<tool_call>\nget_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
         '<arg_key>opts</arg_key><arg_value>{"utc": true}</arg_value></tool_call>',
         "",
         [("get_weather", {"city": "Paris", "opts": {"utc": True}})],

@@ -35,6 +35,7 @@ def _value(text: str) -> Any:
 
 
 def _view(body: str, closed: bool) -> CallView:
+    body = body.lstrip(WHITESPACE)
     cut = min((i for i in (body.find("\n"), body.find("<")) if i >= 0), default=-1)
     if cut < 0 and not closed:
         return CallView(None, "")
