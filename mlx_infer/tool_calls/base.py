@@ -25,12 +25,28 @@ _BETWEEN_CALLS = WHITESPACE + "[],;"
 
 
 class ToolParser:
-    """Incremental: ``feed(delta)`` then ``finish()``; both return events."""
+    """Incremental: ``feed(delta)`` then ``finish()``; both return events.
+
+    Subclasses keep the text not yet consumed in ``self.buf`` and implement ``_advance(events, final)``:
+    one step over it, True while it made progress (``final``: no more text will come).
+    """
+
+    buf: str = ""
 
     def feed(self, text: str) -> list[Event]:
-        raise NotImplementedError
+        self.buf += text
+        return self._drain(final=False)
 
     def finish(self) -> list[Event]:
+        raise NotImplementedError
+
+    def _drain(self, final: bool) -> list[Event]:
+        events: list[Event] = []
+        while self._advance(events, final):
+            pass
+        return events
+
+    def _advance(self, events: list[Event], final: bool) -> bool:
         raise NotImplementedError
 
 
@@ -65,17 +81,8 @@ class JsonCallParser(ToolParser):
         self.next_index = 0
 
     # ---- driving ---------------------------------------------------------------------------------
-    def feed(self, text: str) -> list[Event]:
-        self.buf += text
-        events: list[Event] = []
-        while self._advance(events, final=False):
-            pass
-        return events
-
     def finish(self) -> list[Event]:
-        events: list[Event] = []
-        while self._advance(events, final=True):
-            pass
+        events = self._drain(final=True)
         if self.state == "text":
             _text(events, self.buf if self.next_index == 0 else self.buf.rstrip(WHITESPACE))
         elif self.region_calls == 0 and not (self.call and self.call.started):

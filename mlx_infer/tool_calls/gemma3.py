@@ -104,17 +104,8 @@ class _PythonicParser(ToolParser):
         self.fenced = False  # inside a ```tool_code fence
         self.index = 0
 
-    def feed(self, text: str) -> list[Event]:
-        self.buf += text
-        events: list[Event] = []
-        while self._advance(events, final=False):
-            pass
-        return events
-
     def finish(self) -> list[Event]:
-        events: list[Event] = []
-        while self._advance(events, final=True):
-            pass
+        events = self._drain(final=True)
         if self.buf:
             calls = parse_calls(self.buf) if self.fenced else None
             self._emit(events, calls, (FENCE_START if self.fenced else "") + self.buf)

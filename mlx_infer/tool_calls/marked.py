@@ -47,17 +47,8 @@ class MarkedCallParser(ToolParser):
         self.sent = 0
         self.next_index = 0
 
-    def feed(self, text: str) -> list[Event]:
-        self.buf += text
-        events: list[Event] = []
-        while self._advance(events, final=False):
-            pass
-        return events
-
     def finish(self) -> list[Event]:
-        events: list[Event] = []
-        while self._advance(events, final=True):
-            pass
+        events = self._drain(final=True)
         if self.state == "text":
             _text(events, self.buf if self.next_index == 0 else self.buf.rstrip(WHITESPACE))
         elif self.state == "call":

@@ -8,6 +8,7 @@ markers is dropped, as chat UIs show the parts apart. (``mlx_infer.reasoning`` p
 
 from __future__ import annotations
 
+from mlx_infer.tool_calls.base import ToolParser
 from mlx_infer.tool_calls.events import Event, ReasoningDelta, TextDelta
 from mlx_infer.tool_calls.scan import WHITESPACE, split_at_marker
 
@@ -15,24 +16,15 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 
 
-class ReasoningParser:
+class ReasoningParser(ToolParser):
     def __init__(self, in_reasoning: bool = False, start: str = THINK_START, end: str = THINK_END):
         self.start, self.end = start, end
         self.state = "reasoning" if in_reasoning else "opening"
         self.skip_space = in_reasoning  # whitespace right after a marker is dropped
         self.buf = ""
 
-    def feed(self, text: str) -> list[Event]:
-        self.buf += text
-        events: list[Event] = []
-        while self._advance(events, final=False):
-            pass
-        return events
-
     def finish(self) -> list[Event]:
-        events: list[Event] = []
-        while self._advance(events, final=True):
-            pass
+        events = self._drain(final=True)
         if self.buf and self.state != "reasoning":  # trailing whitespace of the reasoning is dropped
             events.append(TextDelta(self.buf))
         self.buf = ""
