@@ -220,10 +220,17 @@ class CausalLM(nn.Module):
         return self.head(self.model.norm(select_rows(h, meta)))
 
     def __call__(self, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata) -> mx.array:
+        return self.logits(*self.hidden(tokens, cache, meta))
+
+    def hidden(
+        self, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata
+    ) -> tuple[mx.array, BatchMetadata]:
+        """The last block's output and the metadata whose ``logits_index`` picks its logit rows: the
+        forward without the head, which a tensor-parallel follower runs (it samples nothing)."""
         h = self.embed(tokens)
         for layer, kv in zip(self.layers, cache):
             h = layer(h, kv, meta)
-        return self.logits(h, meta)
+        return h, meta
 
     @property
     def layers(self) -> list[nn.Module]:

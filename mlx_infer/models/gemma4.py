@@ -372,7 +372,9 @@ class Model(CausalLM):
         projected = inner.per_layer_projection_norm(projected.reshape(shape))
         return (projected + table.reshape(shape)) * 2.0**-0.5
 
-    def __call__(self, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata) -> mx.array:
+    def hidden(
+        self, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata
+    ) -> tuple[mx.array, BatchMetadata]:
         h = self.embed(tokens)
         per_layer = self.per_layer_inputs(tokens, h) if self.args.hidden_size_per_layer_input else None
         first_shared = self.args.num_hidden_layers - self.args.num_kv_shared_layers
@@ -384,7 +386,7 @@ class Model(CausalLM):
                 h, meta = h[rows], last
                 per_layer = None if per_layer is None else per_layer[rows]
             h = layer(h, cache[self.kv_sources[i]], meta, None if per_layer is None else per_layer[:, i])
-        return self.logits(h, meta)
+        return h, meta
 
     def head(self, h: mx.array) -> mx.array:
         return softcap(super().head(h), self.args.final_logit_softcapping)
