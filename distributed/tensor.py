@@ -4,14 +4,22 @@ Column-parallel projections (q/k/v or Phi-3's fused ``qkv_proj``, gate/up or ``g
 gate/up along the intermediate dim) keep this rank's output rows, gpt-oss's attention sinks the sinks of its
 heads; row-parallel ones (``o_proj``, ``down_proj``, experts' down) keep the matching input columns, so
 each rank's attention and MLP produce a partial sum of the full output, and one ``all_sum`` per attention
-and per MLP completes it. Embedding, norms, the MoE router and the head stay whole on every rank. Works on
-the module layout shared by every architecture of the zoo (blocks with ``self_attn`` and ``mlp``; attention
-with ``n_heads``, ``n_kv_heads``, ``head_dim``), plain or quantized.
+and per MLP (Gemma 4's routed experts: one more) completes it. Embedding, norms, MoE routers, Gemma 4's
+per-layer input projections (small) and the head stay whole on every rank. Works on the module layout
+shared by every architecture of the zoo (blocks with ``self_attn`` and ``mlp``; attention with
+``n_heads``, ``n_kv_heads``, ``head_dim``), plain or quantized.
+
+Multi-head latent attention (DeepSeek, Kimi K2, GLM-4.7-Flash) splits by heads as vLLM and mlx-lm do:
+``q_b_proj`` (or ``q_proj``) rows and the per-head halves of ``kv_b_proj`` (``embed_q``, ``unembed_out``)
+by head, ``o_proj`` by input. Every head reads the whole latent row of a token, so the latent projection
+runs on every rank and each rank's pool holds every row (the same pool as one process). Gemma 4's
+KV-shared layers read their source layer's pool on their own rank, which holds the KV heads of this
+rank's query heads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,7 +55,7 @@ class TensorShard:
     def leader(
         self, model: nn.Module, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata
     ) -> mx.array:
-        h = _run_layers(model, tokens, cache, meta)
+        h, meta = model.hidden(tokens, cache, meta)
         # Every rank must run every all_sum of the step, even when the runner wants no logits and would
         # evaluate only the KV writes (which do not depend on the last MLP's all_sum).
         mx.async_eval(h)
@@ -57,62 +65,95 @@ class TensorShard:
         self, model: nn.Module, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata
     ) -> list[mx.array]:
         """Only rank 0 samples, so the others stop before the head."""
-        return [_run_layers(model, tokens, cache, meta), *[a for kv in cache for a in kv.state()]]
+        return [model.hidden(tokens, cache, meta)[0], *[a for kv in cache for a in kv.state()]]
 
 
 def shard_tensor(model: nn.Module, group: mx.distributed.Group) -> TensorShard:
     """Split every block of ``model`` (in place) into this rank's share; refuse shapes that do not divide."""
     size, rank = group.size(), group.rank()
-    if any(hasattr(layer.self_attn, "kv_lora_rank") for layer in model.layers):
-        # Every head reads the one latent row of a token, so the pools cannot be split by KV heads.
-        raise DistributedError(
-            "tensor parallel does not split multi-head latent attention (MLA: DeepSeek, Kimi K2, "
-            "GLM-4.7-Flash); use --strategy pipeline"
-        )
-    if getattr(model, "needs_per_layer_inputs", False) or len(set(model.kv_layout())) > 1:
-        name = getattr(model.args, "model_type", type(model).__module__)
-        raise DistributedError(
-            f"{name}: tensor parallelism splits layers that all keep the same K/V and "
-            "take only the hidden state; this model's layers differ (K/V sizes, K/V shared across "
-            "layers, or per-layer inputs); use the pipeline strategy or one process"
-        )
     shard = TensorShard(group, model.embed(mx.array([0])).dtype)
-    n_kv_heads = head_dim = None
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        n_kv_heads, head_dim = attn.n_kv_heads // size, attn.head_dim
-        _shard_attention(attn, rank, size)
-        _shard_mlp(mlp, rank, size)
+        attn = layer.self_attn
+        if hasattr(attn, "kv_lora_rank"):
+            _shard_latent_attention(attn, rank, size)
+        else:
+            _shard_attention(attn, rank, size)
+        _shard_mlp(layer.mlp, rank, size)
         layer.self_attn = AllSum(attn, group, shard.traffic)
-        layer.mlp = AllSum(mlp, group, shard.traffic)
-    # The KV pools hold this rank's KV heads only (an instance attribute shadows the method).
-    model.kv_shape = lambda: (n_kv_heads, head_dim)
+        layer.mlp = AllSum(layer.mlp, group, shard.traffic)
+        if "experts" in layer:  # Gemma 4: routed experts beside the dense MLP, each with its own norm
+            _shard_mlp(layer.experts, rank, size)
+            layer.experts = AllSum(layer.experts, group, shard.traffic)
+    # The pools hold this rank's KV heads only, a latent pool every row (an instance attribute shadows
+    # the method).
+    layout = [
+        spec if spec.values_in_keys else replace(spec, n_kv_heads=rank_kv_heads(spec.n_kv_heads, size))
+        for spec in model.kv_layout()
+    ]
+    model.kv_layout = lambda: layout
     return shard
 
 
 def _shard_attention(attn: nn.Module, rank: int, size: int) -> None:
     heads, kv_heads, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    if heads % size or kv_heads % size:
+    if heads % size or (kv_heads % size and size % kv_heads):
         raise DistributedError(
             f"tensor parallel over {size} ranks needs the attention heads ({heads}) and KV heads "
-            f"({kv_heads}) to divide by {size}; use --strategy pipeline"
+            f"({kv_heads}) to divide by {size} (or the KV heads to divide {size}); use --strategy pipeline"
         )
     q = _part(heads * d, rank, size)
-    kv = _part(kv_heads * d, rank, size)
+    kv = _kv_part(kv_heads, rank, size)
+    kv = (kv[0] * d, kv[1] * d)
     if "qkv_proj" in attn:  # Phi-3: rows are [q | k | v]
         k_at, v_at = heads * d, (heads + kv_heads) * d
         _keep_rows(attn.qkv_proj, [q, _shift(kv, k_at), _shift(kv, v_at)])
     else:
+        # Gemma 4: a KV-shared layer has no k/v projections, a global one with keys as values no v_proj.
         for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            _keep_rows(attn[name], [rows])
+            if name in attn:
+                _keep_rows(attn[name], [rows])
     _keep_columns(attn.o_proj, q, rank)
     if "sinks" in attn:  # gpt-oss: one sink logit per query head, so this rank's heads' sinks
         attn.sinks = _take(attn.sinks, -1, *_part(heads, rank, size))
-    attn.n_heads, attn.n_kv_heads = heads // size, kv_heads // size
+    attn.n_heads, attn.n_kv_heads = heads // size, rank_kv_heads(kv_heads, size)
+
+
+def rank_kv_heads(kv_heads: int, size: int) -> int:
+    """KV heads a rank keeps: its share, or, with fewer KV heads than ranks, the one its queries read."""
+    return kv_heads // size if kv_heads % size == 0 else 1
+
+
+def _kv_part(kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """This rank's KV heads. Fewer KV heads than ranks (Gemma 4's global layers): each head is kept by
+    the ``size / kv_heads`` ranks whose query heads read it, as vLLM replicates them."""
+    if kv_heads % size == 0:
+        return _part(kv_heads, rank, size)
+    head = rank * kv_heads // size
+    return head, head + 1
+
+
+def _shard_latent_attention(attn: nn.Module, rank: int, size: int) -> None:
+    """MLA: this rank's heads of the query, of both halves of ``kv_b_proj`` and of ``o_proj``'s input."""
+    heads = attn.n_heads
+    if heads % size:
+        raise DistributedError(
+            f"tensor parallel over {size} ranks needs the attention heads ({heads}) to divide by {size}; "
+            "use --strategy pipeline"
+        )
+    q_dim = attn.nope_dim + attn.rope_dim
+    v_dim = attn.unembed_out.weight.shape[-2]
+    _keep_rows(attn.q_proj if "q_proj" in attn else attn.q_b_proj, [_part(heads * q_dim, rank, size)])
+    for per_head in (attn.embed_q, attn.unembed_out):  # [heads, out, in], plain or quantized
+        for name in ("weight", "scales", "biases"):
+            if name in per_head:
+                per_head[name] = _take(per_head[name], 0, *_part(heads, rank, size))
+    _keep_columns(attn.o_proj, _part(heads * v_dim, rank, size), rank)
+    attn.n_heads = heads // size
 
 
 def _shard_mlp(mlp: nn.Module, rank: int, size: int) -> None:
-    experts = mlp.get("switch_mlp", mlp.get("experts"))  # Qwen3-MoE's name, gpt-oss's
+    # Qwen3-MoE's name, gpt-oss's, Gemma 4's
+    experts = mlp.get("switch_mlp", mlp.get("experts", mlp.get("switch_glu")))
     if experts is not None:  # MoE: stacked experts [E, out, in], split along the intermediate dim
         cols = _part(experts.gate_proj.weight.shape[-2], rank, size, "expert intermediate size")
         _keep_rows(experts.gate_proj, [cols])
@@ -178,10 +219,3 @@ def _take(x: mx.array, axis: int, a: int, b: int) -> mx.array:
     index = [slice(None)] * x.ndim
     index[axis] = slice(a, b)
     return x[tuple(index)]
-
-
-def _run_layers(model: nn.Module, tokens: mx.array, cache: list[LayerKV], meta: BatchMetadata) -> mx.array:
-    h = model.embed(tokens)
-    for layer, kv in zip(model.layers, cache):
-        h = layer(h, kv, meta)
-    return h

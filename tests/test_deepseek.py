@@ -116,9 +116,25 @@ def test_kimi_k2_loads_as_deepseek_v3(tiny, tmp_path: Path):
     assert np.abs(prefill_then_decode(kimi, tokens) - want).max() < 2e-4
 
 
-def test_tensor_parallel_refuses_mla_and_names_the_way_that_works(tiny):
-    with pytest.raises(DistributedError, match="latent attention.*--strategy pipeline"):
-        shard_tensor(load(str(TINY / NAME)).model, FakeGroup(0, 2))
+def test_tensor_parallel_splits_latent_attention_by_heads_into_partial_sums(tiny):
+    """Each rank's MLA layer (its heads of q_proj, embed_q, unembed_out and o_proj's input) over a pool of
+    every latent row gives a partial output; the two add up to the whole layer's. Both ranks keep one
+    process's latent pools. (Whole models on two ranks: test_distributed.)"""
+    full, _, _ = tiny
+    x = mx.random.normal((9, full.args.hidden_size), key=mx.random.key(0))
+    meta = build_metadata([SequenceSlice([2, 0, 1], 0, 9)], BLOCK)
+    want = full.layers[0].self_attn(x, new_cache(full, 3, BLOCK, mx.float32)[0], meta)
+    parts = []
+    for rank in range(2):
+        model = load(str(TINY / NAME)).model
+        shard_tensor(model, FakeGroup(rank, 2))
+        assert model.kv_layout() == full.kv_layout()
+        attn = model.layers[0].self_attn.inner
+        assert attn.n_heads == 2 and attn.embed_q.weight.shape[0] == 2
+        parts.append(attn(x, new_cache(model, 3, BLOCK, mx.float32)[0], meta))
+    np.testing.assert_allclose(np.array(parts[0] + parts[1]), np.array(want), atol=1e-5, rtol=0)
+    with pytest.raises(DistributedError, match=r"attention heads \(4\) to divide by 3"):
+        shard_tensor(load(str(TINY / NAME)).model, FakeGroup(0, 3))
 
 
 def test_engine_with_latent_pools_preempts_and_answers_as_a_full_recompute(tiny):

@@ -546,6 +546,108 @@ def test_every_architecture_shards_to_the_same_logits(tmp_path: Path):
     assert len(lines) == 2 * len(CONFIGS), lines
 
 
+# Each rank loads its tensor-parallel shard of tiny checkpoints the way a session does; rank 0 drives a
+# ShardedModel (the step broadcast) and compares every step's logits with the unsharded model's, the others
+# follow as Session.follow does. Steps: a prompt chunk, the prompt's rest beside a second prompt (ragged),
+# then greedy decodes of both, fed the sharded model's own argmax.
+TP_RANK = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import mlx_infer  # noqa: F401  (BLAS binding first)
+import mlx.core as mx
+import numpy as np
+from mlx_infer.distributed import shard_tensor
+from mlx_infer.distributed.channel import StepChannel
+from mlx_infer.distributed.runtime import Session, ShardedModel, init_group, load_sharded
+from mlx_infer.engine.engine import EngineConfig
+from mlx_infer.engine.runner import kv_bytes_per_token, prepare_for_cpu
+from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.kv.pages import allocate_pools, owned
+from mlx_infer.loading import load
+
+BLOCK, NUM_BLOCKS = 4, 16
+group = init_group()
+rank = group.rank()
+prompts = [list(range(3, 17)), list(range(40, 45))]
+tables = [[5, 2, 7, 11, 0], [1, 9, 3]]
+for name in {names!r}:
+    spec = {tiny!r} + "/" + name
+    loaded, shard = load_sharded(spec, lambda m: shard_tensor(m, group))
+    model = loaded.model
+    config = EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_cache_dtype="float32")
+    session = Session(loaded, group, shard, StepChannel(group, shard.traffic), config)
+    # What the planner counts a token (kv_layout) is what this rank's pools hold.
+    pools = owned(allocate_pools(model, NUM_BLOCKS, BLOCK, mx.float32))
+    pools = sum(a.nbytes for kv in pools for a in kv.state())
+    per_token = kv_bytes_per_token(model, mx.float32)
+    assert pools == per_token * NUM_BLOCKS * BLOCK, (name, pools, per_token)
+    print("KV", json.dumps(dict(name=name, rank=rank, per_token=per_token)), flush=True)
+    if rank:
+        session.follow()
+        continue
+    ref = load(spec).model
+    # One process's bytes a token, and a tensor rank's: the whole latent row (MLA), else half the KV
+    # heads, or one where a layer has a single KV head.
+    full_per_token = kv_bytes_per_token(ref, mx.float32)
+    rows = [spec.head_dim if spec.values_in_keys else 2 * max(1, spec.n_kv_heads // 2) * spec.head_dim
+            for spec in ref.kv_layout() if spec.owns_pool]
+    rank_per_token = 4 * sum(rows)
+    prepare_for_cpu(model)
+    prepare_for_cpu(ref)
+    sharded = ShardedModel(model, shard, session.channel)
+    cache = allocate_pools(model, NUM_BLOCKS, BLOCK, mx.float32)
+    ref_cache = allocate_pools(ref, NUM_BLOCKS, BLOCK, mx.float32)
+    seqs = [list(p) for p in prompts]
+    steps = [[(0, 0, 8)], [(0, 8, 6), (1, 0, 5)]] + [[(0, None, 1), (1, None, 1)]] * 6
+    done = [0, 0]
+    worst, same = 0.0, True
+    for step in steps:
+        ids, slices = [], []
+        for s, start, n in step:
+            start = done[s] if start is None else start
+            ids += seqs[s][start : start + n]
+            slices.append(SequenceSlice(tables[s], start, n))
+            done[s] = start + n
+        meta = build_metadata(slices, BLOCK)
+        got = np.array(sharded(mx.array(ids), cache, meta))
+        want = np.array(ref(mx.array(ids), ref_cache, meta))
+        worst = max(worst, float(np.abs(got - want).max()))
+        same &= bool((got.argmax(-1) == want.argmax(-1)).all())
+        if all(done[s] == len(seqs[s]) for s in (0, 1)):
+            for s in (0, 1):
+                seqs[s].append(int(got[s].argmax()))
+    session.close()
+    print("TP", json.dumps(dict(name=name, diff=worst, greedy_equal=same, tokens=seqs,
+                               full_per_token=full_per_token, rank_per_token=rank_per_token)), flush=True)
+"""
+TP_TINY = ("deepseek_v3", "deepseek_v2", "kimi_k25", "glm4_moe_lite", "gemma4_text", "gemma4")
+
+
+def test_tensor_parallel_runs_latent_attention_and_gemma4_as_one_process(tmp_path: Path):
+    """MLA (DeepSeek V3 / V2, Kimi K2.5, GLM-4.7-Flash) and Gemma 4 (KV shared across layers, per-layer
+    inputs; routed experts): two ranks give one process's float32 logits through a chunked, ragged prefill
+    and greedy decodes. An MLA rank's pool holds every latent row (one process's size), a Gemma 4 rank's
+    half the KV heads, and each rank allocates what kv_layout says a token costs."""
+    script = tmp_path / "tp_rank.py"
+    script.write_text(TP_RANK.format(tests=str(TESTS), tiny=str(TESTS / "oracle" / "tiny"), names=TP_TINY))
+    done = run_launch("--hosts", "127.0.0.1,127.0.0.1", "--port", str(free_port()), "--", str(script))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = {r["name"]: r for r in _tagged(done.stdout, "TP")}
+    kv = _tagged(done.stdout, "KV")
+    assert sorted(runs) == sorted(TP_TINY), done.stdout[-3000:]
+    for name, run in runs.items():
+        assert run["diff"] < 1e-4 and run["greedy_equal"], run
+        per_rank = {r["rank"]: r["per_token"] for r in kv if r["name"] == name}
+        assert per_rank[0] == per_rank[1], per_rank
+        mla = name.startswith(("deepseek", "kimi", "glm"))
+        assert per_rank[0] == run["rank_per_token"], (name, per_rank, run)
+        assert (per_rank[0] == run["full_per_token"]) == mla, (name, per_rank, run)
+
+
+def _tagged(out: str, tag: str) -> list[dict]:
+    return [json.loads(line.split(f"{tag} ", 1)[1]) for line in out.splitlines() if f"] {tag} {{" in line]
+
+
 @pytest.mark.parametrize("hosts", ["127.0.0.1,127.0.0.1", "127.0.0.1,localhost,127.0.0.1"])
 def test_tensor_parallel_greedy_equals_one_process(tiny_tp, hosts: str):
     folder, expected = tiny_tp

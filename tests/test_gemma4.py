@@ -198,8 +198,24 @@ def test_distributed_refuses_what_its_stages_and_shards_cannot_run():
     # Even stages: layers 4 and 5 (second stage) read layer 2 and 3, the first stage's.
     with pytest.raises(DistributedError, match="layer 4 reads the K/V of layer 2"):
         shard_pipeline(random_gemma4(), FakeGroup(1, 2))
-    with pytest.raises(DistributedError, match="tensor parallelism"):
-        shard_tensor(random_gemma4(), FakeGroup(0, 2))
+
+
+def test_tensor_ranks_keep_their_kv_heads_and_shared_layers_read_them():
+    """Each rank's pools hold its half of the KV heads; a layer with a single KV head keeps it on both
+    ranks (their query heads all read it); KV-shared layers still read their source's pools."""
+    model = random_gemma4()
+    shard_tensor(model, FakeGroup(1, 2))
+    assert model.kv_layout() == [
+        gemma4.KVSpec(1, 16), gemma4.KVSpec(1, 32), gemma4.KVSpec(1, 16), gemma4.KVSpec(1, 32),
+        gemma4.KVSpec(1, 16, 2), gemma4.KVSpec(1, 32, 3),
+    ]  # fmt: skip
+    full, one = random_gemma4(num_key_value_heads=1), random_gemma4(num_key_value_heads=1)
+    shard_tensor(one, FakeGroup(1, 2))
+    assert one.kv_layout() == full.kv_layout()
+    for layer, whole in zip(one.layers[:4], full.layers):
+        np.testing.assert_array_equal(layer.self_attn.inner.k_proj.weight, whole.self_attn.k_proj.weight)
+    with pytest.raises(DistributedError, match="divide by 4"):
+        shard_tensor(random_gemma4(num_key_value_heads=2, num_attention_heads=6), FakeGroup(0, 4))
 
 
 def test_a_pipeline_stage_keeps_a_shared_layer_with_its_source():
