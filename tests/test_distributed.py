@@ -644,6 +644,20 @@ def test_tensor_parallel_runs_latent_attention_and_gemma4_as_one_process(tmp_pat
         assert (per_rank[0] == run["full_per_token"]) == mla, (name, per_rank, run)
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "gemma4_text"])
+def test_tensor_parallel_engine_answers_mla_and_gemma4_as_one_process(name: str):
+    """The whole path (launch, rank 0's engine over the step broadcast, followers' sessions): the same
+    greedy tokens as one process."""
+    folder = TESTS / "oracle" / "tiny" / name
+    one = subprocess.run(
+        [PY, *worker_args(folder, TINY_PROMPT, 10, True)[1:]], capture_output=True, text=True, timeout=150,
+        env=ENV, cwd=TESTS.parent,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-2000:]
+    expected = results(one.stdout)[0]["tokens"]
+    assert launched_tokens("127.0.0.1,127.0.0.1", "tensor", folder, TINY_PROMPT, 10, True) == expected
+
+
 def _tagged(out: str, tag: str) -> list[dict]:
     return [json.loads(line.split(f"{tag} ", 1)[1]) for line in out.splitlines() if f"] {tag} {{" in line]
 
