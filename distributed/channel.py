@@ -1,7 +1,8 @@
 """Rank 0 tells the other ranks what each step computes, so every rank runs the same forward.
 
 A step travels as int32s: the token ids and what :func:`mlx_infer.interface.batch.build_metadata` needs
-(query and context lengths, block tables, and the logit rows when they are not the default), so every rank
+(query and context lengths, block tables, recurrent-state slots, and the logit rows when they are not the
+default), so every rank
 builds identical :class:`BatchMetadata`. It is broadcast with ``all_sum`` over a buffer that is zero except
 on rank 0: one collective of ``CAPACITY`` ints for a small step, a second one only for the overflow of a big
 one. ``all_sum`` reaches every rank whatever the ring's shape, unlike send/recv (neighbours only).
@@ -75,7 +76,9 @@ def encode_step(tokens: np.ndarray, meta: BatchMetadata) -> np.ndarray:
         meta.block_size,
         -1 if meta.logits_index is None else rows.size,
     ]
-    parts = [head, tokens, meta.query_lens, np.array(meta.context_lens), tables.ravel(), rows]
+    # Hybrid models: rank 0's slot pool picks each sequence's state slot; every rank keeps its own slots.
+    slots = np.arange(meta.batch_size) if meta.state_slots is None else np.array(meta.state_slots)
+    parts = [head, tokens, meta.query_lens, np.array(meta.context_lens), slots, tables.ravel(), rows]
     return np.concatenate([np.asarray(p, np.int32).ravel() for p in parts])
 
 
@@ -85,11 +88,17 @@ def decode_step(payload: np.ndarray) -> tuple[mx.array, BatchMetadata]:
     tokens = payload[at : at + num_tokens]
     at += num_tokens
     query_lens, context_lens = payload[at : at + batch], payload[at + batch : at + 2 * batch]
-    at += 2 * batch
+    slots = payload[at + 2 * batch : at + 3 * batch]
+    at += 3 * batch
     tables = payload[at : at + batch * width].reshape(batch, width)
     at += batch * width
     slices = [
-        SequenceSlice(tables[i].tolist(), int(context_lens[i] - query_lens[i]), int(query_lens[i]))
+        SequenceSlice(
+            tables[i].tolist(),
+            int(context_lens[i] - query_lens[i]),
+            int(query_lens[i]),
+            state_slot=int(slots[i]),
+        )
         for i in range(batch)
     ]
     meta = build_metadata(slices, block_size)

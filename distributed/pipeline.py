@@ -145,7 +145,7 @@ def _stage_layout(model: nn.Module, ranges: list[tuple[int, int]], rank: int) ->
                     "one process"
                 )
     start, stop = ranges[rank]
-    return [s if s.owns_pool else replace(s, source=s.source - start) for s in layout[start:stop]]
+    return [s if s.source is None else replace(s, source=s.source - start) for s in layout[start:stop]]
 
 
 def _layers_owner(model: nn.Module) -> nn.Module:

@@ -5,7 +5,8 @@ Rank 0 owns tokenization, scheduling and sampling: its :class:`~mlx_infer.engine
 engine, the scheduler, prefix caching and the continuous batcher work unchanged (and ``serve`` does too).
 The other ranks run :meth:`Session.follow`: receive a step, run the same forward on their shard, repeat.
 KV pools are per rank (each holds its layers' or heads' K/V) and have the same number of blocks everywhere,
-because rank 0's block tables index every rank's pool.
+because rank 0's block tables index every rank's pool; so do hybrid models' state slots (each holds its
+layers' or heads' state), indexed by rank 0's slot pool.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_infer.engine.engine import Engine, EngineConfig, pool_num_blocks
+from mlx_infer.engine.engine import Engine, EngineConfig, hybrid_state, pool_num_blocks
 from mlx_infer.engine.runner import kv_bytes_per_token, kv_pool_dtype, prepare_for_cpu
 from mlx_infer.errors import DistributedError
 from mlx_infer.interface.batch import BatchMetadata
@@ -28,7 +29,6 @@ from mlx_infer.interface.kv import LayerKV
 from mlx_infer.kv.memory import device_memory_bytes
 from mlx_infer.kv.pages import allocate_pools
 from mlx_infer.loading import LoadedModel, load
-from mlx_infer.plan.planner import layout_state_bytes
 
 from .channel import StepChannel
 from .pipeline import PipelineShard, shard_pipeline
@@ -109,7 +109,9 @@ class Session:
         # Resident only where written, as rank 0's pools (kv/pages.py); a follower never releases.
         config = self.config
         kv_dtype = kv_pool_dtype(config.kv_cache_dtype, self.shard.dtype)  # as rank 0's engine resolves it
-        cache = allocate_pools(model, config.num_blocks, config.block_size, kv_dtype)
+        # Hybrid models: as many state slots as rank 0's slot pool hands out.
+        slots = max(1, hybrid_state(model, config)[0])
+        cache = allocate_pools(model, config.num_blocks, config.block_size, kv_dtype, slots)
         try:
             while (step := self.channel.receive()) is not None:
                 tokens, meta = step
@@ -151,7 +153,13 @@ def open_session(
     context = min(loaded.max_context, config.max_context or loaded.max_context)
     kv_dtype = kv_pool_dtype(config.kv_cache_dtype, shard.dtype)
     per_token = kv_bytes_per_token(loaded.model, kv_dtype)  # this rank's share of the KV
-    num_blocks = config.num_blocks or pool_num_blocks(config, context, per_token)
+    state_slots, per_sequence = hybrid_state(loaded.model, config)  # this rank's share of each state
+    if state_slots and config.enable_prefix_caching:
+        # Prefix caching saves and restores recurrent states outside the step (rank 0's runner), which
+        # the step broadcast does not carry: each rank's states would diverge.
+        log.info("no prefix caching for a hybrid model over several ranks")
+        config = replace(config, enable_prefix_caching=False)
+    num_blocks = config.num_blocks or pool_num_blocks(config, context, per_token, state_slots * per_sequence)
     # Rank 0's block tables index every pool: all ranks take the smallest pool any of them can hold.
     num_blocks = int(mx.distributed.all_min(mx.array([num_blocks]), group=group).item())
     return Session(
@@ -170,20 +178,7 @@ def load_sharded(
     shards: list[Shard] = []
 
     def prepare(model: nn.Module) -> None:
-        refuse_recurrent_state(model)
         shards.append(transform(model))
 
     loaded = load(spec, keep_quantized=keep_quantized, prepare=prepare)
     return loaded, shards[0]
-
-
-def refuse_recurrent_state(model: nn.Module) -> None:
-    """Hybrid models (linear-attention layers with a per-sequence recurrent state) are not sharded: the
-    followers' state slots would have to follow rank 0's slot pool, which the step broadcast does not
-    carry yet."""
-    if layout_state_bytes(model.kv_layout()):
-        kind = getattr(model.args, "model_type", "this model")
-        raise DistributedError(
-            f"{kind} has linear-attention layers with a recurrent state: distributed (sharded) serving "
-            "does not support hybrid models yet; run it on one host"
-        )

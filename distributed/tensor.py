@@ -14,7 +14,9 @@ Multi-head latent attention (DeepSeek, Kimi K2, GLM-4.7-Flash) splits by heads a
 by head, ``o_proj`` by input. Every head reads the whole latent row of a token, so the latent projection
 runs on every rank and each rank's pool holds every row (the same pool as one process). Gemma 4's
 KV-shared layers read their source layer's pool on their own rank, which holds the KV heads of this
-rank's query heads.
+rank's query heads. A hybrid's Gated DeltaNet layers (Qwen3-Next, Qwen3.5) split by key heads and the
+value heads they serve (input projections, convolution channels, decay parameters; ``out_proj`` by
+input), so each rank's state slots hold its heads' state.
 """
 
 from __future__ import annotations
@@ -72,24 +74,26 @@ def shard_tensor(model: nn.Module, group: mx.distributed.Group) -> TensorShard:
     """Split every block of ``model`` (in place) into this rank's share; refuse shapes that do not divide."""
     size, rank = group.size(), group.rank()
     shard = TensorShard(group, model.embed(mx.array([0])).dtype)
-    for layer in model.layers:
-        attn = layer.self_attn
-        if hasattr(attn, "kv_lora_rank"):
-            _shard_latent_attention(attn, rank, size)
+    layout = model.kv_layout()
+    for i, layer in enumerate(model.layers):
+        if "linear_attn" in layer:  # a hybrid's Gated DeltaNet layer: its state holds its heads' rows
+            _shard_delta_net(layer.linear_attn, rank, size)
+            layout[i] = layer.linear_attn.state_spec()
+            layer.linear_attn = AllSum(layer.linear_attn, group, shard.traffic)
         else:
-            _shard_attention(attn, rank, size)
+            attn = layer.self_attn
+            if hasattr(attn, "kv_lora_rank"):  # a latent pool holds every row on every rank
+                _shard_latent_attention(attn, rank, size)
+            else:
+                _shard_attention(attn, rank, size)
+                layout[i] = replace(layout[i], n_kv_heads=rank_kv_heads(layout[i].n_kv_heads, size))
+            layer.self_attn = AllSum(attn, group, shard.traffic)
         _shard_mlp(layer.mlp, rank, size)
-        layer.self_attn = AllSum(attn, group, shard.traffic)
         layer.mlp = AllSum(layer.mlp, group, shard.traffic)
         if "experts" in layer:  # Gemma 4: routed experts beside the dense MLP, each with its own norm
             _shard_mlp(layer.experts, rank, size)
             layer.experts = AllSum(layer.experts, group, shard.traffic)
-    # The pools hold this rank's KV heads only, a latent pool every row (an instance attribute shadows
-    # the method).
-    layout = [
-        spec if spec.values_in_keys else replace(spec, n_kv_heads=rank_kv_heads(spec.n_kv_heads, size))
-        for spec in model.kv_layout()
-    ]
+    # What this rank's pools and state slots hold (an instance attribute shadows the method).
     model.kv_layout = lambda: layout
     return shard
 
@@ -101,6 +105,8 @@ def _shard_attention(attn: nn.Module, rank: int, size: int) -> None:
             f"tensor parallel over {size} ranks needs the attention heads ({heads}) and KV heads "
             f"({kv_heads}) to divide by {size} (or the KV heads to divide {size}); use --strategy pipeline"
         )
+    # Qwen3-Next's gated attention: each head's query rows then its gate's, so 2d rows a head.
+    q_rows = attn.q_proj.weight.shape[-2] // heads if "q_proj" in attn else d
     q = _part(heads * d, rank, size)
     kv = _kv_part(kv_heads, rank, size)
     kv = (kv[0] * d, kv[1] * d)
@@ -109,7 +115,7 @@ def _shard_attention(attn: nn.Module, rank: int, size: int) -> None:
         _keep_rows(attn.qkv_proj, [q, _shift(kv, k_at), _shift(kv, v_at)])
     else:
         # Gemma 4: a KV-shared layer has no k/v projections, a global one with keys as values no v_proj.
-        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        for name, rows in (("q_proj", _part(heads * q_rows, rank, size)), ("k_proj", kv), ("v_proj", kv)):
             if name in attn:
                 _keep_rows(attn[name], [rows])
     _keep_columns(attn.o_proj, q, rank)
@@ -151,6 +157,35 @@ def _shard_latent_attention(attn: nn.Module, rank: int, size: int) -> None:
     attn.n_heads = heads // size
 
 
+def _shard_delta_net(net: nn.Module, rank: int, size: int) -> None:
+    """Gated DeltaNet: this rank's key heads and the value heads they serve, in every input projection,
+    the convolution's q, k and v channels, the per-head decay parameters and ``out_proj``'s input."""
+    hk, hv, dk, dv = net.num_k_heads, net.num_v_heads, net.head_k_dim, net.head_v_dim
+    if hk % size:
+        raise DistributedError(
+            f"tensor parallel over {size} ranks needs the linear-attention key heads ({hk}) to divide by "
+            f"{size}; use --strategy pipeline"
+        )
+    k, v = _part(hk * dk, rank, size), _part(hv * dv, rank, size)
+    channels = [k, _shift(k, hk * dk), _shift(v, 2 * hk * dk)]  # the convolution runs over [q | k | v]
+    heads = _part(hv, rank, size)
+    if "in_proj_qkvz" in net:  # Qwen3-Next: rows grouped by key head (q, k, then its value heads' v, z)
+        _keep_rows(net.in_proj_qkvz, [_part(hk * (2 * dk + 2 * hv // hk * dv), rank, size)])
+        _keep_rows(net.in_proj_ba, [_part(2 * hv, rank, size)])
+    else:  # Qwen3.5: [q | k | v], z, b and a apart
+        _keep_rows(net.in_proj_qkv, channels)
+        _keep_rows(net.in_proj_z, [v])
+        _keep_rows(net.in_proj_b, [heads])
+        _keep_rows(net.in_proj_a, [heads])
+    net.conv1d.weight = mx.concatenate([_take(net.conv1d.weight, 0, a, b) for a, b in channels])
+    net.dt_bias = _take(net.dt_bias, 0, *heads)
+    net.A_log = _take(net.A_log, 0, *heads)
+    _keep_columns(net.out_proj, v, rank)
+    net.num_k_heads, net.num_v_heads = hk // size, hv // size
+    net.key_dim, net.value_dim = net.key_dim // size, net.value_dim // size
+    net.conv_dim = 2 * net.key_dim + net.value_dim
+
+
 def _shard_mlp(mlp: nn.Module, rank: int, size: int) -> None:
     # Qwen3-MoE's name, gpt-oss's, Gemma 4's
     experts = mlp.get("switch_mlp", mlp.get("experts", mlp.get("switch_glu")))
@@ -159,8 +194,11 @@ def _shard_mlp(mlp: nn.Module, rank: int, size: int) -> None:
         _keep_rows(experts.gate_proj, [cols])
         _keep_rows(experts.up_proj, [cols])
         _keep_columns(experts.down_proj, cols, rank)
-        if "shared_experts" in mlp:  # GLM-4.5: a dense SwiGLU beside the routed experts, summed too
-            _shard_mlp(mlp.shared_experts, rank, size)
+        # GLM-4.5's, DeepSeek's dense SwiGLU beside the routed experts, summed too; Qwen3-Next's is
+        # scaled by a gate of the whole input (a scalar a token), so its partial sums add up as well.
+        for name in ("shared_experts", "shared_expert"):
+            if name in mlp:
+                _shard_mlp(mlp[name], rank, size)
     elif "gate_up_proj" in mlp:  # Phi-3: rows are [gate | up]
         inter = mlp.gate_up_proj.weight.shape[-2] // 2
         cols = _part(inter, rank, size, "intermediate size")

@@ -308,7 +308,9 @@ def test_moe_with_a_shared_expert_shards_into_partial_sums():
 
 
 def test_step_broadcast_rebuilds_identical_metadata():
-    slices = [SequenceSlice([7, 3, 9], 20, 5), SequenceSlice([2], 0, 1), SequenceSlice([4, 8], 14, 3)]
+    # State slots as a hybrid model's slot pool hands them out (not the batch order).
+    slices = [SequenceSlice([7, 3, 9], 20, 5, state_slot=2), SequenceSlice([2], 0, 1, state_slot=0),
+              SequenceSlice([4, 8], 14, 3, state_slot=5)]  # fmt: skip
     tokens = np.arange(9, dtype=np.int32) + 5
     for all_logits in (False, True):
         slices[0].want_all_logits = all_logits
@@ -325,6 +327,7 @@ def test_step_broadcast_rebuilds_identical_metadata():
             "q_unpad_index",
             "q_positions",
             "logits_index",
+            "state_slots",
         ):
             assert np.array_equal(np.array(getattr(got, name)), np.array(getattr(meta, name))), name
         assert got.query_lens == meta.query_lens and got.block_size == meta.block_size
@@ -559,17 +562,19 @@ import numpy as np
 from mlx_infer.distributed import shard_tensor
 from mlx_infer.distributed.channel import StepChannel
 from mlx_infer.distributed.runtime import Session, ShardedModel, init_group, load_sharded
-from mlx_infer.engine.engine import EngineConfig
+from mlx_infer.engine.engine import EngineConfig, hybrid_state
 from mlx_infer.engine.runner import kv_bytes_per_token, prepare_for_cpu
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
-from mlx_infer.kv.pages import allocate_pools, owned
+from mlx_infer.kv.pages import allocate_pools, owned, states
 from mlx_infer.loading import load
+from mlx_infer.plan.planner import layout_state_bytes
 
 BLOCK, NUM_BLOCKS = 4, 16
 group = init_group()
 rank = group.rank()
 prompts = [list(range(3, 17)), list(range(40, 45))]
 tables = [[5, 2, 7, 11, 0], [1, 9, 3]]
+state_slots = [3, 1]  # hybrids: rank 0's slot pool's choice, which the broadcast carries
 for name in {names!r}:
     spec = {tiny!r} + "/" + name
     loaded, shard = load_sharded(spec, lambda m: shard_tensor(m, group))
@@ -577,11 +582,14 @@ for name in {names!r}:
     config = EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_cache_dtype="float32")
     session = Session(loaded, group, shard, StepChannel(group, shard.traffic), config)
     # What the planner counts a token (kv_layout) is what this rank's pools hold.
-    pools = owned(allocate_pools(model, NUM_BLOCKS, BLOCK, mx.float32))
-    pools = sum(a.nbytes for kv in pools for a in kv.state())
+    slots = max(1, hybrid_state(model, config)[0])
+    cache = allocate_pools(model, NUM_BLOCKS, BLOCK, mx.float32, slots)
+    pools = sum(a.nbytes for kv in owned(cache) for a in kv.state())
     per_token = kv_bytes_per_token(model, mx.float32)
     assert pools == per_token * NUM_BLOCKS * BLOCK, (name, pools, per_token)
-    print("KV", json.dumps(dict(name=name, rank=rank, per_token=per_token)), flush=True)
+    state = layout_state_bytes(model.kv_layout())
+    assert sum(a.nbytes for s in states(cache) for a in s.state()) == state * slots, (name, state)
+    print("KV", json.dumps(dict(name=name, rank=rank, per_token=per_token, state=state)), flush=True)
     if rank:
         session.follow()
         continue
@@ -589,14 +597,14 @@ for name in {names!r}:
     # One process's bytes a token, and a tensor rank's: the whole latent row (MLA), else half the KV
     # heads, or one where a layer has a single KV head.
     full_per_token = kv_bytes_per_token(ref, mx.float32)
+    full_state = layout_state_bytes(ref.kv_layout())
     rows = [spec.head_dim if spec.values_in_keys else 2 * max(1, spec.n_kv_heads // 2) * spec.head_dim
             for spec in ref.kv_layout() if spec.owns_pool]
     rank_per_token = 4 * sum(rows)
     prepare_for_cpu(model)
     prepare_for_cpu(ref)
     sharded = ShardedModel(model, shard, session.channel)
-    cache = allocate_pools(model, NUM_BLOCKS, BLOCK, mx.float32)
-    ref_cache = allocate_pools(ref, NUM_BLOCKS, BLOCK, mx.float32)
+    ref_cache = allocate_pools(ref, NUM_BLOCKS, BLOCK, mx.float32, slots)
     seqs = [list(p) for p in prompts]
     steps = [[(0, 0, 8)], [(0, 8, 6), (1, 0, 5)]] + [[(0, None, 1), (1, None, 1)]] * 6
     done = [0, 0]
@@ -606,7 +614,7 @@ for name in {names!r}:
         for s, start, n in step:
             start = done[s] if start is None else start
             ids += seqs[s][start : start + n]
-            slices.append(SequenceSlice(tables[s], start, n))
+            slices.append(SequenceSlice(tables[s], start, n, state_slot=state_slots[s]))
             done[s] = start + n
         meta = build_metadata(slices, BLOCK)
         got = np.array(sharded(mx.array(ids), cache, meta))
@@ -617,17 +625,20 @@ for name in {names!r}:
             for s in (0, 1):
                 seqs[s].append(int(got[s].argmax()))
     session.close()
-    print("TP", json.dumps(dict(name=name, diff=worst, greedy_equal=same, tokens=seqs,
+    print("TP", json.dumps(dict(name=name, diff=worst, greedy_equal=same, tokens=seqs, full_state=full_state,
                                full_per_token=full_per_token, rank_per_token=rank_per_token)), flush=True)
 """
-TP_TINY = ("deepseek_v3", "deepseek_v2", "kimi_k25", "glm4_moe_lite", "gemma4_text", "gemma4")
+TP_TINY = ("deepseek_v3", "deepseek_v2", "kimi_k25", "glm4_moe_lite", "gemma4_text", "gemma4", "qwen3_next",
+           "qwen3_5_text", "qwen3_5_moe_text")  # fmt: skip
 
 
-def test_tensor_parallel_runs_latent_attention_and_gemma4_as_one_process(tmp_path: Path):
-    """MLA (DeepSeek V3 / V2, Kimi K2.5, GLM-4.7-Flash) and Gemma 4 (KV shared across layers, per-layer
-    inputs; routed experts): two ranks give one process's float32 logits through a chunked, ragged prefill
-    and greedy decodes. An MLA rank's pool holds every latent row (one process's size), a Gemma 4 rank's
-    half the KV heads, and each rank allocates what kv_layout says a token costs."""
+def test_tensor_parallel_runs_latent_attention_gemma4_and_hybrids_as_one_process(tmp_path: Path):
+    """MLA (DeepSeek V3 / V2, Kimi K2.5, GLM-4.7-Flash), Gemma 4 (KV shared across layers, per-layer
+    inputs; routed experts) and the Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5 dense and MoE): two ranks
+    give one process's float32 logits through a chunked, ragged prefill and greedy decodes. An MLA rank's
+    pool holds every latent row (one process's size), the others' half the KV heads (a single KV head on
+    both ranks), a hybrid rank's state slots half of each state; each rank allocates what its kv_layout
+    says a token and a sequence's state cost."""
     script = tmp_path / "tp_rank.py"
     script.write_text(TP_RANK.format(tests=str(TESTS), tiny=str(TESTS / "oracle" / "tiny"), names=TP_TINY))
     done = run_launch("--hosts", "127.0.0.1,127.0.0.1", "--port", str(free_port()), "--", str(script))
@@ -642,12 +653,18 @@ def test_tensor_parallel_runs_latent_attention_and_gemma4_as_one_process(tmp_pat
         mla = name.startswith(("deepseek", "kimi", "glm"))
         assert per_rank[0] == run["rank_per_token"], (name, per_rank, run)
         assert (per_rank[0] == run["full_per_token"]) == mla, (name, per_rank, run)
+        state = {r["rank"]: r["state"] for r in kv if r["name"] == name}
+        assert state[0] == state[1] == run["full_state"] // 2, (name, state, run)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "gemma4_text"])
-def test_tensor_parallel_engine_answers_mla_and_gemma4_as_one_process(name: str):
-    """The whole path (launch, rank 0's engine over the step broadcast, followers' sessions): the same
-    greedy tokens as one process."""
+@pytest.mark.parametrize(
+    ("name", "strategy"),
+    [("deepseek_v3", "tensor"), ("gemma4_text", "tensor"), ("qwen3_next", "tensor"),
+     ("qwen3_5_text", "pipeline")],  # fmt: skip
+)
+def test_sharded_engine_answers_mla_gemma4_and_hybrids_as_one_process(name: str, strategy: str):
+    """The whole path (launch, rank 0's engine over the step broadcast, followers' sessions; hybrids'
+    state slots on every rank): the same greedy tokens as one process."""
     folder = TESTS / "oracle" / "tiny" / name
     one = subprocess.run(
         [PY, *worker_args(folder, TINY_PROMPT, 10, True)[1:]], capture_output=True, text=True, timeout=150,
@@ -655,7 +672,7 @@ def test_tensor_parallel_engine_answers_mla_and_gemma4_as_one_process(name: str)
     )  # fmt: skip
     assert one.returncode == 0, one.stderr[-2000:]
     expected = results(one.stdout)[0]["tokens"]
-    assert launched_tokens("127.0.0.1,127.0.0.1", "tensor", folder, TINY_PROMPT, 10, True) == expected
+    assert launched_tokens("127.0.0.1,127.0.0.1", strategy, folder, TINY_PROMPT, 10, True) == expected
 
 
 def _tagged(out: str, tag: str) -> list[dict]:

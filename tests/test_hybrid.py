@@ -16,8 +16,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from engine_helpers import CharTokenizer, greedy_reference
+from test_distributed import FakeGroup
 
-from distributed.runtime import load_sharded
+from distributed import shard_tensor
 from mlx_infer import cpu_kernels
 from mlx_infer.convert import cli as convert_cli
 from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
@@ -193,12 +194,33 @@ def test_padded_rows_leave_the_state_alone():
     np.testing.assert_allclose(np.array(padded_final), np.array(final), atol=1e-5)
 
 
-def test_distributed_refuses_hybrid_models():
-    def never(model):
-        raise AssertionError("a hybrid model must be refused before it is sharded")
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text"])
+def test_tensor_ranks_split_a_delta_net_into_partial_sums_over_their_heads_state(name: str):
+    """Each rank's Gated DeltaNet (its key heads and their value heads: Qwen3-Next's interleaved
+    projections, Qwen3.5's separate ones) over slots of half the state gives a partial output, and the
+    two add up to the whole layer's, through a prefill and a decode step. (Whole models on two ranks:
+    test_distributed.)"""
+    full = load(str(TINY / name)).model
+    x = mx.random.normal((10, full.args.hidden_size), key=mx.random.key(0))
+    steps = [build_metadata([SequenceSlice([0, 1, 2], 0, 9, state_slot=1)], 4),
+             build_metadata([SequenceSlice([0, 1, 2], 9, 1, state_slot=1)], 4)]  # fmt: skip
 
-    with pytest.raises(DistributedError, match="hybrid models"):
-        load_sharded(str(TINY / "qwen3_5_text"), never)
+    def run(model) -> list[mx.array]:
+        net, spec = model.layers[0].linear_attn, model.kv_layout()[0]
+        state = LayerState(2, spec)
+        return [getattr(net, "inner", net)(x[m.positions], state, m) for m in steps]
+
+    want = run(full)
+    parts = []
+    for rank in range(2):
+        model = load(str(TINY / name)).model
+        shard_tensor(model, FakeGroup(rank, 2))
+        assert model.kv_layout()[0].bytes_per_slot() * 2 == full.kv_layout()[0].bytes_per_slot()
+        parts.append(run(model))
+    for a, b, w in zip(*parts, want):
+        np.testing.assert_allclose(np.array(a + b), np.array(w), atol=1e-5, rtol=0)
+    with pytest.raises(DistributedError, match=r"key heads \(2\) to divide by 4"):
+        shard_tensor(load(str(TINY / name)).model, FakeGroup(0, 4))
 
 
 # (heads, Dk, Dv): the tiny checkpoints' shapes, and Qwen3.5's 128 x 128 state matrices

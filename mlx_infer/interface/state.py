@@ -32,8 +32,10 @@ class StateSpec:
     shapes: tuple[tuple[int, ...], ...]
     dtype: mx.Dtype = mx.float32
 
-    # A layer of kv_layout() that keeps a state keeps no K/V pool (KVSpec's counterpart).
+    # A layer of kv_layout() that keeps a state keeps no K/V pool and reads no other layer's (KVSpec's
+    # counterparts).
     owns_pool = False
+    source = None
 
     def bytes_per_slot(self) -> int:
         return sum(math.prod(s) for s in self.shapes) * self.dtype.size
