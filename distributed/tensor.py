@@ -11,7 +11,7 @@ with ``n_heads``, ``n_kv_heads``, ``head_dim``), plain or quantized.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -69,7 +69,9 @@ def shard_tensor(model: nn.Module, group: mx.distributed.Group) -> TensorShard:
             "tensor parallel does not split multi-head latent attention (MLA: DeepSeek, Kimi K2, "
             "GLM-4.7-Flash); use --strategy pipeline"
         )
-    if getattr(model, "needs_per_layer_inputs", False) or len(set(model.kv_layout())) > 1:
+    # Windows may differ: a window changes which blocks a layer keeps, not the shape of its K/V.
+    shapes = {replace(spec, window=None) for spec in model.kv_layout()}
+    if getattr(model, "needs_per_layer_inputs", False) or len(shapes) > 1:
         name = getattr(model.args, "model_type", type(model).__module__)
         raise DistributedError(
             f"{name}: tensor parallelism splits layers that all keep the same K/V and "

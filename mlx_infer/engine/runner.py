@@ -102,15 +102,20 @@ class ModelRunner:
         kv = self.kv
         kv.forget_states()  # saved recurrent states may come from the graph of a failed step
         slots = max(1, kv.num_state_slots)
-        self.cache = allocate_pools(self.model, kv.pool.num_blocks, kv.block_size, self.kv_dtype, slots)
+        window_blocks = None if kv.window is None else kv.window.pool.num_blocks
+        self.cache = allocate_pools(
+            self.model, kv.pool.num_blocks, kv.block_size, self.kv_dtype, slots, window_blocks
+        )
 
     def release_idle_memory(self) -> int:
-        """Unreserve the pool's unreferenced top chunks, forget the free blocks of the others, and give
+        """Unreserve each pool's unreferenced top chunks, forget the free blocks of the others, and give
         back the memory of both; returns the bytes."""
-        pool = self.kv.pool
         self.kv.forget_states()  # what prefix caching saved of hybrid models' states goes with the blocks
-        released = pool.release_idle_chunks() + pool.forget_free_blocks()
-        return drop_blocks(self.cache, released) if released else 0
+        dropped = 0
+        for pool, windowed in zip(self.kv.pools(), (False, True)):
+            released = pool.release_idle_chunks() + pool.forget_free_blocks()
+            dropped += drop_blocks(self.cache, released, windowed) if released else 0
+        return dropped
 
     def execute(
         self,
@@ -133,7 +138,8 @@ class ModelRunner:
             # logits sampled (see engine/speculative.py); its requests have no pending token.
             verify = s.samples and bool(r.proposal)
             table, slot = self.kv.block_tables[r.request_id], self.kv.state_slot(r.request_id)
-            slices.append(SequenceSlice(table, r.num_computed, s.num_new, verify, slot))
+            window_table = self.kv.window_table(r.request_id)
+            slices.append(SequenceSlice(table, r.num_computed, s.num_new, verify, slot, window_table))
             tokens.extend((r.token_ids + r.proposal)[r.num_computed : r.num_computed + s.num_new])
             if r.has_pending_token:
                 pending_at.append(len(tokens) - 1)
