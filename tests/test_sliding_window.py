@@ -23,6 +23,8 @@ from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.kv import LayerKV, new_cache, window_of
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.loading import load
+from mlx_infer.metal_kernels import dispatch
+from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
 from mlx_infer.plan.planner import make_plan, window_pool_blocks
 from mlx_infer.sampling import SamplingParams
 
@@ -156,6 +158,34 @@ def test_windowed_pages_equal_shared_pages(windowed):
     """The forward itself: sliding layers paged by a window table whose early blocks were given back
     (None) compute the logits they compute over a table holding every block."""
     _, model, _ = windowed
+    got, want = _windowed_and_shared_logits(model)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not toolchain_available(), reason="the Metal emulator needs `pip install ziglang`")
+def test_windowed_pages_through_the_emulated_metal_kernels():
+    """As on a Mac: the paged-attention Metal kernel (run by the emulator) reads the windowed tables of
+    gpt-oss's sliding layers (sinks too) as it reads the shared ones."""
+    model = load(str(TINY / "gpt_oss")).model
+    launched: list[str] = []
+
+    def launch(spec, **kw):
+        launched.append(spec.name)
+        return Emulator().launch(spec, **kw)
+
+    saved = dispatch.USE_KERNELS
+    dispatch.bind(True, launch)
+    try:
+        got, want = _windowed_and_shared_logits(model)
+    finally:
+        dispatch.bind(saved)
+    assert any("paged_attention" in name for name in launched)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def _windowed_and_shared_logits(model) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of 40 tokens in uneven chunks, the sliding layers paged by the window tables a manager
+    hands out (blocks behind the window given back), and over shared pools holding every block."""
     tokens = PROMPTS[2][:40]
     manager = KVCacheManager(32, BLOCK, enable_prefix_caching=False, window=WINDOW, window_blocks=32)
     shared_cache = new_cache(model, 32, BLOCK, mx.float32)
@@ -171,7 +201,7 @@ def test_windowed_pages_equal_shared_pages(windowed):
         meta = build_metadata([SequenceSlice(table, done, n, True, window_table=window_table)], BLOCK)
         got.append(model(step, windowed_cache, meta))
         done += n
-    np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), atol=1e-5, rtol=0)
+    return np.concatenate(got), np.concatenate(want)
 
 
 def test_allocation_equals_the_plan(windowed):
