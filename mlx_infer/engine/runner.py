@@ -11,16 +11,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_infer import cpu_kernels
 from mlx_infer.engine.request import Request
 from mlx_infer.engine.scheduler import ScheduledRequest
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.state import LayerState
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.pages import allocate_pools, drop_blocks
-from mlx_infer.loading.policy import cpu_backend
-from mlx_infer.models.fused import fuse_projections
-from mlx_infer.models.native_block import native_blocks
 from mlx_infer.plan import planner
 from mlx_infer.sampling import SampleResult, SamplerRow, sample
 
@@ -73,23 +69,9 @@ class InFlight:
         }
 
 
-def prepare_for_cpu(model: nn.Module) -> None:
-    """On MLX's CPU backend: same parameters, fewer and faster ops per step (see models/fused.py and
-    models/native_block.py). Every process that runs the model's layers calls it (the runner, and each
-    distributed follower on its shard), so that they all compute with the same kernels."""
-    if not cpu_backend():
-        return
-    summary = fuse_projections(model)
-    blocks = native_blocks(model)  # builds (or loads) the native kernels now, not in the first step
-    log.info(
-        "CPU decode step: %s, %d blocks as native block ops, %s matvec activations",
-        summary, blocks, cpu_kernels.activations(),
-    )
-
-
 class ModelRunner:
     def __init__(self, model: nn.Module, kv: KVCacheManager, kv_dtype: mx.Dtype):
-        prepare_for_cpu(model)
+        """``model`` as the loader prepared it for this backend (``loading.policy.prepare_for_backend``)."""
         self.model = model
         self.kv = kv
         self.kv_dtype = kv_dtype
