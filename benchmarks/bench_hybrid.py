@@ -33,6 +33,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_infer import blas  # noqa: E402
 from mlx_infer.engine.engine import Engine, EngineConfig  # noqa: E402
 from mlx_infer.engine.scheduler import SchedulerConfig  # noqa: E402
+from mlx_infer.loading.policy import prepare_for_backend  # noqa: E402
 from mlx_infer.models import model_module  # noqa: E402
 from mlx_infer.sampling import SamplingParams  # noqa: E402
 
@@ -84,6 +85,7 @@ def build(model_type: str, hidden: int, layers: int):
     mx.random.seed(0)
     model = module.Model(module.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
+    prepare_for_backend(model)  # as the loader leaves every model it loads
     return model
 
 

@@ -22,7 +22,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_infer.engine.engine import Engine, EngineConfig, hybrid_state, pool_num_blocks
-from mlx_infer.engine.runner import kv_bytes_per_token, kv_pool_dtype, prepare_for_cpu
+from mlx_infer.engine.runner import kv_bytes_per_token, kv_pool_dtype
 from mlx_infer.errors import DistributedError
 from mlx_infer.interface.batch import BatchMetadata
 from mlx_infer.interface.kv import LayerKV
@@ -102,10 +102,7 @@ class Session:
 
     def follow(self) -> None:
         """Run rank 0's steps on this rank's shard until rank 0 closes the session."""
-        model = self.loaded.model
-        # The same CPU setup rank 0's runner gives its shard: the same kernels on every rank, so that a
-        # pipeline computes what one process computes.
-        prepare_for_cpu(model)
+        model = self.loaded.model  # prepared by the loader as rank 0's: the same kernels on every rank
         # Resident only where written, as rank 0's pools (kv/pages.py); a follower never releases.
         config = self.config
         kv_dtype = kv_pool_dtype(config.kv_cache_dtype, self.shard.dtype)  # as rank 0's engine resolves it

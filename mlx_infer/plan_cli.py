@@ -79,7 +79,12 @@ def render(plan: Plan) -> str:
         (
             "KV cache",
             f"{human_bytes(plan.kv_bytes)}  {plan.kv_bytes_per_token} B a token ({plan.kv_cache_dtype}) x "
-            f"{plan.context} tokens x {seqs}",
+            f"{plan.context} tokens x {seqs}"
+            + (
+                f" + {human_bytes(plan.window_kv_bytes)} for the sliding-window layers' windows"
+                if plan.window_kv_bytes
+                else ""
+            ),
         ),
         *(
             [("state", f"{human_bytes(plan.state_bytes)}  recurrent state (linear attention) x {seqs}")]

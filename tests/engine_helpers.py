@@ -7,6 +7,7 @@ from mlx.utils import tree_map
 
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.kv import new_cache
+from mlx_infer.loading.policy import prepare_for_backend
 from mlx_infer.models import model_module
 
 
@@ -45,6 +46,7 @@ def tiny_llama(seed: int = 0, layers: int = 2):
     # Scale weights up so greedy paths are not all one token.
     model.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, model.parameters()))
     mx.eval(model.parameters())
+    prepare_for_backend(model)  # as the loader leaves every model it loads
     return model
 
 

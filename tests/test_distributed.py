@@ -563,7 +563,7 @@ from mlx_infer.distributed import shard_tensor
 from mlx_infer.distributed.channel import StepChannel
 from mlx_infer.distributed.runtime import Session, ShardedModel, init_group, load_sharded
 from mlx_infer.engine.engine import EngineConfig, hybrid_state
-from mlx_infer.engine.runner import kv_bytes_per_token, prepare_for_cpu
+from mlx_infer.engine.runner import kv_bytes_per_token
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.kv.pages import allocate_pools, owned, states
 from mlx_infer.loading import load
@@ -601,8 +601,6 @@ for name in {names!r}:
     rows = [spec.head_dim if spec.values_in_keys else 2 * max(1, spec.n_kv_heads // 2) * spec.head_dim
             for spec in ref.kv_layout() if spec.owns_pool]
     rank_per_token = 4 * sum(rows)
-    prepare_for_cpu(model)
-    prepare_for_cpu(ref)
     sharded = ShardedModel(model, shard, session.channel)
     ref_cache = allocate_pools(ref, NUM_BLOCKS, BLOCK, mx.float32, slots)
     seqs = [list(p) for p in prompts]

@@ -17,6 +17,7 @@ from test_models import CONFIGS, build, hf_weights, new_cache, step, tokens_for
 
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.loading import load
 from mlx_infer.models.base import rope_frequencies
 from mlx_infer.models.fused import FusedLinear, FusedMLP, fuse_projections
 from mlx_infer.models.rope_cpu import apply_rope_cpu
@@ -99,8 +100,8 @@ def test_cpu_rope_equals_mx_fast_rope_bit_for_bit(dtype, head_dim, dims, llama3)
 
 
 def _plain_load(path: Path):
-    """What ``load`` builds (the engine's runner applies the rewrite, ``load`` does not); loaded here
-    without ``load`` so that the test does not depend on that."""
+    """What ``load`` builds before it prepares the model for the backend (``prepare_for_backend``):
+    the model op by op."""
     from mlx_infer.loading import open_checkpoint
     from mlx_infer.loading.build import build_model
     from mlx_infer.loading.policy import apply_weight_policy
@@ -143,9 +144,10 @@ def _plain_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list
 def test_engine_greedy_tokens_equal_plain_model_on_smollm2(smollm2_path):
     model, tokenizer = _plain_load(smollm2_path)
     prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("def fibonacci(n):")]
-    want = _plain_greedy(model, prompts, 16)  # before the engine rewrites the model
-    assert not any(isinstance(m, FusedLinear) for _, m in model.named_modules())
+    want = _plain_greedy(model, prompts, 16)
+    assert all(getattr(layer.self_attn.q_proj, "_fused", None) is None for layer in model.layers)
 
-    assert _engine_greedy(model, tokenizer, prompts, 16) == want
-    assert "fused q/k/v in 30 and gate/up in 30 layers" in fuse_projections(model)  # the runner did it
-    assert _engine_greedy(model, tokenizer, prompts[1:], 16) == want[1:]  # batch 1: matrix-vector products
+    prepared = load(str(smollm2_path)).model  # the loader readies it for the CPU: fused, native blocks
+    assert all(getattr(layer.self_attn.q_proj, "_fused", None) is not None for layer in prepared.layers)
+    assert _engine_greedy(prepared, tokenizer, prompts, 16) == want
+    assert _engine_greedy(prepared, tokenizer, prompts[1:], 16) == want[1:]  # batch 1: matrix-vector products

@@ -124,7 +124,10 @@ def test_kv_bytes_count_only_pool_owning_layers(tiny):
     # Layers 0..3 own pools (two KV heads; 16 values in sliding layers, 32 in global ones); 4 and 5 none.
     owners = 2 * (2 * 16 + 2 * 32 + 2 * 16 + 2 * 32) * 4
     assert kv_bytes_per_token(model, mx.float32) == owners
-    assert make_plan(str(folder), kv_cache_dtype="float32").kv_bytes_per_token == owners
+    # The plan's bytes a token of context are the global layers'; the sliding ones have their own pool.
+    plan = make_plan(str(folder), kv_cache_dtype="float32")
+    assert plan.kv_bytes_per_token == 2 * (2 * 32 + 2 * 32) * 4
+    assert plan.window_kv_bytes % (2 * (2 * 16 + 2 * 16) * 4) == 0 < plan.window_kv_bytes
 
 
 @pytest.mark.parametrize("name", ["gemma4_text", "gemma4"])
@@ -206,8 +209,8 @@ def test_tensor_ranks_keep_their_kv_heads_and_shared_layers_read_them():
     model = random_gemma4()
     shard_tensor(model, FakeGroup(1, 2))
     assert model.kv_layout() == [
-        gemma4.KVSpec(1, 16), gemma4.KVSpec(1, 32), gemma4.KVSpec(1, 16), gemma4.KVSpec(1, 32),
-        gemma4.KVSpec(1, 16, 2), gemma4.KVSpec(1, 32, 3),
+        gemma4.KVSpec(1, 16, window=8), gemma4.KVSpec(1, 32), gemma4.KVSpec(1, 16, window=8),
+        gemma4.KVSpec(1, 32), gemma4.KVSpec(1, 16, 2, window=8), gemma4.KVSpec(1, 32, 3),
     ]  # fmt: skip
     full, one = random_gemma4(num_key_value_heads=1), random_gemma4(num_key_value_heads=1)
     shard_tensor(one, FakeGroup(1, 2))
@@ -225,7 +228,8 @@ def test_a_pipeline_stage_keeps_a_shared_layer_with_its_source():
     shard_pipeline(first, FakeGroup(0, 2), [1, 2])
     shard_pipeline(second, FakeGroup(1, 2), [1, 2])
     assert second.kv_layout() == [
-        gemma4.KVSpec(2, 16), gemma4.KVSpec(2, 32), gemma4.KVSpec(2, 16, 0), gemma4.KVSpec(2, 32, 1)
+        gemma4.KVSpec(2, 16, window=8), gemma4.KVSpec(2, 32), gemma4.KVSpec(2, 16, 0, window=8),
+        gemma4.KVSpec(2, 32, 1),
     ]  # fmt: skip
     tokens = mx.array(list(range(3, 40)))
     meta = build_metadata([SequenceSlice(list(range(10)), 0, 37)], 4)

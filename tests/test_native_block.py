@@ -19,10 +19,10 @@ from test_fused import _engine_greedy, _paged_run, _plain_load
 from test_models import CONFIGS, build, hf_weights, new_cache, step
 
 from mlx_infer import cpu_kernels
-from mlx_infer.engine import runner
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.kv import LayerKV
-from mlx_infer.loading import load
+from mlx_infer.loading import load, open_checkpoint
+from mlx_infer.loading.build import build_model
 from mlx_infer.loading.policy import apply_weight_policy
 from mlx_infer.models.fused import fuse_projections
 from mlx_infer.models.native_block import NativeBlock, native_blocks
@@ -60,7 +60,9 @@ def test_tiny_checkpoints_rope_variants_in_native_blocks(name: str):
     """SmolLM3's NoPE layers (1 and 3) go native with the identity rotation; YaRN's attention factor
     scales the rotated q and k there too."""
     def quantized() -> nn.Module:
-        model = load(str(Path(__file__).parent / "oracle" / "tiny" / name)).model
+        folder = Path(__file__).parent / "oracle" / "tiny" / name
+        ckpt = open_checkpoint(str(folder))  # as built, before the loader readies it for the CPU
+        model = build_model(ckpt.config, ckpt.weights, name)
         nn.quantize(model, group_size=32, bits=4)
         assert "native CPU kernels" in apply_weight_policy(model, None)
         fuse_projections(model)
@@ -122,15 +124,15 @@ def test_the_kv_pools_are_written_in_place():
     assert mx.any(cache[0].keys[:3] != 0).item() and not mx.any(cache[0].keys[3:]).item()
 
 
-def test_smollm2_native_blocks_keep_the_greedy_tokens(smollm2_path, monkeypatch: pytest.MonkeyPatch):
+def test_smollm2_native_blocks_keep_the_greedy_tokens(smollm2_path):
     model, tokenizer = _plain_load(smollm2_path)
     prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("def fibonacci(n):")]
-    monkeypatch.setattr(runner, "native_blocks", lambda model: 0)
+    fuse_projections(model)  # what the loader does, less the native blocks
     want = _engine_greedy(model, tokenizer, prompts, 24)
     assert not any(isinstance(layer, NativeBlock) for layer in model.layers)
-    monkeypatch.undo()
-    assert _engine_greedy(model, tokenizer, prompts, 24) == want  # the runner swaps the blocks now
-    assert all(isinstance(layer, NativeBlock) for layer in model.layers)
+    prepared = load(str(smollm2_path)).model
+    assert all(isinstance(layer, NativeBlock) for layer in prepared.layers)  # the loader swapped them
+    assert _engine_greedy(prepared, tokenizer, prompts, 24) == want
 
 
 def _decode_logits(

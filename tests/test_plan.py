@@ -107,9 +107,16 @@ def test_gemma3_270m_by_hand(tmp_path: Path):
     cpu = make_plan(str(folder), context=4096, backend="cpu")
     assert cpu.weights_bytes == 4 * (matrices + norms)  # widened to float32 for the BLAS
     assert cpu.kv_cache_dtype == "float16"
-    # Every layer holds the full context, the 15 sliding-window layers too: the engine's pool does.
-    assert cpu.kv_bytes_per_token == 18 * 2 * 1 * 256 * 2 == 18_432
-    assert cpu.kv_bytes == 4096 * 18_432
+    # The 3 global layers hold the whole context, float16 K and V of one 256-wide head a token.
+    assert cpu.kv_bytes_per_token == 3 * 2 * 1 * 256 * 2 == 3_072
+    # The 15 sliding-window layers (window 512) have a pool of their own: one sequence's window spans
+    # ceil(511 / 16) = 32 blocks, plus 3 partial ones, plus a 512-token step's 32 blocks.
+    window_blocks = (32 + 3) + 512 // 16
+    assert cpu.window_kv_bytes == window_blocks * 16 * 15 * 2 * 256 * 2 == 16_465_920
+    assert cpu.kv_bytes == 4096 * 3_072 + 16_465_920
+    # Eight sequences need eight windows, not eight contexts, of them.
+    eight = make_plan(str(folder), context=4096, max_num_seqs=8, backend="cpu")
+    assert eight.window_kv_bytes == (8 * 35 + 32) * 16 * 15 * 2 * 256 * 2
     # --q-bits 4: every matrix 4-bit in groups of 64 (640, 1024 and 2048 inputs all divide) with
     # bfloat16 scales and biases on Metal; norms stay bfloat16.
     q4 = make_plan(str(folder), q_bits=4, backend="metal")
@@ -189,7 +196,9 @@ def test_plan_cli_table_and_json(tmp_path: Path):
     keys = ("weights_bytes", "kv_bytes_per_token", "kv_bytes", "total_bytes", "budget_bytes", "fits",
             "decode_tok_s_bound")  # fmt: skip
     assert all(k in plan for k in keys)
-    assert plan["kv_bytes_per_token"] == kv_bytes_per_token(18, 1, 256, "int8") == 18 * 2 * (256 + 4)
+    # The three global layers' int8 rows; the sliding-window layers' pool is apart, fixed.
+    assert plan["kv_bytes_per_token"] == kv_bytes_per_token(3, 1, 256, "int8") == 3 * 2 * (256 + 4)
+    assert plan["window_kv_bytes"] == 67 * 16 * kv_bytes_per_token(15, 1, 256, "int8")
 
 
 def test_plan_cli_errors_are_one_line(tmp_path: Path):

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_infer.engine.runner import activation_dtype, prepare_for_cpu
+from mlx_infer.engine.runner import activation_dtype
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.pages import allocate_pools, drop_blocks
@@ -32,7 +32,6 @@ class _DraftSequence:
 
 class DraftProposer:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int):
-        prepare_for_cpu(model)
         self.model = model
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.cache = allocate_pools(model, num_blocks, block_size, activation_dtype(model))

@@ -22,7 +22,6 @@ from mlx_infer.engine.runner import (
     ModelRunner,
     activation_dtype,
     dtype_name,
-    kv_bytes_per_token,
     kv_pool_dtype,
 )
 from mlx_infer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
@@ -41,6 +40,7 @@ from mlx_infer.errors import (
     RequestFailed,
     UnsupportedArchitecture,
 )
+from mlx_infer.interface.kv import window_of
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.memory import PoolMemory, describe_pool, kv_budget_bytes
 from mlx_infer.plan import planner
@@ -116,16 +116,31 @@ class Engine:
         self.config.speculative.validate()
         self.max_context = min(max_context, self.config.max_context or max_context)
         dtype = kv_pool_dtype(self.config.kv_cache_dtype, activation_dtype(model))
-        per_token = kv_bytes_per_token(model, dtype)
+        layout = model.kv_layout()
+        per_token = planner.layout_bytes_per_token(layout, dtype_name(dtype), windowed=False)
+        window_per_token = planner.layout_bytes_per_token(layout, dtype_name(dtype), windowed=True)
         # Hybrid models: one recurrent-state slot per sequence that may run, and as many states saved for
         # prefix caching, out of the same budget.
         state_slots, per_sequence = hybrid_state(model, self.config)
         checkpoints = state_slots if self.config.enable_prefix_caching else 0
         self.state_bytes = (state_slots + checkpoints) * per_sequence
-        num_blocks = self.config.num_blocks or pool_num_blocks(
-            self.config, self.max_context, per_token, self.state_bytes
-        )
         bs = self.config.block_size
+        window = window_of(layout)
+        window_blocks = 0
+        if window is not None:
+            # The sliding-window layers' own pool: what the running sequences' windows span, no more
+            # than the blocks one shared pool would have given them; the main pool gets the rest.
+            sched = self.config.scheduler
+            shared_pool = self.config.num_blocks or pool_num_blocks(
+                self.config, self.max_context, per_token + window_per_token, self.state_bytes
+            )
+            window_blocks = min(
+                planner.window_pool_blocks(window, bs, sched.max_num_seqs, sched.max_num_batched_tokens),
+                shared_pool,
+            )
+        num_blocks = self.config.num_blocks or pool_num_blocks(
+            self.config, self.max_context, per_token, self.state_bytes + window_blocks * bs * window_per_token
+        )
         chunk_blocks = max(1, self.config.kv_chunk_tokens // bs)
         self.kv = KVCacheManager(
             num_blocks,
@@ -134,8 +149,11 @@ class Engine:
             chunk_blocks,
             num_state_slots=state_slots,
             num_state_checkpoints=checkpoints,
+            window=window,
+            window_blocks=window_blocks,
         )
         self.kv_block_bytes = bs * per_token
+        self.window_block_bytes = bs * window_per_token
         self.runner = ModelRunner(model, self.kv, dtype)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}
@@ -150,6 +168,12 @@ class Engine:
         self.proposer = _make_proposer(self.config.speculative, draft_model, num_blocks, bs)
         idle_release = self.config.kv_idle_release
         log.info(describe_pool(self.kv.pool, bs, self.kv_block_bytes, dtype_name(dtype), idle_release))
+        if window is not None:
+            log.info(
+                "Sliding-window layers (window %d): a pool of their own, %d blocks (%s), holding only the "
+                "blocks each sequence's window reaches",
+                window, window_blocks, planner.human_bytes(window_blocks * self.window_block_bytes),
+            )
         if state_slots:
             log.info(
                 "Recurrent state: %d slot%s (one per running sequence) of %s; %s",
@@ -213,13 +237,17 @@ class Engine:
 
     # ---- KV memory ---------------------------------------------------------------------------
     def kv_memory(self) -> PoolMemory:
-        return PoolMemory.of(self.kv.pool, self.kv_block_bytes)
+        memory = PoolMemory.of(self.kv.pool, self.kv_block_bytes)
+        if self.kv.window is None:
+            return memory
+        return memory + PoolMemory.of(self.kv.window.pool, self.window_block_bytes)
 
     def kv_idle_timeout(self) -> float | None:
         """Seconds idle after which ``release_idle_kv`` would give memory back; None: nothing to give."""
-        pool = self.kv.pool
         idle = self.config.kv_idle_release
-        holding = pool.num_reserved_chunks > pool.min_chunks or pool.allocated_since_release
+        holding = any(
+            p.num_reserved_chunks > p.min_chunks or p.allocated_since_release for p in self.kv.pools()
+        )
         return idle if holding and math.isfinite(idle) else None
 
     def release_idle_kv(self) -> int:
@@ -390,7 +418,8 @@ class Engine:
                 self.kv.free(r.request_id)
                 r.num_computed = 0
             # Blocks the failed step was writing may hold garbage: none may be found as a cached prefix.
-            self.kv.pool.reset_prefix_cache()
+            for pool in self.kv.pools():
+                pool.reset_prefix_cache()
             check_block_accounting(self)
         except Exception as e:
             raise EngineFailure(f"the engine cannot recover from a failed step: {e}") from e
@@ -572,15 +601,19 @@ def check_block_accounting(engine: Engine) -> None:
     every table belongs to a live request, and the free list holds exactly the unreferenced blocks."""
     kv = engine.kv
     live = {r.request_id for r in engine.scheduler.running} | {r.request_id for r in engine.scheduler.waiting}
-    strays = set(kv.block_tables) - live
-    if any(kv.block_tables[s] for s in strays):
-        raise RuntimeError(f"block tables of finished requests: {sorted(strays)[:5]}")
-    held = Counter(b for table in kv.block_tables.values() for b in table)
-    wrong = [b for b in range(kv.pool.num_blocks) if kv.pool.ref_counts[b] != held.get(b, 0)]
-    if wrong:
-        raise RuntimeError(f"{len(wrong)} blocks have reference counts that no block table accounts for")
-    unreferenced = sum(1 for c in kv.pool.ref_counts if c == 0)
-    if kv.pool.num_free != unreferenced:
-        raise RuntimeError(f"{kv.pool.num_free} free blocks but {unreferenced} unreferenced")
+    tables = [(kv.pool, kv.block_tables)]
+    if kv.window is not None:
+        tables.append((kv.window.pool, kv.window.tables))
+    for pool, by_seq in tables:
+        strays = set(by_seq) - live
+        if any(by_seq[s] for s in strays):
+            raise RuntimeError(f"block tables of finished requests: {sorted(strays)[:5]}")
+        held = Counter(b for table in by_seq.values() for b in table if b is not None)
+        wrong = [b for b in range(pool.num_blocks) if pool.ref_counts[b] != held.get(b, 0)]
+        if wrong:
+            raise RuntimeError(f"{len(wrong)} blocks have reference counts that no block table accounts for")
+        unreferenced = sum(1 for c in pool.ref_counts if c == 0)
+        if pool.num_free != unreferenced:
+            raise RuntimeError(f"{pool.num_free} free blocks but {unreferenced} unreferenced")
     if kv.state_slots is not None and set(kv.state_slots.owners()) - live:
         raise RuntimeError("recurrent-state slots held by finished requests")

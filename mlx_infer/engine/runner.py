@@ -11,16 +11,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_infer import cpu_kernels
 from mlx_infer.engine.request import Request
 from mlx_infer.engine.scheduler import ScheduledRequest
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.state import LayerState
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.pages import allocate_pools, drop_blocks
-from mlx_infer.loading.policy import cpu_backend
-from mlx_infer.models.fused import fuse_projections
-from mlx_infer.models.native_block import native_blocks
 from mlx_infer.plan import planner
 from mlx_infer.sampling import SampleResult, SamplerRow, sample
 
@@ -73,23 +69,9 @@ class InFlight:
         }
 
 
-def prepare_for_cpu(model: nn.Module) -> None:
-    """On MLX's CPU backend: same parameters, fewer and faster ops per step (see models/fused.py and
-    models/native_block.py). Every process that runs the model's layers calls it (the runner, and each
-    distributed follower on its shard), so that they all compute with the same kernels."""
-    if not cpu_backend():
-        return
-    summary = fuse_projections(model)
-    blocks = native_blocks(model)  # builds (or loads) the native kernels now, not in the first step
-    log.info(
-        "CPU decode step: %s, %d blocks as native block ops, %s matvec activations",
-        summary, blocks, cpu_kernels.activations(),
-    )
-
-
 class ModelRunner:
     def __init__(self, model: nn.Module, kv: KVCacheManager, kv_dtype: mx.Dtype):
-        prepare_for_cpu(model)
+        """``model`` as the loader prepared it for this backend (``loading.policy.prepare_for_backend``)."""
         self.model = model
         self.kv = kv
         self.kv_dtype = kv_dtype
@@ -102,15 +84,20 @@ class ModelRunner:
         kv = self.kv
         kv.forget_states()  # saved recurrent states may come from the graph of a failed step
         slots = max(1, kv.num_state_slots)
-        self.cache = allocate_pools(self.model, kv.pool.num_blocks, kv.block_size, self.kv_dtype, slots)
+        window_blocks = None if kv.window is None else kv.window.pool.num_blocks
+        self.cache = allocate_pools(
+            self.model, kv.pool.num_blocks, kv.block_size, self.kv_dtype, slots, window_blocks
+        )
 
     def release_idle_memory(self) -> int:
-        """Unreserve the pool's unreferenced top chunks, forget the free blocks of the others, and give
+        """Unreserve each pool's unreferenced top chunks, forget the free blocks of the others, and give
         back the memory of both; returns the bytes."""
-        pool = self.kv.pool
         self.kv.forget_states()  # what prefix caching saved of hybrid models' states goes with the blocks
-        released = pool.release_idle_chunks() + pool.forget_free_blocks()
-        return drop_blocks(self.cache, released) if released else 0
+        dropped = 0
+        for pool, windowed in zip(self.kv.pools(), (False, True)):
+            released = pool.release_idle_chunks() + pool.forget_free_blocks()
+            dropped += drop_blocks(self.cache, released, windowed) if released else 0
+        return dropped
 
     def execute(
         self,
@@ -133,7 +120,8 @@ class ModelRunner:
             # logits sampled (see engine/speculative.py); its requests have no pending token.
             verify = s.samples and bool(r.proposal)
             table, slot = self.kv.block_tables[r.request_id], self.kv.state_slot(r.request_id)
-            slices.append(SequenceSlice(table, r.num_computed, s.num_new, verify, slot))
+            window_table = self.kv.window_table(r.request_id)
+            slices.append(SequenceSlice(table, r.num_computed, s.num_new, verify, slot, window_table))
             tokens.extend((r.token_ids + r.proposal)[r.num_computed : r.num_computed + s.num_new])
             if r.has_pending_token:
                 pending_at.append(len(tokens) - 1)

@@ -3,7 +3,7 @@ construction from per-sequence block tables (:func:`build_metadata`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -28,6 +28,17 @@ class BatchMetadata:
     logits_index: mx.array | None  # rows of T whose logits are wanted (None: all rows)
     block_size: int
     state_slots: mx.array | None = None  # [B] recurrent-state slot of each sequence (interface/state.py)
+    # The same step paged by the sliding-window layers' own block tables (their pool keeps only the
+    # blocks inside the window; kv/window.py): block_tables, key_slots and slot_mapping differ.
+    windowed: BatchMetadata | None = None
+
+    def pages(self, windowed: bool) -> BatchMetadata:
+        """The metadata that pages a pool: a windowed pool's (``LayerKV.windowed``) or the main one's."""
+        if not windowed:
+            return self
+        if self.windowed is None:
+            raise ValueError("a windowed KV pool needs the batch's windowed block tables")
+        return self.windowed
 
     @property
     def batch_size(self) -> int:
@@ -47,6 +58,9 @@ class SequenceSlice:
     num_new: int  # tokens this step appends (and computes)
     want_all_logits: bool = False  # logits for every new token instead of only the last one
     state_slot: int | None = None  # recurrent-state slot (hybrid models); None: the sequence's batch index
+    # Blocks of the sliding-window layers' pool, in logical order; None where a block lies wholly before
+    # the window and was given back (its positions are masked, so any block may stand in for it).
+    window_table: list[int | None] | None = None
 
 
 def build_metadata(slices: list[SequenceSlice], block_size: int) -> BatchMetadata:
@@ -54,19 +68,13 @@ def build_metadata(slices: list[SequenceSlice], block_size: int) -> BatchMetadat
     batch, q_max = len(slices), max(query_lens)
     context_lens = np.array([s.num_computed + s.num_new for s in slices], dtype=np.int32)
     max_blocks = max(-(-int(c) // block_size) for c in context_lens)
-    block_tables = np.zeros((batch, max_blocks), dtype=np.int32)
-    for i, s in enumerate(slices):
-        n = min(len(s.block_table), max_blocks)
-        block_tables[i, :n] = s.block_table[:n]
-
-    offsets = np.arange(block_size, dtype=np.int32)
-    key_slots = (block_tables[:, :, None] * block_size + offsets).reshape(batch, max_blocks * block_size)
-
     positions = np.concatenate(
         [np.arange(s.num_computed, s.num_computed + s.num_new, dtype=np.int32) for s in slices]
     )
     seq_of_token = np.repeat(np.arange(batch), query_lens)
-    slot_mapping = key_slots[seq_of_token, positions]
+    block_tables, key_slots, slot_mapping = _paging(
+        [s.block_table for s in slices], block_size, max_blocks, seq_of_token, positions
+    )
 
     starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int32)
     q_positions = np.zeros((batch, q_max), dtype=np.int32)
@@ -94,13 +102,13 @@ def build_metadata(slices: list[SequenceSlice], block_size: int) -> BatchMetadat
         last = starts + np.array(query_lens, dtype=np.int32) - 1
         logits_index = None if q_max == 1 else mx.array(last.astype(np.int32))
 
-    return BatchMetadata(
+    meta = BatchMetadata(
         positions=mx.array(positions),
-        slot_mapping=mx.array(slot_mapping.astype(np.int32)),
-        block_tables=mx.array(block_tables),
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
         context_lens=mx.array(context_lens),
         query_lens=query_lens,
-        key_slots=mx.array(key_slots.astype(np.int32)),
+        key_slots=key_slots,
         q_pad_index=q_pad_index,
         q_unpad_index=q_unpad_index,
         q_positions=mx.array(q_positions),
@@ -110,3 +118,29 @@ def build_metadata(slices: list[SequenceSlice], block_size: int) -> BatchMetadat
             [i if s.state_slot is None else s.state_slot for i, s in enumerate(slices)], dtype=mx.int32
         ),
     )
+    if slices[0].window_table is None:
+        return meta
+    tables, key_slots, slot_mapping = _paging(
+        [s.window_table for s in slices], block_size, max_blocks, seq_of_token, positions
+    )
+    meta.windowed = replace(meta, block_tables=tables, key_slots=key_slots, slot_mapping=slot_mapping)
+    return meta
+
+
+def _paging(
+    tables: list[list[int | None]],
+    block_size: int,
+    max_blocks: int,
+    seq_of_token: np.ndarray,
+    positions: np.ndarray,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """(block tables ``[B, max_blocks]``, key slots ``[B, L]``, slot mapping ``[T]``) of one pool's
+    per-sequence block tables; padding and blocks given back (None) read block 0, masked."""
+    block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
+    for i, table in enumerate(tables):
+        row = table[:max_blocks]
+        block_tables[i, : len(row)] = [0 if b is None else b for b in row]
+    offsets = np.arange(block_size, dtype=np.int32)
+    key_slots = (block_tables[:, :, None] * block_size + offsets).reshape(len(tables), -1)
+    slot_mapping = key_slots[seq_of_token, positions]
+    return tuple(mx.array(a.astype(np.int32)) for a in (block_tables, key_slots, slot_mapping))

@@ -21,13 +21,16 @@ INT8_SCALE_BYTES = 4  # an int8 pool row ends with its float32 scale
 @dataclass(frozen=True)
 class KVSpec:
     """What one layer keeps per token: K and V pools of ``n_kv_heads x head_dim`` of its own, or, with
-    ``source``, none: it attends over layer ``source``'s pools (Gemma 4's KV sharing), writing nothing."""
+    ``source``, none: it attends over layer ``source``'s pools (Gemma 4's KV sharing), writing nothing.
+    ``window``: a sliding-window layer attends to its last ``window`` positions only, so the engine keeps
+    just those positions' blocks for it (``kv/window.py``)."""
 
     n_kv_heads: int
     head_dim: int
     source: int | None = None
     # No V pool: the layer reads its values out of its key rows (MLA's latent rows, :class:`LatentKV`).
     values_in_keys: bool = False
+    window: int | None = None
 
     @property
     def owns_pool(self) -> bool:
@@ -45,7 +48,12 @@ class LayerKV:
     each (token, KV head) row quantized symmetrically with one float32 scale (``max|x| / 127``) stored
     right after its ``head_dim`` values, so the pools are ``[slots, n_kv_heads, head_dim + 4]`` int8
     and a slot stays one contiguous run (see :func:`quantize_rows`, ``cpu_kernels/src/kv_format.h``).
+
+    ``windowed``: the pool belongs to the sliding-window layers' own block pool, so it is paged by the
+    batch's windowed block tables (``BatchMetadata.pages``), not the full-attention layers' ones.
     """
+
+    windowed = False
 
     def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype):
         self.block_size = block_size
@@ -113,22 +121,44 @@ class LatentKV(LayerKV):
 
 
 def new_cache(
-    model: Any, num_blocks: int, block_size: int, dtype: mx.Dtype, num_state_slots: int = 1
+    model: Any,
+    num_blocks: int,
+    block_size: int,
+    dtype: mx.Dtype,
+    num_state_slots: int = 1,
+    window_blocks: int | None = None,
 ) -> list[LayerKV | LayerState]:
     """One entry per layer of ``model.kv_layout()``, unevaluated: a pool-owning layer's own
     :class:`LayerKV` (:class:`LatentKV` for MLA), a sharing layer the very object of its source, a
-    recurrent layer (``StateSpec``) its :class:`LayerState` of ``num_state_slots`` slots."""
+    recurrent layer (``StateSpec``) its :class:`LayerState` of ``num_state_slots`` slots.
+
+    ``window_blocks``: the sliding-window layers' pools get this many blocks of their own and are
+    marked ``windowed`` (None: every pool has ``num_blocks`` and is paged by the one block table)."""
     cache: list[LayerKV | LayerState] = []
     for spec in model.kv_layout():
         if isinstance(spec, StateSpec):
             cache.append(LayerState(num_state_slots, spec))
-        elif spec.values_in_keys:
-            cache.append(LatentKV(num_blocks, block_size, spec.head_dim, dtype))
-        elif spec.owns_pool:
-            cache.append(LayerKV(num_blocks, block_size, spec.n_kv_heads, spec.head_dim, dtype))
-        else:
+        elif not spec.owns_pool:
             cache.append(cache[spec.source])
+        else:
+            windowed = window_blocks is not None and spec.window is not None
+            blocks = window_blocks if windowed else num_blocks
+            if spec.values_in_keys:
+                layer = LatentKV(blocks, block_size, spec.head_dim, dtype)
+            else:
+                layer = LayerKV(blocks, block_size, spec.n_kv_heads, spec.head_dim, dtype)
+            layer.windowed = windowed
+            cache.append(layer)
     return cache
+
+
+def window_of(layout: list) -> int | None:
+    """The attention window of ``layout``'s sliding-window layers (the widest, if they differ) when the
+    layout mixes them with full-attention layers, else None: with no full-attention layer to keep the
+    whole context, every block stays (see ``kv/window.py``)."""
+    pools = [s for s in layout if isinstance(s, KVSpec) and s.owns_pool]
+    windows = [s.window for s in pools if s.window is not None]
+    return max(windows) if windows and len(windows) < len(pools) else None
 
 
 def pool_rows(x: mx.array, dtype: mx.Dtype) -> mx.array:

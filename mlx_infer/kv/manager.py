@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from mlx_infer.kv.block_pool import BlockHash, BlockPool, hash_block
 from mlx_infer.kv.state_slots import StateCheckpoints, StateSlotPool
+from mlx_infer.kv.window import WindowBlocks
 
 
 class KVCacheManager:
@@ -18,10 +19,19 @@ class KVCacheManager:
         min_chunks: int = 1,
         num_state_slots: int = 0,
         num_state_checkpoints: int = 0,
+        window: int | None = None,
+        window_blocks: int = 0,
     ):
         """``num_state_slots``: recurrent-state slots (hybrid models; 0: the model keeps no state);
-        ``num_state_checkpoints``: how many saved states prefix caching may keep for them."""
+        ``num_state_checkpoints``: how many saved states prefix caching may keep for them; ``window``:
+        the sliding-window layers' window, whose blocks come from a pool of ``window_blocks`` of their
+        own (``kv/window.py``; None: every layer uses the main pool's blocks)."""
         self.pool = BlockPool(num_blocks, chunk_blocks, min_chunks)
+        self.window = (
+            WindowBlocks(BlockPool(window_blocks, chunk_blocks, min_chunks), window, block_size)
+            if window is not None
+            else None
+        )
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
         # Hybrid models: a cached prefix is usable only up to a block whose end has a saved state.
         self.checkpoints = (
@@ -43,38 +53,41 @@ class KVCacheManager:
         """Attach the longest cached prefix of ``token_ids`` to a sequence that has no blocks yet.
 
         Returns how many tokens are already computed. At least one token is always left to compute,
-        since the step needs the logits of the last prompt token.
+        since the step needs the logits of the last prompt token. The prefix ends where every kind of
+        layer can resume: the sliding-window layers need the blocks their window reaches there, the
+        recurrent layers of hybrid models a state saved at that block's end.
         """
         table = self.block_tables.setdefault(seq_id, [])
-        hashes = self._hashes.setdefault(seq_id, [])
         if table or not self.enable_prefix_caching:
+            self._hashes.setdefault(seq_id, [])
             return 0
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        parent: BlockHash | None = None
-        for i in range(max_blocks):
-            parent = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block = self.pool.lookup(parent)
+        hashes: list[BlockHash] = []
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            block_hash = hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
             self.pool.queries += 1
-            if block is None:
+            if self.pool.lookup(block_hash) is None:
                 break
-            self.pool.hits += 1
+            hashes.append(block_hash)
+        while hashes and not self._resumable(hashes):
+            hashes.pop()
+        self.pool.hits += len(hashes)
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
             self.pool.acquire(block)
             table.append(block)
-            hashes.append(parent)
-        if self.checkpoints is not None:
-            self._cut_to_checkpoint(seq_id)
+        self._hashes[seq_id] = hashes
+        if self.window is not None:
+            self.window.attach_prefix(seq_id, hashes)
+        if self.checkpoints is not None and hashes:
+            self.restores[seq_id] = self.checkpoints.get(hashes[-1])
         return len(table) * self.block_size
 
-    def _cut_to_checkpoint(self, seq_id: str) -> None:
-        """Keep only the prefix blocks up to the last one with a saved state (hybrid models: the recurrent
-        layers need their state there), and note that state for the runner to load."""
-        table, hashes = self.block_tables[seq_id], self._hashes[seq_id]
-        keep = next((i + 1 for i in range(len(hashes) - 1, -1, -1) if hashes[i] in self.checkpoints), 0)
-        self.pool.hits -= len(table) - keep
-        self.pool.release(table[keep:])
-        del table[keep:], hashes[keep:]
-        if keep:
-            self.restores[seq_id] = self.checkpoints.get(hashes[-1])
+    def _resumable(self, hashes: list[BlockHash]) -> bool:
+        """Whether a sequence can resume after the cached blocks ``hashes``."""
+        if self.window is not None and not self.window.cached(hashes, len(hashes)):
+            return False
+        return self.checkpoints is None or hashes[-1] in self.checkpoints
 
     def forget_states(self) -> None:
         """Drop every saved state (idle release; pools reallocated after a failed step)."""
@@ -114,14 +127,17 @@ class KVCacheManager:
         if new_slot and not slots.acquire(seq_id):
             return False
         total = num_computed + num_new
-        missing = self.blocks_needed(total) - len(table)
-        if missing > 0:
-            blocks = self.pool.allocate(missing)
-            if blocks is None:
-                if new_slot:
-                    slots.release(seq_id)
-                return False
-            table.extend(blocks)
+        needed = self.blocks_needed(total)
+        blocks = self.pool.allocate(needed - len(table)) if needed > len(table) else []
+        if blocks is not None and self.window is not None:
+            if self.window.allocate(seq_id, num_computed, needed) is None:
+                self.pool.release(blocks)
+                blocks = None
+        if blocks is None:
+            if new_slot:
+                slots.release(seq_id)
+            return False
+        table.extend(blocks)
         if register:
             self.register(seq_id, token_ids, total)
         return True
@@ -139,6 +155,8 @@ class KVCacheManager:
             block_hash = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             hashes.append(block_hash)
             self.pool.register(table[i], block_hash)
+            if self.window is not None:
+                self.window.register(seq_id, i, block_hash)
         if self.checkpoints is not None:
             self._checkpoint(seq_id)
 
@@ -155,6 +173,8 @@ class KVCacheManager:
             raise RuntimeError(f"trimming registered blocks of {seq_id}")
         self.pool.release(table[keep:])
         del table[keep:]
+        if self.window is not None:
+            self.window.trim(seq_id, keep)
 
     def free(self, seq_id: str) -> None:
         """Return a sequence's blocks (they stay in the prefix cache until reused) and its state slot."""
@@ -164,8 +184,18 @@ class KVCacheManager:
             self.restores.pop(seq_id, None)
         self.pool.release(self.block_tables.pop(seq_id, []))
         self._hashes.pop(seq_id, None)
+        if self.window is not None:
+            self.window.free(seq_id)
         if self.state_slots is not None:
             self.state_slots.release(seq_id)
+
+    def pools(self) -> list[BlockPool]:
+        """The main block pool, then the sliding-window layers' one if the model has it."""
+        return [self.pool] + ([] if self.window is None else [self.window.pool])
+
+    def window_table(self, seq_id: str) -> list[int | None] | None:
+        """The sequence's blocks in the sliding-window layers' pool (None: the model has no such pool)."""
+        return None if self.window is None else self.window.tables.get(seq_id, [])
 
     def state_slot(self, seq_id: str) -> int | None:
         """The sequence's recurrent-state slot (None for models without recurrent layers)."""

@@ -43,6 +43,9 @@ class PoolMemory:
     reserved: int
     used: int
 
+    def __add__(self, other: PoolMemory) -> PoolMemory:
+        return PoolMemory(self.budget + other.budget, self.reserved + other.reserved, self.used + other.used)
+
     @classmethod
     def of(cls, pool: BlockPool, block_bytes: int) -> PoolMemory:
         return cls(

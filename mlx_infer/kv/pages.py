@@ -70,12 +70,18 @@ def drop_pages(array: mx.array, start: int, stop: int) -> int:
 
 
 def allocate_pools(
-    model: nn.Module, num_blocks: int, block_size: int, dtype: mx.Dtype, num_state_slots: int = 1
+    model: nn.Module,
+    num_blocks: int,
+    block_size: int,
+    dtype: mx.Dtype,
+    num_state_slots: int = 1,
+    window_blocks: int | None = None,
 ) -> list[LayerKV | LayerState]:
-    """Every layer's cache (``model.kv_layout()``) at ``num_blocks`` blocks (recurrent layers:
-    ``num_state_slots`` sequence states), each pool evaluated and dropped (where pages can be dropped)
-    in turn, so that at most one layer's pools are ever resident here."""
-    cache = new_cache(model, num_blocks, block_size, dtype, num_state_slots)
+    """Every layer's cache (``model.kv_layout()``) at ``num_blocks`` blocks (sliding-window layers:
+    ``window_blocks`` of their own when given; recurrent layers: ``num_state_slots`` sequence states),
+    each pool evaluated and dropped (where pages can be dropped) in turn, so that at most one layer's
+    pools are ever resident here."""
+    cache = new_cache(model, num_blocks, block_size, dtype, num_state_slots, window_blocks)
     for layer in owned(cache) + states(cache):
         mx.eval(layer.state())
         for pool in layer.state():
@@ -83,9 +89,11 @@ def allocate_pools(
     return cache
 
 
-def owned(cache: list[LayerKV | LayerState]) -> list[LayerKV]:
-    """Each distinct K/V pool holder of ``cache`` once (layers sharing a source's pools hold none)."""
-    return list({id(layer): layer for layer in cache if isinstance(layer, LayerKV)}.values())
+def owned(cache: list[LayerKV | LayerState], windowed: bool | None = None) -> list[LayerKV]:
+    """Each distinct K/V pool holder of ``cache`` once (layers sharing a source's pools hold none); with
+    ``windowed``, only those of the sliding-window pool (True) or of the main one (False)."""
+    layers = {id(layer): layer for layer in cache if isinstance(layer, LayerKV)}.values()
+    return [layer for layer in layers if windowed is None or layer.windowed == windowed]
 
 
 def states(cache: list[LayerKV | LayerState]) -> list[LayerState]:
@@ -93,10 +101,10 @@ def states(cache: list[LayerKV | LayerState]) -> list[LayerState]:
     return [layer for layer in cache if isinstance(layer, LayerState)]
 
 
-def drop_blocks(cache: list[LayerKV | LayerState], blocks: Sequence[range]) -> int:
-    """Give back the memory of block ranges in every layer's pools (their K/V is no longer needed);
-    returns the bytes given back."""
-    layers = owned(cache)
+def drop_blocks(cache: list[LayerKV | LayerState], blocks: Sequence[range], windowed: bool = False) -> int:
+    """Give back the memory of block ranges in the main pool's layers (``windowed``: the sliding-window
+    pool's), their K/V being no longer needed; returns the bytes given back."""
+    layers = owned(cache, windowed)
     mx.eval([a for layer in layers for a in layer.state()])  # no step may still be writing them
     dropped = 0
     for layer in layers:

@@ -23,7 +23,7 @@ from mlx_infer.errors import InvalidCheckpoint, ModelNotFound
 from mlx_infer.loading import hf, hub
 from mlx_infer.loading.build import build_model
 from mlx_infer.loading.fp8 import dequantize_fp8
-from mlx_infer.loading.policy import apply_weight_policy, kquants_stay_raw
+from mlx_infer.loading.policy import apply_weight_policy, kquants_stay_raw, prepare_for_backend
 
 
 @dataclass
@@ -71,7 +71,9 @@ def open_checkpoint(spec: str, kquant_blocks: bool = False) -> Checkpoint:
 def load(
     spec: str, *, keep_quantized: bool | None = None, prepare: Callable[[nn.Module], None] | None = None
 ) -> LoadedModel:
-    """Build and evaluate the model of ``spec``.
+    """Build the model of ``spec``, evaluate it and prepare it for this backend: the weight policy, then
+    ``prepare``, then evaluation, then :func:`prepare_for_backend` (the one place a model is readied
+    for what runs it).
 
     ``prepare`` runs on the built model before any weight is evaluated: weights it drops or slices
     (a distributed rank's shard) are then never read from lazy files.
@@ -89,6 +91,7 @@ def load(
         mx.eval(model.parameters())
     except (RuntimeError, ValueError) as e:
         raise InvalidCheckpoint(f"{path.name}: {hf.one_line(e)}") from None
+    prepare_for_backend(model)
     return LoadedModel(model, ckpt.tokenizer, config, str(path), _max_context(config, model), description)
 
 

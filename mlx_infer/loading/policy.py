@@ -29,6 +29,8 @@ from mlx_infer.metal_kernels.layers import (
     KernelQuantizedEmbedding,
     KernelQuantizedLinear,
 )
+from mlx_infer.models.fused import fuse_projections
+from mlx_infer.models.native_block import native_blocks
 from mlx_infer.models.qwen3_moe import QuantizedSwitchLinear
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,23 @@ QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 def cpu_backend() -> bool:
     return mx.default_device() == mx.cpu or not mx.metal.is_available()
+
+
+def prepare_for_backend(model: nn.Module) -> None:
+    """The last step of loading, once the weights are evaluated (and, on a distributed rank, sharded): on
+    MLX's CPU backend, the same parameters as fewer and faster ops per step (models/fused.py's fused
+    projections, models/native_block.py's native block ops, whose kernels are built or loaded now rather
+    than in the first step). Every process that runs the model's layers gets it from the loader, so rank 0,
+    distributed followers and draft models compute with the same kernels; runners only run. On Metal the
+    weight policy's kernel twins (:func:`apply_weight_policy`) are the whole preparation."""
+    if not cpu_backend():
+        return
+    summary = fuse_projections(model)
+    blocks = native_blocks(model)
+    log.info(
+        "CPU decode step: %s, %d blocks as native block ops, %s matvec activations",
+        summary, blocks, cpu_kernels.activations(),
+    )
 
 
 def kquants_stay_raw(keep_quantized: bool | None) -> bool:

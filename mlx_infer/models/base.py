@@ -54,6 +54,7 @@ def attention(
     """
     from mlx_infer.metal_kernels import dispatch
 
+    meta = meta.pages(kv.windowed)
     kv.write(keys, values, meta.slot_mapping)
     return dispatch.paged_attention(
         queries, kv.keys, kv.values, meta, scale, sliding_window, logit_softcap, sinks
@@ -242,8 +243,11 @@ class CausalLM(nn.Module):
 
     def kv_layout(self) -> list[KVSpec]:
         """What each layer keeps (see :class:`KVSpec`); the KV pools, their sizing and the memory
-        planner follow it. Architectures whose layers differ override it."""
-        return [KVSpec(*self.kv_shape())] * len(self.layers)
+        planner follow it. Architectures whose layers differ in shape override it; a layer's window is
+        its attention module's ``sliding_window``."""
+        shape = self.kv_shape()
+        windows = [getattr(layer.self_attn, "sliding_window", None) for layer in self.layers]
+        return [KVSpec(*shape, window=window) for window in windows]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}

@@ -185,6 +185,7 @@ def last_rows_only(meta: BatchMetadata) -> BatchMetadata | None:
         q_unpad_index=None,
         q_positions=positions[:, None],
         logits_index=None,
+        windowed=None if meta.windowed is None else last_rows_only(meta.windowed),
     )
 
 
@@ -227,7 +228,8 @@ class Attention(nn.Module):
         if self.shared:
             from mlx_infer.metal_kernels.dispatch import paged_attention
 
-            out = paged_attention(q, kv.keys, kv.values, meta, 1.0, self.sliding_window, None)
+            pages = meta.pages(kv.windowed)
+            out = paged_attention(q, kv.keys, kv.values, pages, 1.0, self.sliding_window, None)
         else:
             k = self.k_proj(x).reshape(n, self.n_kv_heads, self.head_dim)
             v = self.v_proj(x).reshape(n, self.n_kv_heads, self.head_dim) if "v_proj" in self else k
@@ -355,8 +357,14 @@ class Model(CausalLM):
 
     def kv_layout(self) -> list[KVSpec]:
         """Global layers' pools may be wider than sliding ones'; a KV-shared layer owns none."""
+        args = self.args
+
+        def window(j: int) -> int | None:
+            return args.sliding_window if args.is_sliding(j) else None
+
         return [
-            KVSpec(*self.args.layer_kv_shape(j), None if j == i else j) for i, j in enumerate(self.kv_sources)
+            KVSpec(*args.layer_kv_shape(j), None if j == i else j, window=window(j))
+            for i, j in enumerate(self.kv_sources)
         ]
 
     def embed(self, tokens: mx.array) -> mx.array:

@@ -128,7 +128,7 @@ class NativeBlock(nn.Module):
             cos, sin = cos * self._rope_factor, sin * self._rope_factor
         # Rebound here, the old pools are referenced by nothing once the step is built: the KV writes
         # take their buffers over (written in place, as LayerKV.write).
-        out, kv.keys, kv.values = self._ops(x, kv.keys, kv.values, meta, cos, sin)
+        out, kv.keys, kv.values = self._ops(x, kv.keys, kv.values, meta.pages(kv.windowed), cos, sin)
         return out
 
 

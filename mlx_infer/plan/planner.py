@@ -1,9 +1,11 @@
 """The memory plan: weights, KV cache and scratch against this machine's budget, and the decode bound.
 
-KV bytes follow the engine's pool (``kv/memory.py``, ``models/base.py``'s ``LayerKV``): every layer holds
-K and V of ``n_kv_heads x head_dim`` per token, sliding-window layers (Gemma 3) included, since the pool
-gives every layer the full context; sequences take whole blocks of 16 tokens. ``int8`` adds one float32
-scale per (token, KV head) to K and to V.
+KV bytes follow the engine's pools (``kv/memory.py``, ``interface/kv.py``'s ``LayerKV``): every
+full-attention layer holds K and V of ``n_kv_heads x head_dim`` for every token of the context;
+sequences take whole blocks of 16 tokens. Where a model mixes them with sliding-window layers (Gemma 3
+and 4, gpt-oss), those have a pool of their own sized by the windows of the running sequences, not by
+the context (``kv/window.py``, :func:`window_pool_blocks`). ``int8`` adds one float32 scale per
+(token, KV head) to K and to V.
 
 Scratch is what a step allocates beyond weights and pool, as measured on the CPU engine with SmolLM2
 (``mx.get_peak_memory`` during chunked prefill, tests/test_plan.py): the activations of the step in
@@ -18,15 +20,13 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlx_infer.errors import InvalidRequest
+from mlx_infer.interface.kv import KVSpec, window_of
 from mlx_infer.kv.memory import DEFAULT_FRACTION, MAX_DEFAULT_BYTES
 from mlx_infer.plan.bandwidth import memory_bandwidth
 from mlx_infer.plan.weights import FLOAT_BYTES, Metadata, convert_to_bits, held, read_metadata
-
-if TYPE_CHECKING:  # the planner reads checkpoints without importing MLX's model code
-    from mlx_infer.interface.kv import KVSpec
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 BUDGET_ENV = "MLX_INFER_MEMORY_BUDGET"  # overrides the device's memory, e.g. "8GiB" (tests, what-ifs)
@@ -45,7 +45,7 @@ class Plan:
     weights: str  # how they are held, in the weight policy's words
     weights_bytes: int
     kv_cache_dtype: str  # resolved: "auto" never appears here
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # of the full-attention layers: what grows with the context
     context: int
     max_num_seqs: int
     kv_bytes: int
@@ -65,6 +65,8 @@ class Plan:
     bandwidth_source: str
     # Recurrent state of max_num_seqs sequences (hybrid models' linear-attention layers; in total_bytes).
     state_bytes: int = 0
+    # The sliding-window layers' own pool (in kv_bytes): fixed by the window and max_num_seqs.
+    window_kv_bytes: int = 0
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,14 +79,24 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str
     return 2 * n_layers * n_kv_heads * head_dim * FLOAT_BYTES[dtype]
 
 
-def layout_bytes_per_token(layout: list[KVSpec], dtype: str) -> int:
+def layout_bytes_per_token(layout: list[KVSpec], dtype: str, windowed: bool | None = None) -> int:
     """K and V bytes of one token over the layers of ``layout`` that own pools; a layer whose values lie
-    in its key rows (MLA's latent) has no V pool."""
+    in its key rows (MLA's latent) has no V pool. ``windowed``: only the layers of the sliding-window
+    pool (True) or of the main one (False), as :func:`window_of` splits them."""
+    window = window_of(layout)
     return sum(
         kv_bytes_per_token(1, s.n_kv_heads, s.head_dim, dtype) // (2 if s.values_in_keys else 1)
         for s in layout
-        if s.owns_pool
+        if s.owns_pool and (windowed is None or (window is not None and s.window is not None) == windowed)
     )
+
+
+def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, step_tokens: int) -> int:
+    """Blocks the sliding-window layers' pool needs (``kv/window.py``): each running sequence holds the
+    blocks its window spans plus the partial ones at either end, and a step's new tokens (prefill
+    chunks, verified proposals) need blocks beyond that."""
+    per_sequence = -(-(window - 1) // block_size) + 3
+    return max_num_seqs * per_sequence + -(-step_tokens // block_size)
 
 
 def layout_state_bytes(layout: list) -> int:
@@ -159,27 +171,38 @@ def make_plan(
     compute_dtype = _compute_dtype(tensors)
     kv_dtype = resolve_kv_dtype(kv_cache_dtype, backend, compute_dtype)
     n_layers = len(meta.model.layers)
-    per_token = layout_bytes_per_token(meta.model.kv_layout(), kv_dtype)
+    layout = meta.model.kv_layout()
+    per_token = layout_bytes_per_token(layout, kv_dtype, windowed=False)
     model_max = _max_context(meta)
     context = context or model_max
     seq_tokens = _blocks(context) * BLOCK_SIZE
-    kv_bytes = max_num_seqs * seq_tokens * per_token
+    window = window_of(layout)
+    window_kv_bytes = window_read = 0
+    if window is not None:
+        window_blocks = min(
+            window_pool_blocks(window, BLOCK_SIZE, max_num_seqs, step_tokens), max_num_seqs * _blocks(context)
+        )
+        window_per_token = layout_bytes_per_token(layout, kv_dtype, windowed=True)
+        window_kv_bytes = window_blocks * BLOCK_SIZE * window_per_token
+        window_read = min(window, seq_tokens) * window_per_token  # what one decode step reads of them
+    kv_bytes = max_num_seqs * seq_tokens * per_token + window_kv_bytes
     # The engine keeps one state slot per sequence that may run and as many states saved for prefix
     # caching (engine.hybrid_state).
-    state_bytes = 2 * max_num_seqs * layout_state_bytes(meta.model.kv_layout())
+    state_bytes = 2 * max_num_seqs * layout_state_bytes(layout)
     fixed_scratch = _fixed_scratch(meta.model, compute_dtype, max_num_seqs, step_tokens)
     pool_copies = min(POOL_COPY_LAYERS, n_layers) / n_layers  # of the pool, see the module's docstring
     scratch = fixed_scratch + int(kv_bytes * pool_copies)
     total = weights_bytes + kv_bytes + state_bytes + scratch
     budget, budget_source = memory_budget()
-    # The most pool tokens the budget leaves once weights, states and the fixed scratch are counted.
-    free = budget - weights_bytes - fixed_scratch - state_bytes
+    # The most pool tokens the budget leaves once weights, states, the sliding-window pool and the fixed
+    # scratch are counted.
+    free = budget - weights_bytes - fixed_scratch - state_bytes - window_kv_bytes * (1 + pool_copies)
     pool_tokens = int(free / (per_token * (1 + pool_copies))) if free > 0 else 0
     bandwidth, bandwidth_source = memory_bandwidth()
     # kv/memory.kv_budget_bytes without --kv-memory, the weights being what is loaded by then.
     default_pool = int(min(max(budget - weights_bytes, 0) * DEFAULT_FRACTION, MAX_DEFAULT_BYTES))
     read = sum(t.nbytes * t.read_fraction for t in tensors)
-    context_read = seq_tokens * per_token
+    context_read = seq_tokens * per_token + window_read
     return Plan(
         model=spec,
         backend=backend,
@@ -205,6 +228,7 @@ def make_plan(
         bandwidth_bytes_s=bandwidth,
         bandwidth_source=bandwidth_source,
         state_bytes=state_bytes,
+        window_kv_bytes=window_kv_bytes,
     )
 
 
