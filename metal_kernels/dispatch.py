@@ -86,13 +86,15 @@ def _kernel_gguf_matmul(
     return out.reshape(*x.shape[:-1], raw.shape[0])
 
 
-def _kernel_gated_delta_step(*args: mx.array, launch: Launcher = metal_launch) -> mx.array | None:
-    from mlx_infer.metal_kernels.gated_delta import gated_delta_step
+def _kernel_gated_delta(
+    *args: mx.array | None, launch: Launcher = metal_launch
+) -> tuple[mx.array, mx.array] | None:
+    from mlx_infer.metal_kernels.gated_delta import gated_delta
 
-    return gated_delta_step(*args, launch=launch)
+    return gated_delta(*args, launch=launch)
 
 
-def _no_kernel(*args: mx.array) -> None:
+def _no_kernel(*args: mx.array | None) -> None:
     return None
 
 
@@ -137,24 +139,25 @@ def _cpu_quantized_matmul(
 def bind(kernels: bool, launch: Launcher = metal_launch) -> None:
     """Point the entry points (and ``USE_KERNELS``) at the kernels, launched by ``launch``, or at the
     references. Done once at import; tests re-bind with the emulator's launch and bind back."""
-    global USE_KERNELS, paged_attention, quantized_matmul, gguf_matmul, gated_delta_step
+    global USE_KERNELS, paged_attention, quantized_matmul, gguf_matmul, gated_delta
     USE_KERNELS = kernels
     if not kernels:
         paged_attention = _cpu_paged_attention
         quantized_matmul = _cpu_quantized_matmul
         gguf_matmul = gguf_reference.gguf_matmul
         # No Metal kernel: models/gated_delta.py uses the native CPU kernel where it applies, else MLX ops.
-        gated_delta_step = _no_kernel
+        gated_delta = _no_kernel
     else:
         paged_attention = partial(_kernel_paged_attention, launch=launch)
         quantized_matmul = partial(_kernel_quantized_matmul, launch=launch)
         gguf_matmul = partial(_kernel_gguf_matmul, launch=launch)
-        gated_delta_step = partial(_kernel_gated_delta_step, launch=launch)
+        gated_delta = partial(_kernel_gated_delta, launch=launch)
 
 
 USE_KERNELS: bool
 paged_attention: Callable[..., mx.array]
 quantized_matmul: Callable[..., mx.array]
 gguf_matmul: Callable[..., mx.array]
-gated_delta_step: Callable[..., mx.array | None]  # Gated DeltaNet decode step, or None: the MLX step
+# The Gated DeltaNet recurrence (decode steps and multi-token rows), or None: no Metal kernel
+gated_delta: Callable[..., tuple[mx.array, mx.array] | None]
 bind(mx.metal.is_available() and os.environ.get("MLX_INFER_KERNELS", "") != "reference")

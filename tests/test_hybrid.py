@@ -27,12 +27,18 @@ from mlx_infer.engine.speculative import SpeculativeConfig
 from mlx_infer.errors import DistributedError, UnsupportedArchitecture
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.kv import LayerKV, new_cache
-from mlx_infer.interface.state import LayerState, StateSpec
+from mlx_infer.interface.state import LayerState, StateSpec, continuing
 from mlx_infer.loading import load
 from mlx_infer.metal_kernels import dispatch
 from mlx_infer.metal_kernels import gated_delta as metal_gated_delta
 from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
-from mlx_infer.models.gated_delta import chunk_gated_delta, decode_step, recurrent_gated_delta
+from mlx_infer.models.gated_delta import (
+    Ragged,
+    chunk_gated_delta,
+    decode_step,
+    recurrent_gated_delta,
+    sequences_step,
+)
 from mlx_infer.plan.planner import make_plan
 from mlx_infer.sampling import SamplingParams
 
@@ -243,7 +249,7 @@ def _decode(monkeypatch, q, k, v, g, beta, pool, slots, keep, native: bool) -> t
     state.arrays[0] = mx.array(pool)
     with monkeypatch.context() as patch:
         if not native:
-            patch.setattr(cpu_kernels, "gated_delta_step", lambda *args: None)
+            patch.setattr(cpu_kernels, "gated_delta", lambda *args: None)
         out = decode_step(q, k, v, g, beta, state, 0, slots, keep)
         return np.array(out), np.array(state.arrays[0]).reshape(pool.shape[0], heads, dk + 1, dv)
 
@@ -267,12 +273,104 @@ def test_native_decode_step_equals_the_reference(monkeypatch, shape):
 def test_metal_decode_step_equals_the_reference(monkeypatch, shape):
     """The Metal kernel body, run by the emulator (out-of-bounds and unwritten outputs are faults)."""
     q, k, v, g, beta, pool, slots, keep = case = _decode_step_case(*shape)
-    rows = metal_gated_delta.gated_delta_step(
-        pool, slots, q, k, v, mx.exp(g) * keep[:, None], beta, launch=Emulator().launch
-    )
-    _, want_pool = _decode(monkeypatch, *case, native=False)
+    decay = mx.exp(g) * keep[:, None]
+    one = (x[:, None] for x in (q, k, v, decay, beta))
+    rows, out = metal_gated_delta.gated_delta(pool, slots, *one, launch=Emulator().launch)
+    want_out, want_pool = _decode(monkeypatch, *case, native=False)
     got = np.array(rows).reshape(-1, *want_pool.shape[1:])
     np.testing.assert_allclose(got, want_pool[[4, 0, 2]], atol=1e-4)
+    np.testing.assert_allclose(np.array(out)[:, 0], want_out, atol=1e-4)
+
+
+# The tiny checkpoints' heads, Qwen3.5's, and sizes that are no multiple of the kernels' blocks (an odd
+# Dk: the CPU kernel's last row, the Metal kernel's idle lanes; Dv 40: a 32-column block, then one of 8).
+RAGGED_SHAPES = [(4, 16, 8), (2, 128, 128), (3, 33, 40)]
+# Per sequence: tokens, tokens computed before (0: starts from zeros over a slot of garbage), its slot.
+RAGGED_BATCH = [(5, 7, 4), (1, 3, 0), (70, 0, 5), (3, 0, 2), (9, 20, 1)]
+
+
+def _ragged_case(heads: int, dk: int, dv: int, batch=RAGGED_BATCH):
+    """Padded ``[B, Qmax]`` inputs of mixed lengths (garbage in the padding), their layout, ``keep`` and
+    a pool of seven slots, the sequences' in permuted order."""
+    slices = [SequenceSlice(list(range(32)), done, n, state_slot=slot) for n, done, slot in batch]
+    meta = build_metadata(slices, 4)
+    q, k, v, g, beta, _ = _random_delta_inputs(len(batch), meta.max_query_len, heads, dk, dv)
+    pool = mx.random.normal((7, 1, heads * (dk + 1) * dv), key=mx.random.key(2))
+    return q, k, v, g, beta, pool, meta
+
+
+def _sequences(monkeypatch, q, k, v, g, beta, pool, meta, native: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(each real row's output [T, H, Dv], the pool afterwards) of ``sequences_step`` with the kernel
+    the backend binds (the native one here, Metal's where the test binds the emulator) or the chunked
+    reference."""
+    heads, dk, dv = q.shape[2], q.shape[3], v.shape[3]
+    state = LayerState(pool.shape[0], StateSpec(((heads, dk + 1, dv),)))
+    state.arrays[0] = mx.array(pool)
+    layout = Ragged.of(meta)
+    with monkeypatch.context() as patch:
+        if not native:
+            patch.setattr(cpu_kernels, "gated_delta", lambda *args: None)
+        out = sequences_step(q, k, v, g, beta, state, 0, meta.state_slots, continuing(meta), layout)
+        states = np.array(state.arrays[0]).reshape(pool.shape[0], heads, dk + 1, dv)
+        return np.array(layout.unpad(out)), states
+
+
+def _check_sequences(got: tuple[np.ndarray, np.ndarray], want: tuple[np.ndarray, np.ndarray], pool: mx.array):
+    """Outputs and states as the reference's; each head's last output in the row after its matrix (the
+    reference leaves zeros there); the slots no sequence uses untouched."""
+    (out, states), (want_out, want_states) = got, want
+    np.testing.assert_allclose(out, want_out, atol=1e-4)
+    dk = states.shape[2] - 1
+    np.testing.assert_allclose(states[:, :, :dk], want_states[:, :, :dk], atol=1e-4)
+    ends = np.cumsum([n for n, _, _ in RAGGED_BATCH]) - 1
+    np.testing.assert_allclose(states[[s for _, _, s in RAGGED_BATCH], :, dk], out[ends], atol=1e-6)
+    np.testing.assert_array_equal(states[[3, 6]], np.array(pool).reshape(states.shape)[[3, 6]])
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
+@pytest.mark.parametrize("shape", RAGGED_SHAPES)
+def test_native_sequences_equal_the_chunked_reference(monkeypatch, shape):
+    """Prefill rows of mixed lengths (1 to 70: the reference crosses a chunk), continuing sequences and
+    sequences that start from zeros, slots in permuted order: the native kernel, in place in the pool."""
+    case = _ragged_case(*shape)
+    got = _sequences(monkeypatch, *case, native=True)
+    _check_sequences(got, _sequences(monkeypatch, *case, native=False), case[5])
+
+
+@pytest.mark.skipif(not toolchain_available(), reason="the Metal emulator needs `pip install ziglang`")
+@pytest.mark.parametrize("shape", RAGGED_SHAPES)
+def test_metal_sequences_equal_the_chunked_reference(monkeypatch, shape):
+    """The same through the Metal kernel, run by the emulator, as dispatch binds it on a Mac."""
+    case = _ragged_case(*shape)
+    want = _sequences(monkeypatch, *case, native=False)
+    saved = dispatch.USE_KERNELS
+    dispatch.bind(True, Emulator().launch)
+    try:
+        got = _sequences(monkeypatch, *case, native=True)
+    finally:
+        dispatch.bind(saved)
+    _check_sequences(got, want, case[5])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
+def test_hybrid_model_chunked_prefill_equals_transformers(monkeypatch, native):
+    """Prefill in uneven chunks, then decode, through the native recurrence kernel (the CPU default) and
+    through the MLX reference (MLX_INFER_KERNELS=reference, or no native kernels)."""
+    if native and not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    folder = TINY / "qwen3_5_text"
+    ref = np.load(folder / "reference.npz")
+    tokens, want = ref["tokens_1"], ref["logits_1"]
+    model = load(str(folder)).model
+    if not native:
+        monkeypatch.setattr(cpu_kernels, "gated_delta", lambda *args: None)
+    cache, rows, start = new_cache(model, 40, 4, mx.float32), [], 0
+    for n in [70, 1, 33, 38] + [1] * 8:
+        meta = build_metadata([SequenceSlice(list(range(40)), start, n, want_all_logits=True)], 4)
+        rows.append(np.array(model(mx.array(tokens[start : start + n]), cache, meta)))
+        start += n
+    assert start == len(tokens)
+    assert float(np.abs(np.concatenate(rows) - want).max()) < 2e-4
 
 
 @pytest.mark.skipif(not toolchain_available(), reason="the Metal emulator needs `pip install ziglang`")
@@ -298,7 +396,8 @@ def test_hybrid_model_through_the_emulated_metal_kernels():
             rows.append(np.array(model(mx.array(tokens[start : start + n]), cache, meta)))
     finally:
         dispatch.bind(saved)
-    assert "gated_delta_step" in launched
+    # Both DeltaNet layers' recurrence through the kernel: in the prefill and in each decode step.
+    assert launched.count("gated_delta") == 2 * (1 + len(tokens) - 15)
     assert float(np.abs(np.concatenate(rows) - want).max()) < 2e-4
 
 

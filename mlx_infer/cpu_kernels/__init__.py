@@ -167,16 +167,26 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array, dims: int) -> mx.array | Non
     return _native.rope(x, cos, sin, dims)
 
 
-def gated_delta_step(
-    pool: mx.array, slots: mx.array, q: mx.array, k: mx.array, v: mx.array, decay: mx.array, beta: mx.array
-) -> mx.array | None:
-    """One decode step of the gated delta rule in place in the state pool (``[S, 1, H * (Dk + 1) * Dv]``:
-    per head a state matrix, then a row for its output; see ``src/gated_delta.h``), as one op; returns the
-    updated pool, or None where the kernel does not apply (the caller computes it with MLX ops,
+def gated_delta(
+    pool: mx.array,
+    slots: mx.array,
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    decay: mx.array,
+    beta: mx.array,
+    lengths: mx.array | None = None,
+) -> tuple[mx.array, mx.array] | None:
+    """The gated delta rule over ``B`` sequences of up to ``L`` tokens (``q``/``k`` ``[B, L, H, Dk]``,
+    ``v`` ``[B, L, H, Dv]``, ``decay``/``beta`` ``[B, L, H]``, ``lengths`` ``[B]`` or None: all ``L``), in
+    place in the state pool (``[S, 1, H * (Dk + 1) * Dv]``: per head a state matrix, then a row for its
+    last output; see ``src/gated_delta.h``), as one op; returns (the updated pool, the outputs
+    ``[B, L, H, Dv]``), or None where the kernel does not apply (the caller computes it with MLX ops,
     ``models/gated_delta.py``)."""
     if pool.dtype != mx.float32 or not applies():
         return None
-    return _native.gated_delta_step(pool, slots, q, k, v, decay, beta)
+    pool, out = _native.gated_delta(pool, slots, q, k, v, decay, beta, lengths)
+    return pool, out
 
 
 def kv_write(pool: mx.array, rows: mx.array, slots: mx.array, column: int = 0) -> mx.array | None:

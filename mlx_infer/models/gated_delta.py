@@ -184,31 +184,89 @@ def decode_step(
 ) -> mx.array:
     """One token per sequence, each state read from and written back to its slot of ``state``'s array
     ``index`` (``[S, 1, H * (Dk + 1) * Dv]``: per head the ``[Dk, Dv]`` matrix, then a row that receives
-    the head's output); returns the outputs ``[B, H, Dv]``.
+    the head's last output); returns the outputs ``[B, H, Dv]``.
 
-    One kernel where there is one: the Metal kernel (``metal_kernels/dispatch.py``), or off Metal the native
-    CPU kernel, which updates the slots in place; :func:`recurrent_gated_delta` otherwise (the reference).
+    The recurrence kernel (:func:`_kernel`) with one token per sequence where there is one;
+    :func:`recurrent_gated_delta` otherwise (the reference).
     """
-    from mlx_infer.metal_kernels import dispatch
-
     b, h, dk = k.shape
     dv = v.shape[-1]
     decay = mx.exp(g) * keep[:, None]
-    rows = None
+    one = (x[:, None] for x in (q, k, v, decay, beta))
+    out = _kernel(*one, state, index, slots, None)
+    if out is not None:
+        return out[:, 0]
+    current = state.arrays[index][slots].reshape(b, h, dk + 1, dv)[:, :, :dk]
+    out, new = recurrent_gated_delta(q, k, v, g, beta, current, keep)
+    state.put(index, slots, mx.concatenate([new, out[:, :, None]], axis=2))
+    return out
+
+
+def sequences_step(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: LayerState,
+    index: int,
+    slots: mx.array,
+    keep: mx.array,
+    layout: Ragged,
+) -> mx.array:
+    """Sequences of any length in the padded layout (``q``/``k`` ``[B, Qmax, H, Dk]`` prepared, ``v``
+    ``[B, Qmax, H, Dv]``, ``g``/``beta`` ``[B, Qmax, H]``), each continuing from its slot as
+    :func:`decode_step` does; returns the outputs ``[B, Qmax, H, Dv]`` (padding rows: don't care).
+
+    The recurrence kernel (:func:`_kernel`), token after token, where there is one: on the CPU the native
+    kernel is faster than the chunked form at every chunk length measured, 16 to 512 tokens
+    (``benchmarks/bench_gated_delta.py``); :func:`chunk_gated_delta` otherwise (the reference).
+    """
+    b, q_max, h, dk = k.shape
+    dv = v.shape[-1]
+    # keep scales the state each sequence starts from: fold it into its first token's decay.
+    first = (mx.arange(q_max) == 0)[None, :, None]
+    decay = mx.exp(g) * mx.where(first, keep[:, None, None], 1.0)
+    out = _kernel(q, k, v, decay, beta, state, index, slots, layout.query_lens)
+    if out is not None:
+        return out
+    # Padding rows must leave the state as it is: no decay (g = 0) and no write (beta = 0).
+    valid = layout.valid[..., None]
+    initial = state.arrays[index][slots].reshape(b, h, dk + 1, dv)[:, :, :dk] * keep[:, None, None, None]
+    out, recurrent = chunk_gated_delta(q, k, v, g * valid, beta * valid, initial)
+    # The slot's row after each head's matrix is the kernels' output row: nothing to keep there.
+    scratch = mx.zeros((b, h, 1, dv), dtype=recurrent.dtype)
+    state.put(index, slots, mx.concatenate([recurrent, scratch], axis=2))
+    return out
+
+
+def _kernel(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    decay: mx.array,
+    beta: mx.array,
+    state: LayerState,
+    index: int,
+    slots: mx.array,
+    lengths: mx.array | None,
+) -> mx.array | None:
+    """The recurrence over ``[B, L]`` tokens by a kernel, the states updated in their slots: the Metal
+    kernel (``metal_kernels/dispatch.py``), or off Metal the native CPU kernel, which updates the slots in
+    place. Returns the outputs ``[B, L, H, Dv]``, or None where neither applies."""
+    from mlx_infer.metal_kernels import dispatch
+
     if dispatch.USE_KERNELS:
-        rows = dispatch.gated_delta_step(state.arrays[index], slots, q, k, v, decay, beta)
-    else:
-        pool = state.detach(index)  # unreferenced, so the kernel may update it in place
-        updated = cpu_kernels.gated_delta_step(pool, slots, q, k, v, decay, beta)
-        state.attach(index, pool if updated is None else updated)
-        if updated is not None:
-            return updated.reshape(-1, h, dk + 1, dv)[slots, :, dk]
-    if rows is None:
-        current = state.arrays[index][slots].reshape(b, h, dk + 1, dv)[:, :, :dk]
-        out, new = recurrent_gated_delta(q, k, v, g, beta, current, keep)
-        rows = mx.concatenate([new, out[:, :, None]], axis=2)
-    state.put(index, slots, rows)
-    return rows.reshape(b, h, dk + 1, dv)[:, :, dk]
+        rows, out = dispatch.gated_delta(state.arrays[index], slots, q, k, v, decay, beta, lengths)
+        state.put(index, slots, rows)
+        return out
+    pool = state.detach(index)  # unreferenced, so the kernel may update it in place
+    native = cpu_kernels.gated_delta(pool, slots, q, k, v, decay, beta, lengths)
+    if native is None:
+        state.attach(index, pool)
+        return None
+    state.attach(index, native[0])
+    return native[1]
 
 
 @functools.cache

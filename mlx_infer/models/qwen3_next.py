@@ -28,11 +28,11 @@ from mlx_infer.models.base import BaseModelArgs, CausalLM, apply_rope, attention
 from mlx_infer.models.gated_delta import (
     Ragged,
     causal_conv1d,
-    chunk_gated_delta,
     decay_and_beta,
     decode_prelude,
     decode_step,
     prepare_qk,
+    sequences_step,
 )
 from mlx_infer.models.llama import MLP
 from mlx_infer.models.rope_config import resolve_rope
@@ -273,13 +273,8 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(bsz, q_max, self.num_v_heads, self.head_v_dim).astype(mx.float32)
         q, k = prepare_qk(q, k, self.num_v_heads)
         g, beta = decay_and_beta(layout.pad(a), layout.pad(b), self.A_log, self.dt_bias)
-        # Padding rows must leave the state as it is: no decay (g = 0) and no write (beta = 0).
-        valid = layout.valid[..., None]
-        initial = state.read(meta, 1)[:, :, : self.head_k_dim] * keep[:, None, None, None]
-        out, recurrent = chunk_gated_delta(q, k, v, g * valid, beta * valid, initial)
-        # The slot's row after each head's matrix is the decode kernels' output row: nothing to keep there.
-        scratch = mx.zeros((bsz, self.num_v_heads, 1, self.head_v_dim), dtype=recurrent.dtype)
-        state.write(meta, [window, mx.concatenate([recurrent, scratch], axis=2)])
+        state.put(0, meta.state_slots, window)
+        out = sequences_step(q, k, v, g, beta, state, 1, meta.state_slots, keep, layout)
         return layout.unpad(out)
 
 

@@ -27,8 +27,8 @@ NB_MODULE(_cpu_kernels, m) {
         "context_lens"_a, "positions"_a, "token_seq"_a, "block_size"_a, "scale"_a, "window"_a, "x"_a, "o_proj"_a,
         "norm_weight"_a, "eps"_a, "gate_up"_a, "down_proj"_a, "quant"_a, "n_heads"_a, "n_kv_heads"_a,
         "head_dim"_a);
-  m.def("gated_delta_step", &mlx_infer::gated_delta_step, "pool"_a, "slots"_a, "q"_a, "k"_a, "v"_a, "decay"_a,
-        "beta"_a);
+  m.def("gated_delta", &mlx_infer::gated_delta, "pool"_a, "slots"_a, "q"_a, "k"_a, "v"_a, "decay"_a, "beta"_a,
+        "lengths"_a.none() = nb::none());
   m.def("rms_norm", &mlx_infer::rms_norm, "x"_a, "weight"_a, "eps"_a, "offset"_a);
   m.def("rope", &mlx_infer::rope, "x"_a, "cos"_a, "sin"_a, "dims"_a);
   m.def("paged_attention", &mlx_infer::paged_attention, "q"_a, "key_pool"_a, "value_pool"_a, "block_tables"_a,
