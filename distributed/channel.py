@@ -1,8 +1,8 @@
 """Rank 0 tells the other ranks what each step computes, so every rank runs the same forward.
 
 A step travels as int32s: the token ids and what :func:`mlx_infer.interface.batch.build_metadata` needs
-(query and context lengths, block tables, recurrent-state slots, and the logit rows when they are not the
-default), so every rank
+(query and context lengths, block tables, the sliding-window pool's block tables where rank 0 has that pool,
+recurrent-state slots, and the logit rows when they are not the default), so every rank
 builds identical :class:`BatchMetadata`. It is broadcast with ``all_sum`` over a buffer that is zero except
 on rank 0: one collective of ``CAPACITY`` ints for a small step, a second one only for the overflow of a big
 one. ``all_sum`` reaches every rank whatever the ring's shape, unlike send/recv (neighbours only).
@@ -75,16 +75,19 @@ def encode_step(tokens: np.ndarray, meta: BatchMetadata) -> np.ndarray:
         tables.shape[1],
         meta.block_size,
         -1 if meta.logits_index is None else rows.size,
+        meta.windowed is not None,
     ]
     # Hybrid models: rank 0's slot pool picks each sequence's state slot; every rank keeps its own slots.
     slots = np.arange(meta.batch_size) if meta.state_slots is None else np.array(meta.state_slots)
-    parts = [head, tokens, meta.query_lens, np.array(meta.context_lens), slots, tables.ravel(), rows]
+    window_tables = [] if meta.windowed is None else np.array(meta.windowed.block_tables).ravel()
+    lengths = [meta.query_lens, np.array(meta.context_lens)]
+    parts = [head, tokens, *lengths, slots, tables.ravel(), window_tables, rows]
     return np.concatenate([np.asarray(p, np.int32).ravel() for p in parts])
 
 
 def decode_step(payload: np.ndarray) -> tuple[mx.array, BatchMetadata]:
-    num_tokens, batch, width, block_size, num_rows = (int(v) for v in payload[:5])
-    at = 5
+    num_tokens, batch, width, block_size, num_rows, windowed = (int(v) for v in payload[:6])
+    at = 6
     tokens = payload[at : at + num_tokens]
     at += num_tokens
     query_lens, context_lens = payload[at : at + batch], payload[at + batch : at + 2 * batch]
@@ -92,12 +95,17 @@ def decode_step(payload: np.ndarray) -> tuple[mx.array, BatchMetadata]:
     at += 3 * batch
     tables = payload[at : at + batch * width].reshape(batch, width)
     at += batch * width
+    window_tables = None
+    if windowed:  # blocks given back appear as block 0, which their masked positions may read
+        window_tables = payload[at : at + batch * width].reshape(batch, width)
+        at += batch * width
     slices = [
         SequenceSlice(
             tables[i].tolist(),
             int(context_lens[i] - query_lens[i]),
             int(query_lens[i]),
             state_slot=int(slots[i]),
+            window_table=None if window_tables is None else window_tables[i].tolist(),
         )
         for i in range(batch)
     ]

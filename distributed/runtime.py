@@ -21,11 +21,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_infer.engine.engine import Engine, EngineConfig, hybrid_state, pool_num_blocks
+from mlx_infer.engine.engine import Engine, EngineConfig, hybrid_state, pool_num_blocks, window_pool_size
 from mlx_infer.engine.runner import kv_bytes_per_token, kv_pool_dtype
 from mlx_infer.errors import DistributedError
 from mlx_infer.interface.batch import BatchMetadata
-from mlx_infer.interface.kv import LayerKV
+from mlx_infer.interface.kv import LayerKV, window_of
 from mlx_infer.kv.memory import device_memory_bytes
 from mlx_infer.kv.pages import allocate_pools
 from mlx_infer.loading import LoadedModel, load
@@ -90,6 +90,7 @@ class Session:
     shard: Shard
     channel: StepChannel
     config: EngineConfig  # num_blocks agreed by all ranks
+    window_blocks: int | None = None  # a follower's sliding-window pool, once follow() allocated it
 
     @property
     def rank(self) -> int:
@@ -108,7 +109,12 @@ class Session:
         kv_dtype = kv_pool_dtype(config.kv_cache_dtype, self.shard.dtype)  # as rank 0's engine resolves it
         # Hybrid models: as many state slots as rank 0's slot pool hands out.
         slots = max(1, hybrid_state(model, config)[0])
-        cache = allocate_pools(model, config.num_blocks, config.block_size, kv_dtype, slots)
+        # Sliding-window layers: a pool of their own as large as rank 0's, paged by its windowed tables.
+        window = window_of(model.kv_layout()) if config.window_pool else None
+        self.window_blocks = None if window is None else window_pool_size(config, window, config.num_blocks)
+        cache = allocate_pools(
+            model, config.num_blocks, config.block_size, kv_dtype, slots, self.window_blocks
+        )
         try:
             while (step := self.channel.receive()) is not None:
                 tokens, meta = step
@@ -159,6 +165,12 @@ def open_session(
     num_blocks = config.num_blocks or pool_num_blocks(config, context, per_token, state_slots * per_sequence)
     # Rank 0's block tables index every pool: all ranks take the smallest pool any of them can hold.
     num_blocks = int(mx.distributed.all_min(mx.array([num_blocks]), group=group).item())
+    # Rank 0's windowed block tables page every rank's sliding-window pool: only where every rank's layers
+    # have that pool, with the same window (pipeline stages may differ), since its size follows the window.
+    window = window_of(loaded.model.kv_layout()) or 0
+    bounds = mx.distributed.all_min(mx.array([window, -window]), group=group).tolist()
+    if bounds[0] != -bounds[1] or not window:
+        config = replace(config, window_pool=False)
     return Session(
         loaded, group, shard, StepChannel(group, shard.traffic), replace(config, num_blocks=num_blocks)
     )

@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
     session = open_session(args.model, group, config, args.strategy, keep)
     if session.rank != 0:
         session.follow()
-        result = {}
+        result = {"window_blocks": session.window_blocks}
     else:
         try:
             result = _generate(session.engine(), args)
@@ -113,6 +113,7 @@ def _generate(engine: Engine, args: argparse.Namespace) -> dict:
         "first_token_s": times[0] - start if times else None,
         "decode_tok_s": decode,
         "steps": engine.stats.steps,
+        "window_blocks": None if engine.kv.window is None else engine.kv.window.pool.num_blocks,
     }
 
 

@@ -579,7 +579,8 @@ for name in {names!r}:
     spec = {tiny!r} + "/" + name
     loaded, shard = load_sharded(spec, lambda m: shard_tensor(m, group))
     model = loaded.model
-    config = EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_cache_dtype="float32")
+    # Rank 0 drives the steps by hand, with one block table for every layer (no sliding-window pool).
+    config = EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_cache_dtype="float32", window_pool=False)
     session = Session(loaded, group, shard, StepChannel(group, shard.traffic), config)
     # What the planner counts a token (kv_layout) is what this rank's pools hold.
     slots = max(1, hybrid_state(model, config)[0])
@@ -671,6 +672,29 @@ def test_sharded_engine_answers_mla_gemma4_and_hybrids_as_one_process(name: str,
     assert one.returncode == 0, one.stderr[-2000:]
     expected = results(one.stdout)[0]["tokens"]
     assert launched_tokens("127.0.0.1,127.0.0.1", strategy, folder, TINY_PROMPT, 10, True) == expected
+
+
+@pytest.mark.parametrize(
+    "name,strategy", [("gemma3_text", "tensor"), ("gpt_oss", "tensor"), ("gemma3_text", "pipeline")]
+)
+def test_sliding_window_pools_on_every_rank(name: str, strategy: str):
+    """Sliding-window layers keep their own pool on every rank, paged by rank 0's windowed block tables
+    in the step broadcast: a prompt crossing the window several times, and the greedy tokens (with their
+    log-probabilities) of one process."""
+    folder = TESTS / "oracle" / "tiny" / name
+    prompt = " ".join(f"w{i % 7}" for i in range(40))  # far past the window of 8
+    one = subprocess.run(
+        [PY, *worker_args(folder, prompt, 12, True, "--num-blocks", "64")[1:]], capture_output=True,
+        text=True, timeout=150, env=ENV, cwd=TESTS.parent,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-2000:]
+    alone = results(one.stdout)[0]
+    by_rank = launched(
+        "127.0.0.1,127.0.0.1", strategy, folder, prompt, 12, True, worker=("--num-blocks", "64")
+    )
+    assert by_rank[0]["tokens"] == alone["tokens"]
+    np.testing.assert_allclose(by_rank[0]["logprobs"], alone["logprobs"], atol=1e-4)
+    assert by_rank[0]["window_blocks"] == by_rank[1]["window_blocks"] == alone["window_blocks"] > 0
 
 
 def _tagged(out: str, tag: str) -> list[dict]:

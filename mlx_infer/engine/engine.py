@@ -58,6 +58,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_chunk_tokens: int = 1024  # the pool grows and shrinks by this many tokens' blocks
     kv_idle_release: float = 300.0  # seconds idle before the pool's memory is given back (Ollama's 5 min)
+    # Sliding-window layers mixed with global ones get a block pool of their own (kv/window.py); off where
+    # the ranks of a distributed session do not all have the same window.
+    window_pool: bool = True
     max_context: int | None = None  # None: the model's own
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -86,6 +89,17 @@ class _StepProgress:
 
     scheduling: bool = False
     batch: list[ScheduledRequest] | None = None
+
+
+def window_pool_size(config: EngineConfig, window: int, shared_pool: int) -> int:
+    """Blocks of the sliding-window layers' own pool: what the running sequences' windows span, no more
+    than the ``shared_pool`` blocks one pool for every layer would have had; the main pool gets the rest
+    of the budget. Every rank of a distributed session computes the same from the same config."""
+    sched = config.scheduler
+    blocks = planner.window_pool_blocks(
+        window, config.block_size, sched.max_num_seqs, sched.max_num_batched_tokens
+    )
+    return min(blocks, shared_pool)
 
 
 def pool_num_blocks(
@@ -125,19 +139,13 @@ class Engine:
         checkpoints = state_slots if self.config.enable_prefix_caching else 0
         self.state_bytes = (state_slots + checkpoints) * per_sequence
         bs = self.config.block_size
-        window = window_of(layout)
+        window = window_of(layout) if self.config.window_pool else None
         window_blocks = 0
         if window is not None:
-            # The sliding-window layers' own pool: what the running sequences' windows span, no more
-            # than the blocks one shared pool would have given them; the main pool gets the rest.
-            sched = self.config.scheduler
             shared_pool = self.config.num_blocks or pool_num_blocks(
                 self.config, self.max_context, per_token + window_per_token, self.state_bytes
             )
-            window_blocks = min(
-                planner.window_pool_blocks(window, bs, sched.max_num_seqs, sched.max_num_batched_tokens),
-                shared_pool,
-            )
+            window_blocks = window_pool_size(self.config, window, shared_pool)
         num_blocks = self.config.num_blocks or pool_num_blocks(
             self.config, self.max_context, per_token, self.state_bytes + window_blocks * bs * window_per_token
         )
