@@ -580,7 +580,9 @@ for name in {names!r}:
     loaded, shard = load_sharded(spec, lambda m: shard_tensor(m, group))
     model = loaded.model
     # Rank 0 drives the steps by hand, with one block table for every layer (no sliding-window pool).
-    config = EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_cache_dtype="float32", window_pool=False)
+    config = EngineConfig(
+        num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_cache_dtype="float32", window_pool=False
+    )
     session = Session(loaded, group, shard, StepChannel(group, shard.traffic), config)
     # What the planner counts a token (kv_layout) is what this rank's pools hold.
     slots = max(1, hybrid_state(model, config)[0])
