@@ -1,0 +1,47 @@
+"""The MoE routers' top-k choice among equal scores: the lowest-indexed experts, as torch.topk on CUDA
+(see mlx_infer/models/routing.py), at the expert counts and k of the routers we serve."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_infer.models.routing import top_k_experts
+
+# (experts, k): tiny test models, Qwen3-MoE/Qwen3.5 (128, 8), DeepSeek V3 / GLM (256, 8), Qwen3-Next (512, 10),
+# gpt-oss (32, 4), Gemma 4 (128, 8), and DeepSeek's group choice (8 groups, 4).
+SHAPES = [(4, 1), (4, 2), (8, 3), (8, 4), (32, 4), (64, 6), (128, 8), (256, 8), (512, 10)]
+
+
+def lowest_index_top_k(scores: np.ndarray, k: int) -> list[set[int]]:
+    """The rule written out: a stable descending sort keeps equal scores in index order."""
+    return [set(np.argsort(-row, kind="stable")[:k].tolist()) for row in scores]
+
+
+def tied_scores(n: int, seed: int) -> np.ndarray:
+    """Rows where the k-th place is tied: all equal; one winner then all equal; a few levels; softmax
+    probabilities of a few levels; and a row with -inf entries (DeepSeek's masked groups)."""
+    rng = np.random.default_rng(seed)
+    rows = [np.zeros(n), np.r_[1.0, np.zeros(n - 1)], rng.integers(0, 3, n).astype(np.float64)]
+    levels = rng.integers(0, 2, n).astype(np.float64)
+    rows.append(np.exp(levels) / np.exp(levels).sum())
+    masked = rng.integers(0, 2, n).astype(np.float64)
+    masked[rng.permutation(n)[: n // 2]] = -np.inf
+    rows.append(masked)
+    return np.stack(rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_ties_go_to_the_lowest_index(n, k):
+    scores = tied_scores(n, seed=n * 31 + k)
+    got = np.array(top_k_experts(mx.array(scores), k))
+    assert got.shape == (len(scores), k)
+    assert [set(row.tolist()) for row in got] == lowest_index_top_k(scores, k)
+
+
+def test_batched_leading_axes_route_each_row():
+    scores = np.stack([tied_scores(8, seed=s) for s in range(3)])  # [3, 5, 8]: DeepSeek's [T, groups, experts]
+    got = np.array(top_k_experts(mx.array(scores), 3))
+    want = [lowest_index_top_k(block, 3) for block in scores]
+    assert [[set(row.tolist()) for row in block] for block in got] == want
