@@ -9,8 +9,8 @@ import pytest
 
 from mlx_infer.models.routing import top_k_experts
 
-# (experts, k): tiny test models, Qwen3-MoE/Qwen3.5 (128, 8), DeepSeek V3 / GLM (256, 8), Qwen3-Next (512, 10),
-# gpt-oss (32, 4), Gemma 4 (128, 8), and DeepSeek's group choice (8 groups, 4).
+# (experts, k): tiny test models, Qwen3-MoE/Qwen3.5 (128, 8), DeepSeek V3 / GLM (256, 8),
+# Qwen3-Next (512, 10), gpt-oss (32, 4), Gemma 4 (128, 8), and DeepSeek's group choice (8 groups, 4).
 SHAPES = [(4, 1), (4, 2), (8, 3), (8, 4), (32, 4), (64, 6), (128, 8), (256, 8), (512, 10)]
 
 
@@ -41,7 +41,8 @@ def test_ties_go_to_the_lowest_index(n, k):
 
 
 def test_batched_leading_axes_route_each_row():
-    scores = np.stack([tied_scores(8, seed=s) for s in range(3)])  # [3, 5, 8]: DeepSeek's [T, groups, experts]
+    # [3, 5, 8], as DeepSeek's [tokens, groups, experts]
+    scores = np.stack([tied_scores(8, seed=s) for s in range(3)])
     got = np.array(top_k_experts(mx.array(scores), 3))
     want = [lowest_index_top_k(block, 3) for block in scores]
     assert [[set(row.tolist()) for row in block] for block in got] == want
