@@ -3,10 +3,16 @@
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+from test_architectures import TINY, TOL, block_table, forward, new_cache
 
+from mlx_infer.interface.batch import SequenceSlice
+from mlx_infer.loading import load
 from mlx_infer.models.routing import top_k_experts
 
 # (experts, k): tiny test models, Qwen3-MoE/Qwen3.5 (128, 8), DeepSeek V3 / GLM (256, 8),
@@ -46,3 +52,25 @@ def test_batched_leading_axes_route_each_row():
     got = np.array(top_k_experts(mx.array(scores), 3))
     want = [lowest_index_top_k(block, 3) for block in scores]
     assert [[set(row.tolist()) for row in block] for block in got] == want
+
+
+# One checkpoint per router implementation (tests/oracle/make_tied_router_references.py wrote their
+# tied_router.npz: transformers with every router weight zeroed, torch.topk keeping the lowest indices).
+TIED = ("qwen3_moe", "glm4_moe", "deepseek_v2", "gpt_oss", "gemma4")
+ROUTER = re.compile(
+    r"\.(mlp\.gate\.(weight|e_score_correction_bias)|mlp\.router\.(weight|bias)|router\.proj\.weight)$"
+)
+
+
+@pytest.mark.parametrize("name", TIED)
+def test_all_experts_tied_route_as_transformers_on_cuda(name):
+    ref = np.load(TINY / name / "tied_router.npz")
+    # The tie decides the output: CPU torch.topk's choice gives other logits.
+    assert float(np.abs(ref["logits"] - ref["cpu_logits"]).max()) > 0.5
+    model = load(str(TINY / name)).model
+    zeroed = [(k, mx.zeros_like(v)) for k, v in tree_flatten(model.parameters()) if ROUTER.search(k)]
+    assert zeroed
+    model.update(tree_unflatten(zeroed))
+    n = len(ref["tokens"])
+    got = forward(model, new_cache(model), [SequenceSlice(block_table(0, n), 0, n, True)], ref["tokens"])
+    assert float(np.abs(got - ref["logits"]).max()) <= TOL

@@ -7,8 +7,9 @@ order) and as vLLM's routing kernels do. ``torch.topk`` on CPU has no such rule:
 algorithm's pivots (four equal scores, k = 2: experts 2 and 3).
 
 MLX's ``argpartition`` already breaks ties by index on both backends (the CPU comparator orders equal
-values by index; Metal's is a stable merge sort), so the rule costs nothing extra; tests/test_routing.py
-pins it, so that an MLX change that broke it would show.
+values by index; Metal's is a stable merge sort), so the rule costs nothing extra. tests/test_routing.py
+pins it, on its own and through a tiny model per router whose experts all tie, against transformers
+with CUDA's rule (CPU ``torch.topk``'s choice gives other logits there).
 """
 
 from __future__ import annotations
