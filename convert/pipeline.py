@@ -19,7 +19,7 @@ from mlx_infer.errors import InvalidRequest
 from mlx_infer.loading import Checkpoint, open_checkpoint
 from mlx_infer.loading.build import build_model
 
-from . import choice, evaluate, output
+from . import choice, evaluate, mlx_lm_layout, output
 from .quant import Plan, QuantParams, make_plan, quant_params
 from .report import build_report, print_report
 from .weights import Layer, output_groups, quantizable_layers, source_params
@@ -91,6 +91,10 @@ def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
         for line in choice.notes(layers, choices):
             console.print(f"note: {escape(line)}")
         groups = output_groups(params, layers, choices.targets, DTYPES[dtype_name])
+        mlx_lm_layout.rename_groups(groups, ckpt.config)
+        source_config, quantization = mlx_lm_layout.mlx_lm_config(
+            ckpt.config, _quantization_config(choices.targets), model
+        )
         del model  # the groups' lazy graphs now hold the only references to the source tensors
 
         shards = output.plan_shards(groups)
@@ -105,8 +109,7 @@ def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
                 on_group=lambda g: progress.advance(quantizing, g.nbytes),
                 on_shard=lambda n: progress.advance(writing, n),
             )
-            quantization = _quantization_config(choices.targets)
-            config = output.output_config(ckpt.config, quantization, dtype_name)
+            config = output.output_config(source_config, quantization, dtype_name)
             output.write_json(tmp / "config.json", config)
             max_length = int(ckpt.config.get("max_position_embeddings") or 4096)
             tokenizer_files = output.write_tokenizer(tmp, ckpt.path, ckpt.tokenizer, max_length)

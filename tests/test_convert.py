@@ -22,6 +22,8 @@ from mlx_infer.interface.kv import new_cache
 from mlx_infer.loading import load, open_checkpoint
 from mlx_infer.loading.build import build_model
 
+TINY = Path(__file__).parent / "oracle" / "tiny"
+
 
 def convert(model: str | Path, out: Path, *flags: str) -> dict:
     """Run the subcommand as the CLI would; return the saved report."""
@@ -350,11 +352,20 @@ def greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
 
 
 def mlx_lm_greedy(folder: Path, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
-    """mlx-lm's load of ``folder`` (its model code, its config reading, its tokenizer), quantized layers
-    dequantized to float32 as mlx-infer's CPU policy does: mlx-lm's quantized matmuls run in float16 on
-    the CPU and take minutes for 16 tokens here. Returns (greedy tokens, its encoding of the prompt)."""
-    from mlx_lm import load as lm_load
+    """Greedy tokens of mlx-lm's float32 load of ``folder`` (:func:`mlx_lm_float32`: its quantized matmuls
+    run in float16 on the CPU and take minutes for 16 tokens here), and its encoding of the prompt."""
     from mlx_lm.generate import generate_step
+
+    model, tokenizer = mlx_lm_float32(folder)
+    steps = zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n))
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True)
+    return [int(t) for (t, _), _ in steps], list(ids)
+
+
+def mlx_lm_float32(folder: Path) -> tuple[nn.Module, object]:
+    """mlx-lm's load of ``folder`` (its model code, config reading and tokenizer), quantized layers
+    dequantized to float32 as mlx-infer's CPU policy does."""
+    from mlx_lm import load as lm_load
 
     model, tokenizer = lm_load(str(folder))
     floats = []
@@ -368,9 +379,7 @@ def mlx_lm_greedy(folder: Path, prompt: list[int], n: int) -> tuple[list[int], l
             floats.append((path, f))
     model.update_modules(tree_unflatten(floats))
     model.update(tree_unflatten([(k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())]))
-    steps = zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n))
-    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True)
-    return [int(t) for (t, _), _ in steps], list(ids)
+    return model, tokenizer
 
 
 QUANTIZATION = {
@@ -428,3 +437,28 @@ def test_smollm2_lossy_requantization_is_reported(smollm2_converted):
         "re-quantizing 1 layer the source stores as affine 8-bit g32",
         "re-quantizing 210 layers the source stores as affine 4-bit g32"]
     assert 8.4 < lossy["bits_per_weight"]["output"] < 8.6
+
+
+def test_mistral3_composite_output_loads_in_mlx_lm(tmp_path: Path, eval_file: Path):
+    """Mistral 3's image-text checkpoint (text model under ``language_model.``, the head tied by the
+    composite's flag while ``text_config`` says untied): mlx-lm reads the output (names, the per-layer
+    entries of a mixed recipe, the tie) and gives mlx-infer's logits; mlx-infer reads it back too."""
+    pytest.importorskip("mlx_lm")
+    out = tmp_path / "out"
+    convert(TINY / "mistral3", out, "--recipe", "mixed_3_6", "--q-group-size", "32",
+            "--eval-file", str(eval_file))
+    config = json.loads((out / "config.json").read_text())
+    per_layer = [k for k, v in config["quantization"].items() if isinstance(v, dict)]
+    assert per_layer and all(k.startswith("language_model.model.") for k in per_layer)
+    # Within the checkpoint's sliding window (24): mlx-lm's ministral3 slides only layers that layer_types
+    # names and cannot slide all of them, as transformers and mlx-infer do with this config.
+    window = config["text_config"]["sliding_window"]
+    tokens = np.load(TINY / "mistral3" / "reference.npz")["tokens_1"][:window].tolist()
+    theirs = np.array(mlx_lm_float32(out)[0](mx.array([tokens]))[0])
+    ours = load(str(out)).model
+    blocks = -(-len(tokens) // 16)
+    cache = new_cache(ours, blocks, 16, mx.float32)
+    meta = build_metadata([SequenceSlice(list(range(blocks)), 0, len(tokens), True)], 16)  # every position
+    mine = np.array(ours(mx.array(tokens), cache, meta))
+    assert np.abs(theirs - mine).max() <= 1e-4 * max(1.0, float(np.abs(mine).max()))
+    assert float(np.std(mine)) > 0.5  # logits spread over several units: the comparison proves something

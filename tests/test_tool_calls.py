@@ -598,3 +598,69 @@ def test_forced_grammar_names_markers_inside_calls_by_token_id(family):
         assert f"<[{special[marker]}]>" in grammar, marker
         assert json.dumps(marker, ensure_ascii=False) not in grammar
     _byte_matcher(grammar)  # llguidance accepts it
+
+
+# GLM writes strings bare and other values as JSON; its parsers type each value by the request's schema.
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "zip": {"type": "string"}, "code": {"type": "string"}, "flag": {"type": "string"},
+                "note": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
+                "strict": {"type": "boolean"}, "tags": {"type": "array"}, "where": {"type": "object"},
+            },
+        },
+    },
+}
+GLM_LOOKUP = (
+    "<tool_call>lookup\n"
+    "<arg_key>zip</arg_key>\n<arg_value>02139</arg_value>\n"
+    "<arg_key>code</arg_key>\n<arg_value>123</arg_value>\n"
+    "<arg_key>flag</arg_key>\n<arg_value>true</arg_value>\n"
+    '<arg_key>note</arg_key>\n<arg_value>"quoted"</arg_value>\n'
+    "<arg_key>count</arg_key>\n<arg_value>3</arg_value>\n"
+    "<arg_key>ratio</arg_key>\n<arg_value>0.5</arg_value>\n"
+    "<arg_key>strict</arg_key>\n<arg_value>false</arg_value>\n"
+    '<arg_key>tags</arg_key>\n<arg_value>["a", 1]</arg_value>\n'
+    '<arg_key>where</arg_key>\n<arg_value>{"x": null}</arg_value>\n'
+    "<arg_key>extra</arg_key>\n<arg_value>7</arg_value>\n"
+    "</tool_call>"
+)
+LOOKUP_TYPED = {
+    "zip": "02139", "code": "123", "flag": "true", "note": "quoted", "count": 3, "ratio": 0.5,
+    "strict": False, "tags": ["a", 1], "where": {"x": None}, "extra": 7,
+}
+
+
+def test_glm45_values_typed_by_the_tools_schema_whole_and_streamed():
+    """A string parameter keeps numeric or boolean-looking text as a string; typed ones parse as JSON; a
+    key the schema does not declare parses as JSON (vLLM's glm4_moe parser does the same)."""
+    import random
+
+    parameters = {"lookup": LOOKUP_TOOL["function"]["parameters"]}
+    kwargs = dict(family=FAMILIES["glm45"], tool_names=["lookup"], parameters=parameters)
+    parsed = _check_every_split(GLM_LOOKUP, **kwargs)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("lookup", LOOKUP_TYPED)]
+    rng = random.Random(0)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(GLM_LOOKUP)), 12))
+        pieces = [GLM_LOOKUP[a:b] for a, b in zip([0, *cuts], [*cuts, len(GLM_LOOKUP)])]
+        assert _stripped(_streamed(GLM_LOOKUP, pieces, **kwargs)) == _stripped(parsed)
+    # Without the schema every value that parses as JSON is JSON.
+    untyped = json.loads(parse_output(GLM_LOOKUP, family=FAMILIES["glm45"], tool_names=["lookup"])
+                         .tool_calls[0].arguments)
+    assert (untyped["code"], untyped["flag"], untyped["zip"]) == (123, True, "02139")
+
+
+def test_glm45_chat_plan_hands_the_request_tools_to_the_parser():
+    from mlx_infer.tool_calls import ChatPlan
+
+    plan = ChatPlan(_TextTokenizer(), FAMILIES["glm45"], [LOOKUP_TOOL], None, True, None, {})
+    parser = plan.parser()
+    events = [e for piece in (GLM_LOOKUP[:40], GLM_LOOKUP[40:]) for e in parser.feed(piece)]
+    events += parser.finish()
+    streamed = "".join(e.arguments for e in events if isinstance(e, ToolCallArgumentsDelta))
+    assert json.loads(streamed) == LOOKUP_TYPED == json.loads(parser.result.tool_calls[0].arguments)

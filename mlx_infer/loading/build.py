@@ -13,6 +13,7 @@ from mlx_infer.errors import InvalidCheckpoint
 from mlx_infer.loading.hf import one_line
 from mlx_infer.loading.quantized import quantize_to_match, use_gguf_blocks
 from mlx_infer.models import model_module
+from mlx_infer.models.composite import text_tower_quantization
 
 
 def build_model(
@@ -36,7 +37,7 @@ def build_model(
         kind = config["model_type"]
         raise InvalidCheckpoint(f"{source}: config does not fit {kind} ({one_line(e)})") from None
     weights = model.sanitize(weights)
-    quantize_to_match(model, weights, config.get("quantization"))
+    quantize_to_match(model, weights, text_tower_quantization(config.get("quantization")))
     if kquants:
         use_gguf_blocks(model, kquants)
     _check_dtypes(model, weights, source)

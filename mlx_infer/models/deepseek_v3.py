@@ -41,6 +41,7 @@ from mlx_infer.models.llama import MLP
 from mlx_infer.models.mla import MultiLinear, latent_attention
 from mlx_infer.models.qwen3_moe import SwitchGLU, stack_experts
 from mlx_infer.models.rope_config import resolve_rope, scaling_type
+from mlx_infer.models.routing import top_k_experts
 
 # (topk_method, scoring_func) of the routers here: DeepSeek V3's, and V2's greedy and group-limited ones.
 ROUTINGS = (("noaux_tc", "sigmoid"), ("greedy", "softmax"), ("group_limited_greedy", "softmax"))
@@ -221,12 +222,12 @@ class Gate(nn.Module):
             grouped = choice.reshape(n_tokens, self.n_group, n_experts // self.n_group)
             # V3 ranks a group by the sum of its two best scores, V2 by its best one.
             group_scores = grouped.max(axis=-1) if self.softmax else mx.topk(grouped, 2, axis=-1).sum(axis=-1)
-            best = mx.argpartition(-group_scores, kth=self.topk_group - 1, axis=-1)[..., : self.topk_group]
+            best = top_k_experts(group_scores, self.topk_group)
             kept = (mx.arange(self.n_group)[None, None, :] == best[..., None]).any(axis=1)  # [T, n_group]
             # Left out as transformers leaves them: a zero probability (V2), never chosen (V3).
             left_out = 0.0 if self.softmax else -mx.inf
             choice = mx.where(kept[..., None], grouped, left_out).reshape(n_tokens, n_experts)
-        inds = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        inds = top_k_experts(choice, self.top_k)
         weights = mx.take_along_axis(scores, inds, axis=-1)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)

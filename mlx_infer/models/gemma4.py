@@ -36,6 +36,7 @@ from mlx_infer.models.composite import text_tower
 from mlx_infer.models.gemma3 import MLP, residual, scaled, softcap
 from mlx_infer.models.qwen3_moe import SwitchGLU
 from mlx_infer.models.rope_config import resolve_rope, scaling_type
+from mlx_infer.models.routing import top_k_experts
 
 _DROPPED_PREFIXES = (
     "vision_tower.",
@@ -255,7 +256,7 @@ class Router(nn.Module):
         h = mx.fast.rms_norm(x, None, self.eps) * self.scale * self.root
         # In float32, as transformers computes the router, whatever the weights' dtype.
         probs = mx.softmax(self.proj(h).astype(mx.float32), axis=-1)
-        inds = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        inds = top_k_experts(probs, self.top_k)
         weights = mx.take_along_axis(probs, inds, axis=-1)
         weights = weights / weights.sum(axis=-1, keepdims=True) * self.per_expert_scale[inds]
         return inds, weights

@@ -38,6 +38,7 @@ from mlx_infer.models.base import (
 )
 from mlx_infer.models.qwen3_moe import SwitchGLU
 from mlx_infer.models.rope_config import resolve_rope
+from mlx_infer.models.routing import top_k_experts
 
 
 @dataclass
@@ -135,7 +136,7 @@ class MoE(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         logits = self.router(x).astype(mx.float32)
         k = self.top_k
-        inds = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+        inds = top_k_experts(logits, k)
         # The softmax is over the chosen experts' logits only (not renormalised probabilities).
         scores = mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1)
         y = self.experts(x, inds)

@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx_infer.errors import InvalidCheckpoint
 from mlx_infer.models import qwen2, qwen3
 from mlx_infer.models.llama import MLP
+from mlx_infer.models.routing import top_k_experts
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -159,7 +160,7 @@ class SparseMoeBlock(nn.Module):
         # Router probabilities in float32, as transformers computes them, whatever the weights' dtype.
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
         k = self.top_k
-        inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+        inds = top_k_experts(probs, k)
         scores = mx.take_along_axis(probs, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from mlx_infer.tool_calls.events import Event, TextDelta
@@ -18,6 +19,10 @@ from mlx_infer.tool_calls.scan import WHITESPACE, CallObject, split_at_marker
 
 # llguidance's JSON layout for forced calls: json.dumps's separators, no free whitespace (a small model
 # sampling at temperature 1 could otherwise spend its tokens on blank lines), keys in schema order.
+# The request's tools' JSON-schema ``parameters`` by tool name: families whose calls write values as bare
+# text (GLM) type them by it.
+Parameters = Mapping[str, Mapping[str, Any]]
+NO_PARAMETERS: Parameters = MappingProxyType({})
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 # Between the calls of one region: list brackets and separators.
@@ -200,7 +205,7 @@ class ToolFamily:
     arguments_key = "arguments"
     markers: tuple[str, ...] = ()
 
-    def parser(self, tool_names: Collection[str]) -> ToolParser:
+    def parser(self, tool_names: Collection[str], parameters: Parameters = NO_PARAMETERS) -> ToolParser:
         return JsonCallParser(self.starts, self.end, self.bare_at_start, tool_names)
 
     # ---- prompts, for chat templates that do not render tools themselves ----------------------------

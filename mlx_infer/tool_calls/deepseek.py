@@ -18,7 +18,14 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from mlx_infer.tool_calls.base import COMPACT_JSON, ToolFamily, ToolParser, marker_literal
+from mlx_infer.tool_calls.base import (
+    COMPACT_JSON,
+    NO_PARAMETERS,
+    Parameters,
+    ToolFamily,
+    ToolParser,
+    marker_literal,
+)
 from mlx_infer.tool_calls.marked import CallView, MarkedCallParser, dumps, is_name, json_arguments
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -59,7 +66,7 @@ class DeepSeekV3(ToolFamily):
     bare_at_start = False
     markers = (CALL_BEGIN, CALL_END, SEP)
 
-    def parser(self, tool_names: Collection[str]) -> ToolParser:
+    def parser(self, tool_names: Collection[str], parameters: Parameters = NO_PARAMETERS) -> ToolParser:
         return MarkedCallParser(self.starts, self.end, CALL_BEGIN, CALL_END, _view_v3)
 
     def render_call(self, name: str, arguments: Any) -> str:
@@ -86,7 +93,7 @@ class DeepSeekV3(ToolFamily):
 class DeepSeekV31(DeepSeekV3):
     name = "deepseek_v31"
 
-    def parser(self, tool_names: Collection[str]) -> ToolParser:
+    def parser(self, tool_names: Collection[str], parameters: Parameters = NO_PARAMETERS) -> ToolParser:
         return MarkedCallParser(self.starts, self.end, CALL_BEGIN, CALL_END, _view_v31)
 
     def render_call(self, name: str, arguments: Any) -> str:

@@ -12,7 +12,7 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from mlx_infer.tool_calls.base import COMPACT_JSON, ToolFamily, ToolParser
+from mlx_infer.tool_calls.base import COMPACT_JSON, NO_PARAMETERS, Parameters, ToolFamily, ToolParser
 from mlx_infer.tool_calls.events import Event, TextDelta, ToolCallArgumentsDelta, ToolCallStart, new_call_id
 from mlx_infer.tool_calls.scan import WHITESPACE, split_at_marker
 
@@ -161,7 +161,7 @@ class _PythonicParser(ToolParser):
 class Gemma3(ToolFamily):
     name = "gemma3"
 
-    def parser(self, tool_names: Collection[str]) -> ToolParser:
+    def parser(self, tool_names: Collection[str], parameters: Parameters = NO_PARAMETERS) -> ToolParser:
         return _PythonicParser()
 
     def tools_prompt(self, tools: Sequence[Mapping[str, Any]]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from mlx_infer.tool_calls.base import JsonCallParser, ToolFamily, ToolParser
+from mlx_infer.tool_calls.base import NO_PARAMETERS, JsonCallParser, Parameters, ToolFamily, ToolParser
 
 
 class Generic(ToolFamily):
@@ -14,6 +14,6 @@ class Generic(ToolFamily):
     end = "```"
     bare_at_start = True
 
-    def parser(self, tool_names: Collection[str]) -> ToolParser:
+    def parser(self, tool_names: Collection[str], parameters: Parameters = NO_PARAMETERS) -> ToolParser:
         # A ```json fence may hold any JSON the user asked for: only a tool's name makes it a call.
         return JsonCallParser(self.starts, self.end, True, tool_names, any_name_in_regions=False)

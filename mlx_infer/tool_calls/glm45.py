@@ -5,19 +5,30 @@
     <arg_value>Paris</arg_value>
     </tool_call>
 
-(GLM-4.7 writes the same without the newlines.) A value that parses as JSON is that JSON value, any
-other is a string, as the chat template writes strings bare and everything else as JSON. Arguments
-stream a pair at a time. The GLM templates render tools, past calls and tool results themselves.
+(GLM-4.7 writes the same without the newlines.) The chat template writes strings bare and everything
+else as JSON, so a value is typed by the request's schema, as GLM's own parsers (vLLM's and SGLang's
+glm4_moe) do: a parameter declared ``"type": "string"`` keeps its text (``123`` stays the string "123"),
+any other value that parses as JSON is that JSON value, else a string. (A quoted JSON string, as the
+forcing grammar and :meth:`Glm45.render_calls` write strings, is that string whatever the declared
+type.) Arguments stream a pair at a time. The GLM templates render tools, past calls and tool results
+themselves.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from mlx_infer.tool_calls.base import COMPACT_JSON, ToolFamily, ToolParser, marker_literal
+from mlx_infer.tool_calls.base import (
+    COMPACT_JSON,
+    NO_PARAMETERS,
+    Parameters,
+    ToolFamily,
+    ToolParser,
+    marker_literal,
+)
 from mlx_infer.tool_calls.marked import CallView, MarkedCallParser, dumps, is_name
 from mlx_infer.tool_calls.scan import WHITESPACE
 
@@ -27,23 +38,37 @@ ARG_KEY = "<arg_key>"
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
-def _value(text: str) -> Any:
+def _value(text: str, schema: Mapping[str, Any]) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError:
         return text
+    # A declared string stays text, unless it is a quoted JSON string (as a forced call's grammar and
+    # render_calls write strings): that string.
+    if schema.get("type") == "string" and not isinstance(value, str):
+        return text
+    return value
 
 
-def _view(body: str, closed: bool) -> CallView:
-    body = body.lstrip(WHITESPACE)
-    cut = min((i for i in (body.find("\n"), body.find("<")) if i >= 0), default=-1)
-    if cut < 0 and not closed:
-        return CallView(None, "")
-    name = (body if cut < 0 else body[:cut]).strip(WHITESPACE)
-    if not is_name(name):
-        return CallView(None, "")
-    pairs = [f"{dumps(k.strip())}: {dumps(_value(v))}" for k, v in _PAIR.findall(body[len(name) :])]
-    return CallView(name, "{" + ", ".join(pairs) + ("}" if closed else ""))
+def _viewer(parameters: Parameters) -> Callable[[str, bool], CallView]:
+    """The call view, typing each value by its tool's declared ``parameters``."""
+
+    def view(body: str, closed: bool) -> CallView:
+        body = body.lstrip(WHITESPACE)
+        cut = min((i for i in (body.find("\n"), body.find("<")) if i >= 0), default=-1)
+        if cut < 0 and not closed:
+            return CallView(None, "")
+        name = (body if cut < 0 else body[:cut]).strip(WHITESPACE)
+        if not is_name(name):
+            return CallView(None, "")
+        properties = (parameters.get(name) or {}).get("properties") or {}
+        pairs = []
+        for key, text in _PAIR.findall(body[len(name) :]):
+            key = key.strip()
+            pairs.append(f"{dumps(key)}: {dumps(_value(text, properties.get(key) or {}))}")
+        return CallView(name, "{" + ", ".join(pairs) + ("}" if closed else ""))
+
+    return view
 
 
 class Glm45(ToolFamily):
@@ -53,8 +78,8 @@ class Glm45(ToolFamily):
     bare_at_start = False
     markers = (ARG_KEY, "</arg_key>", "<arg_value>", "</arg_value>")
 
-    def parser(self, tool_names: Collection[str]) -> ToolParser:
-        return MarkedCallParser(self.starts, self.end, CALL_BEGIN, CALL_END, _view)
+    def parser(self, tool_names: Collection[str], parameters: Parameters = NO_PARAMETERS) -> ToolParser:
+        return MarkedCallParser(self.starts, self.end, CALL_BEGIN, CALL_END, _viewer(parameters))
 
     def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:
         """GLM-4.5's layout; every value as JSON (strings quoted), which reads back the same."""

@@ -13,7 +13,14 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from mlx_infer.tool_calls.base import COMPACT_JSON, ToolFamily, ToolParser, marker_literal
+from mlx_infer.tool_calls.base import (
+    COMPACT_JSON,
+    NO_PARAMETERS,
+    Parameters,
+    ToolFamily,
+    ToolParser,
+    marker_literal,
+)
 from mlx_infer.tool_calls.marked import CallView, MarkedCallParser, dumps, is_name, json_arguments
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
@@ -45,7 +52,7 @@ class KimiK2(ToolFamily):
     bare_at_start = False
     markers = (CALL_BEGIN, CALL_END, ARGUMENT_BEGIN)
 
-    def parser(self, tool_names: Collection[str]) -> ToolParser:
+    def parser(self, tool_names: Collection[str], parameters: Parameters = NO_PARAMETERS) -> ToolParser:
         return MarkedCallParser(self.starts, self.end, CALL_BEGIN, CALL_END, _view)
 
     def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:

@@ -7,7 +7,14 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from mlx_infer.tool_calls.base import JsonCallParser, ToolFamily, ToolParser, marker_literal
+from mlx_infer.tool_calls.base import (
+    NO_PARAMETERS,
+    JsonCallParser,
+    Parameters,
+    ToolFamily,
+    ToolParser,
+    marker_literal,
+)
 from mlx_infer.tool_calls.events import Event
 from mlx_infer.tool_calls.scan import CallObject
 
@@ -50,7 +57,7 @@ class Mistral(ToolFamily):
     end = None
     bare_at_start = False
 
-    def parser(self, tool_names: Collection[str]) -> ToolParser:
+    def parser(self, tool_names: Collection[str], parameters: Parameters = NO_PARAMETERS) -> ToolParser:
         return _MistralParser(self.starts, self.end, self.bare_at_start, tool_names)
 
     def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from mlx_infer.tool_calls.base import ToolFamily, ToolParser
+from mlx_infer.tool_calls.base import NO_PARAMETERS, Parameters, ToolFamily, ToolParser
 from mlx_infer.tool_calls.events import (
     Event,
     ParsedOutput,
@@ -21,7 +21,8 @@ class OutputParser:
     """``feed(delta) -> events``, ``finish() -> events``; ``result`` holds what they add up to.
 
     ``family`` None: no tool parsing (no tools, or ``tool_choice: none``); ``reasoning`` None: no split.
-    ``parallel`` False keeps only the first call.
+    ``parallel`` False keeps only the first call. ``parameters``: the tools' parameter schemas by name,
+    for families that type argument values by them.
     """
 
     def __init__(
@@ -31,9 +32,10 @@ class OutputParser:
         reasoning: str | None = None,
         in_reasoning: bool = False,
         parallel: bool = True,
+        parameters: Parameters = NO_PARAMETERS,
     ):
         self.reasoning = ReasoningParser(in_reasoning) if reasoning else None
-        self.tools: ToolParser | None = family.parser(tool_names) if family is not None else None
+        self.tools: ToolParser | None = family.parser(tool_names, parameters) if family is not None else None
         self.parallel = parallel
         self.result = ParsedOutput()
 
@@ -91,9 +93,10 @@ def parse_output(
     reasoning: str | None = None,
     in_reasoning: bool = False,
     parallel: bool = True,
+    parameters: Parameters = NO_PARAMETERS,
 ) -> ParsedOutput:
     """The whole-text parse: (reasoning, content, tool_calls) of a complete output."""
-    parser = OutputParser(family, tool_names, reasoning, in_reasoning, parallel)
+    parser = OutputParser(family, tool_names, reasoning, in_reasoning, parallel, parameters)
     parser.feed(text)
     parser.finish()
     return parser.result

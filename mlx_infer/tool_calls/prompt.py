@@ -79,8 +79,10 @@ class ChatPlan:
             and starts_in_reasoning(self.tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL_TOKENS:])))
         )
         family = self.family if self.tools else None
-        names = [function_of(t)["name"] for t in self.tools]
-        return OutputParser(family, names, self.reasoning, in_reasoning, self.parallel)
+        functions = [function_of(t) for t in self.tools]
+        names = [f["name"] for f in functions]
+        parameters = {f["name"]: f.get("parameters") or {} for f in functions}
+        return OutputParser(family, names, self.reasoning, in_reasoning, self.parallel, parameters)
 
 
 def prepare_chat(
