@@ -7,6 +7,11 @@ looked up under ``language_model.``-prefixed module paths, and the head is tied 
 The output therefore names weights and per-layer entries as mlx-lm saves such a model and records the
 tie the converted model has in ``text_config``; mlx-infer's loader reads both forms.
 
+Layout: mlx-lm's qwen3_next reads a checkpoint whose experts are stacked (as the output's are) as one its
+sanitize has already seen, so the output holds that model's other weights in mlx-lm's layout too (the
+convolution as nn.Conv1d's, the zero-centred norms with their one added), which mlx-infer's loader
+recognises by the convolution's shape, as mlx-lm does.
+
 Config keys: transformers 5 saves some settings only in a newer form that many of mlx-lm's models do not
 read, falling back to a default without a word (a wrong RoPE base, a wrong layer pattern). The output keeps
 the source's keys and adds the older equivalents mlx-lm reads, derived from them, so every reader gets
@@ -25,6 +30,8 @@ from typing import Any
 
 import mlx.nn as nn
 
+from mlx_infer.models import qwen3_next
+
 from .weights import Group
 
 Config = dict[str, Any]
@@ -37,6 +44,10 @@ NESTED_TEXT_MODEL = {
     "gemma4": "language_model.",
     "kimi_k25": "language_model.",
 }
+# Types whose experts the output stacks (switch_mlp), which mlx-lm takes for a checkpoint its sanitize has
+# already seen, and so reads every other weight in its own layout too: the convolution as nn.Conv1d's
+# [C, K, 1] and the zero-centred norms with their one added.
+SANITIZED_LAYOUT = {"qwen3_next"}
 # RoPE settings transformers 5 keeps inside rope_parameters and older configs (mlx-lm) at the top.
 _ROPE_TOP_LEVEL = ("rope_theta", "partial_rotary_factor")
 
@@ -46,7 +57,10 @@ def prefix(config: Config) -> str:
 
 
 def rename_groups(groups: list[Group], config: Config) -> None:
-    """Prefix every output tensor's name, in place."""
+    """Every output tensor under mlx-lm's name (and layout), in place."""
+    if config.get("model_type") in SANITIZED_LAYOUT:
+        for g in groups:
+            g.tensors = {name: qwen3_next.to_mlx_lm_layout(name, v) for name, v in g.tensors.items()}
     if p := prefix(config):
         for g in groups:
             g.tensors = {p + name: value for name, value in g.tensors.items()}

@@ -491,9 +491,10 @@ def assert_mlx_lm_logits_match(folder: Path, tokens: np.ndarray) -> None:
 # Tiny checkpoints whose converted output mlx-lm 0.32.2 loads and runs as mlx-infer does. The composites
 # (text model under model.language_model.*, towers dropped) are written under mlx-lm's language_model.
 # names with a mixed recipe's per-layer entries; transformers 5 configs get the older keys mlx-lm reads
-# (rope_theta / rope_scaling, full_attention_interval, global_head_dim, the composite's vocab_size).
+# (rope_theta / rope_scaling, full_attention_interval, global_head_dim, the composite's vocab_size);
+# Qwen3-Next's stacked experts come with the rest of mlx-lm's sanitized layout.
 MLX_LM_TYPES = ["qwen3_5", "qwen3_5_moe", "gemma4", "kimi_k25", "gemma4_text", "glm4_moe", "smollm3",
-                "deepseek_v3"]
+                "deepseek_v3", "qwen3_next"]
 
 
 @pytest.mark.parametrize("name", MLX_LM_TYPES)
