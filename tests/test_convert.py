@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -510,6 +511,21 @@ def test_output_loads_in_mlx_lm(tmp_path: Path, name: str):
         assert per_layer and all(k.startswith("language_model.") for k in per_layer)
     # 20 tokens: past the tiny sliding windows (8) and over every layer kind
     assert_mlx_lm_logits_match(out, np.load(TINY / name / "reference.npz")["tokens_1"][:20])
+
+
+def test_gpt_oss_output_loads_in_mlx_lm(tmp_path: Path):
+    """gpt-oss, with the two settings mlx-lm 0.32.2 does not read set to what it assumes: its SwiGLU clamps
+    at 7.0 whatever ``swiglu_limit`` says (the tiny checkpoint's 1.0 exercises the clamp), and its YaRN
+    always rounds the correction range, as ``truncate: true`` does (real gpt-oss says false)."""
+    pytest.importorskip("mlx_lm")
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(TINY / "gpt_oss", src)
+    config = json.loads((src / "config.json").read_text())
+    config["swiglu_limit"] = 7.0
+    config["rope_parameters"]["truncate"] = True
+    (src / "config.json").write_text(json.dumps(config))
+    convert(src, out, "--q-bits", "4", "--q-group-size", "32", "--no-eval")
+    assert_mlx_lm_logits_match(out, np.load(TINY / "gpt_oss" / "reference.npz")["tokens_1"][:20])
 
 
 def test_older_config_keys_only_where_they_say_the_same():
