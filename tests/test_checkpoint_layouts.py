@@ -15,7 +15,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
-from mlx_infer.interface.kv import LayerKV
+from mlx_infer.interface.kv import LayerKV, new_cache
 from mlx_infer.loading import load, open_checkpoint
 from mlx_infer.loading.build import build_model
 from mlx_infer.plan import make_plan
@@ -71,6 +71,33 @@ def test_mistral3_head_stored_beside_a_tied_flag_is_used():
     expected = build_model(untied, {**ckpt.weights, "language_model.lm_head.weight": head}, "mistral3")
     np.testing.assert_array_equal(logits(stored), logits(expected))
     assert not np.allclose(logits(stored), logits(build_model(ckpt.config, dict(ckpt.weights), "mistral3")))
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_gated_deltanet_weights_in_mlx_lm_layout_load_the_same(name: str):
+    """mlx-community Qwen3-Next / Qwen3.5 folders hold the weights as mlx-lm's sanitize leaves them: the
+    convolution as nn.Conv1d's [C, K, 1] and the zero-centred norms with their one added (mlx-lm's
+    qwen3_next.py / qwen3_5.py ``sanitize``). They must give the Hugging Face layout's logits."""
+    norms = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+             ".q_norm.weight", ".k_norm.weight")
+
+    def mlx_lm_layout(name: str, w: mx.array) -> mx.array:
+        if "conv1d.weight" in name:
+            return w.moveaxis(2, 1)
+        return w + 1.0 if name.endswith(norms) else w
+
+    ckpt = open_checkpoint(str(TINY / name))
+    assert any(k.endswith("model.norm.weight") for k in ckpt.weights)  # the composite's names end alike
+    hf = build_model(ckpt.config, dict(ckpt.weights), name)
+    moved = build_model(ckpt.config, {k: mlx_lm_layout(k, w) for k, w in ckpt.weights.items()}, name)
+    np.testing.assert_allclose(recurrent_logits(moved), recurrent_logits(hf), rtol=0, atol=1e-5)
+
+
+def recurrent_logits(model) -> np.ndarray:
+    tokens = np.load(TINY / "qwen3_next" / "reference.npz")["tokens_0"]
+    cache = new_cache(model, 8, 4, mx.float32)
+    meta = build_metadata([SequenceSlice(list(range(8)), 0, len(tokens), True)], 4)
+    return np.array(model(mx.array(tokens), cache, meta))
 
 
 @pytest.mark.parametrize("name", ["glm4_moe", "mistral3", "smollm3"])

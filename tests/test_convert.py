@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from conftest import TINY_LLAMA_CONFIG, TINY_WORDS, make_tiny_llama, write_hf_folder
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_infer.convert import cli, output
+from mlx_infer.convert import cli, mlx_lm_layout, output
 from mlx_infer.errors import InvalidRequest, ModelNotFound
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.kv import new_cache
@@ -368,18 +369,37 @@ def mlx_lm_float32(folder: Path) -> tuple[nn.Module, object]:
     from mlx_lm import load as lm_load
 
     model, tokenizer = lm_load(str(folder))
-    floats = []
-    for path, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            w = mx.dequantize(m.weight, m.scales.astype(mx.float32), m.biases.astype(mx.float32),
-                              group_size=m.group_size, bits=m.bits, mode=m.mode)
-            is_embedding = isinstance(m, nn.QuantizedEmbedding)
-            f = nn.Embedding(*w.shape) if is_embedding else nn.Linear(*w.shape[::-1], bias=False)
-            f.weight = w
-            floats.append((path, f))
+    floats = [(path, f) for path, m in model.named_modules() if (f := _float_twin(m)) is not None]
     model.update_modules(tree_unflatten(floats))
     model.update(tree_unflatten([(k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())]))
     return model, tokenizer
+
+
+def _float_twin(m: nn.Module) -> nn.Module | None:
+    """The floating-point layer an mlx-lm quantized layer (linear, embedding, stacked experts, MLA's
+    per-head projections) stands for, with its bias; None for any other module."""
+    from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear,
+                          QuantizedMultiLinear)):
+        return None
+    scales, biases = m.scales, m.get("biases")
+    if m.mode == "affine":  # float32 scales give float32 weights; the other modes' scales are exponents
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+    w = mx.dequantize(m.weight, scales, biases, group_size=m.group_size, bits=m.bits, mode=m.mode)
+    if isinstance(m, nn.QuantizedEmbedding):
+        f = nn.Embedding(*w.shape)
+    elif isinstance(m, QuantizedMultiLinear):  # MLA's per-head projections, [heads, out, in]
+        f = MultiLinear(w.shape[2], w.shape[1], w.shape[0])
+    elif isinstance(m, QuantizedSwitchLinear):
+        f = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias="bias" in m)
+    else:
+        f = nn.Linear(*w.shape[::-1], bias="bias" in m)
+    f.weight = w
+    if "bias" in m:
+        f.bias = m.bias
+    return f
 
 
 QUANTIZATION = {
@@ -453,12 +473,74 @@ def test_mistral3_composite_output_loads_in_mlx_lm(tmp_path: Path, eval_file: Pa
     # Within the checkpoint's sliding window (24): mlx-lm's ministral3 slides only layers that layer_types
     # names and cannot slide all of them, as transformers and mlx-infer do with this config.
     window = config["text_config"]["sliding_window"]
-    tokens = np.load(TINY / "mistral3" / "reference.npz")["tokens_1"][:window].tolist()
-    theirs = np.array(mlx_lm_float32(out)[0](mx.array([tokens]))[0])
-    ours = load(str(out)).model
+    assert_mlx_lm_logits_match(out, np.load(TINY / "mistral3" / "reference.npz")["tokens_1"][:window])
+
+
+def assert_mlx_lm_logits_match(folder: Path, tokens: np.ndarray) -> None:
+    """mlx-lm's float32 logits for ``tokens`` (every position) are mlx-infer's for its load of ``folder``."""
+    tokens = tokens.tolist()
+    theirs = np.array(mlx_lm_float32(folder)[0](mx.array([tokens]))[0])
+    ours = load(str(folder)).model
     blocks = -(-len(tokens) // 16)
     cache = new_cache(ours, blocks, 16, mx.float32)
     meta = build_metadata([SequenceSlice(list(range(blocks)), 0, len(tokens), True)], 16)  # every position
     mine = np.array(ours(mx.array(tokens), cache, meta))
     assert np.abs(theirs - mine).max() <= 1e-4 * max(1.0, float(np.abs(mine).max()))
     assert float(np.std(mine)) > 0.5  # logits spread over several units: the comparison proves something
+
+
+# Tiny checkpoints whose converted output mlx-lm 0.32.2 loads and runs as mlx-infer does. The composites
+# (text model under model.language_model.*, towers dropped) are written under mlx-lm's language_model.
+# names with a mixed recipe's per-layer entries; transformers 5 configs get the older keys mlx-lm reads
+# (rope_theta / rope_scaling, full_attention_interval, global_head_dim, the composite's vocab_size);
+# Qwen3-Next's stacked experts come with the rest of mlx-lm's sanitized layout.
+MLX_LM_TYPES = ["qwen3_5", "qwen3_5_moe", "gemma4", "kimi_k25", "gemma4_text", "glm4_moe", "smollm3",
+                "deepseek_v3", "qwen3_next"]
+
+
+@pytest.mark.parametrize("name", MLX_LM_TYPES)
+def test_output_loads_in_mlx_lm(tmp_path: Path, name: str):
+    pytest.importorskip("mlx_lm")
+    out = tmp_path / "out"
+    composite = name in mlx_lm_layout.NESTED_TEXT_MODEL
+    recipe = ["--recipe", "mixed_3_6"] if composite else ["--q-bits", "4"]
+    convert(TINY / name, out, *recipe, "--q-group-size", "32", "--no-eval")
+    if composite:
+        config = json.loads((out / "config.json").read_text())
+        per_layer = [k for k, v in config["quantization"].items() if isinstance(v, dict)]
+        assert per_layer and all(k.startswith("language_model.") for k in per_layer)
+    # 20 tokens: past the tiny sliding windows (8) and over every layer kind
+    assert_mlx_lm_logits_match(out, np.load(TINY / name / "reference.npz")["tokens_1"][:20])
+
+
+def test_gpt_oss_output_loads_in_mlx_lm(tmp_path: Path):
+    """gpt-oss, with the two settings mlx-lm 0.32.2 does not read set to what it assumes: its SwiGLU clamps
+    at 7.0 whatever ``swiglu_limit`` says (the tiny checkpoint's 1.0 exercises the clamp), and its YaRN
+    always rounds the correction range, as ``truncate: true`` does (real gpt-oss says false)."""
+    pytest.importorskip("mlx_lm")
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(TINY / "gpt_oss", src)
+    config = json.loads((src / "config.json").read_text())
+    config["swiglu_limit"] = 7.0
+    config["rope_parameters"]["truncate"] = True
+    (src / "config.json").write_text(json.dumps(config))
+    convert(src, out, "--q-bits", "4", "--q-group-size", "32", "--no-eval")
+    assert_mlx_lm_logits_match(out, np.load(TINY / "gpt_oss" / "reference.npz")["tokens_1"][:20])
+
+
+def test_older_config_keys_only_where_they_say_the_same():
+    """Keys mlx-lm reads are added only where they express the source's setting, never over its own."""
+    older = mlx_lm_layout.with_older_keys
+    full, linear = "full_attention", "linear_attention"
+    assert older({"layer_types": [linear, full] * 2})["full_attention_interval"] == 2
+    assert "full_attention_interval" not in older({"layer_types": [linear, full, full, linear]})
+    rope = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5.0, "factor": 4.0}}
+    assert older(rope) == {**rope, "rope_theta": 5.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    assert older({**rope, "rope_theta": 7.0})["rope_theta"] == 7.0
+    sliding = "sliding_attention"
+    gemma = {"head_dim": 16, "num_key_value_heads": 2, "layer_types": [sliding, full, sliding, full]}
+    assert older({**gemma, "per_layer_config": {"1": {"head_dim": 32}, "3": {"head_dim": 32}}})[
+        "global_head_dim"] == 32
+    assert "global_head_dim" not in older({**gemma, "per_layer_config": {"1": {"head_dim": 32}}})
+    assert "global_head_dim" not in older({**gemma, "per_layer_config": {"1": {"num_key_value_heads": 1},
+                                                                          "3": {"num_key_value_heads": 1}}})

@@ -340,17 +340,43 @@ class Model(CausalLM):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         # Multi-token-prediction heads (speculative drafting in other engines) are not used here.
         weights = {k: v for k, v in super().sanitize(weights).items() if not k.startswith("mtp.")}
-        for name in list(weights):
-            # mlx-lm stores the convolution as nn.Conv1d's [C, K, 1]
-            if (
-                name.endswith("conv1d.weight")
-                and weights[name].shape[-1] == 1
-                and weights[name].shape[1] != 1
-            ):
-                weights[name] = weights[name].moveaxis(2, 1)
+        if from_mlx_lm(weights):
+            weights = {k: from_mlx_lm_layout(k, v) for k, v in weights.items()}
         for i in range(self.args.num_hidden_layers):
             stack_experts(weights, f"model.layers.{i}.mlp", self.args.num_experts)
         return weights
+
+
+# The zero-centred norms (RMSNorm above), whose weights mlx-lm stores with the one added.
+OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                ".q_norm.weight", ".k_norm.weight")
+
+
+def from_mlx_lm(weights: dict[str, mx.array]) -> bool:
+    """Whether ``weights`` are as mlx-lm's sanitize leaves them (mlx-community checkpoints, and
+    ``convert``'s output for mlx-lm): the convolution as nn.Conv1d's ``[C, K, 1]`` rather than Hugging
+    Face's ``[C, 1, K]``, which is also how mlx-lm tells the two apart."""
+    return any(
+        k.endswith("conv1d.weight") and v.shape[-1] == 1 and v.shape[1] != 1 for k, v in weights.items()
+    )
+
+
+def from_mlx_lm_layout(name: str, value: mx.array) -> mx.array:
+    """One weight of mlx-lm's layout in Hugging Face's (which the layers here hold)."""
+    if name.endswith("conv1d.weight"):
+        return value.moveaxis(2, 1)
+    if name.endswith(OFFSET_NORMS) and value.ndim == 1:
+        return value - 1.0
+    return value
+
+
+def to_mlx_lm_layout(name: str, value: mx.array) -> mx.array:
+    """One weight of Hugging Face's layout in mlx-lm's (the inverse of :func:`from_mlx_lm_layout`)."""
+    if name.endswith("conv1d.weight"):
+        return value.moveaxis(1, 2)
+    if name.endswith(OFFSET_NORMS) and value.ndim == 1:
+        return value + 1.0
+    return value
 
 
 def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int) -> None:
