@@ -17,6 +17,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import write_hf_folder
+from emulated import metal_kernels_emulated
 from engine_helpers import CharTokenizer, greedy_reference
 from mlx.utils import tree_flatten
 from test_distributed import FakeGroup
@@ -30,8 +31,8 @@ from mlx_infer.errors import DistributedError
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.kv import new_cache, pool_rows
 from mlx_infer.loading import load
-from mlx_infer.metal_kernels import dispatch, reference
 from mlx_infer.metal_kernels import paged_attention as pa
+from mlx_infer.metal_kernels import reference
 from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
 from mlx_infer.models.mla import QuantizedMultiLinear
 from mlx_infer.plan import make_plan
@@ -87,18 +88,8 @@ def test_native_kernel_reads_each_latent_pool_dtype_as_the_reference(tiny, kv, m
 def test_metal_kernel_runs_mla_as_transformers(tiny):
     """On a Mac the Metal paged-attention kernel attends the latent rows: run here by the emulator."""
     model, tokens, want = tiny
-    launched: list[str] = []
-
-    def launch(spec, **kw):
-        launched.append(spec.name)
-        return Emulator().launch(spec, **kw)
-
-    saved = dispatch.USE_KERNELS
-    dispatch.bind(True, launch)
-    try:
+    with metal_kernels_emulated() as launched:
         got = prefill_then_decode(model, tokens)
-    finally:
-        dispatch.bind(saved)
     assert any("attention" in name for name in launched), launched
     assert np.abs(got - want).max() < 2e-4
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_kernels import EMU, needs_emulator
+from emulated import metal_kernels_emulated
+from test_kernels import needs_emulator
 
 from mlx_infer.errors import InvalidCheckpoint
 from mlx_infer.loading import hf, load
@@ -95,18 +96,8 @@ def test_planned_weights_equal_what_load_holds(keep_quantized):
 @pytest.fixture
 def emulated_kernels():
     """The dispatch bound to the Metal kernels, launched by the emulator; yields the kernels' names."""
-    from mlx_infer.metal_kernels import dispatch
-
-    launched: list[str] = []
-
-    def launch(spec, **kw):
-        launched.append(spec.name)
-        return EMU(spec, **kw)
-
-    saved = dispatch.USE_KERNELS
-    dispatch.bind(True, launch)
-    yield launched
-    dispatch.bind(saved)
+    with metal_kernels_emulated() as launched:
+        yield launched
 
 
 @needs_emulator

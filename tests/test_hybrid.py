@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from emulated import metal_kernels_emulated
 from engine_helpers import CharTokenizer, greedy_reference
 from test_distributed import FakeGroup
 
@@ -107,14 +108,14 @@ def test_prefix_cache_resumes_from_saved_states(hybrid, caplog):
     assert first == references[2]
     # The first sequence computed 90 + 11 tokens: states saved at 88 and at every boundary of its decode.
     turn = prompt + first + [7, 8, 9, 10, 11]
-    again, cached = _run_counting_cache(engine, [prompt, turn])
+    again, cached = run_counting_cache(engine, [prompt, turn])
     assert again == [references[2], greedy_reference(model, turn, MAX_TOKENS, eos=None)]
     assert cached == [88, 100]
     assert engine.kv.pool.num_used == 0 and engine.kv.state_slots.num_used == 0
     check_block_accounting(engine)
 
 
-def _run_counting_cache(engine: Engine, prompts) -> tuple[list[list[int]], list[int]]:
+def run_counting_cache(engine: Engine, prompts) -> tuple[list[list[int]], list[int]]:
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs, cached = [], []
     for p in prompts:  # one after the other, so the second can find the first's states
@@ -134,7 +135,7 @@ def test_without_prefix_caching_nothing_is_saved(hybrid):
     model, references = hybrid
     engine = make_engine(model, enable_prefix_caching=False)
     assert engine.kv.checkpoints is None
-    assert _run_counting_cache(engine, [PROMPTS[2], PROMPTS[2]]) == ([references[2]] * 2, [0, 0])
+    assert run_counting_cache(engine, [PROMPTS[2], PROMPTS[2]]) == ([references[2]] * 2, [0, 0])
 
 
 def test_speculative_decoding_is_refused(hybrid):
@@ -381,21 +382,11 @@ def test_hybrid_model_through_the_emulated_metal_kernels():
     ref = np.load(folder / "reference.npz")
     tokens, want = ref["tokens_0"], ref["logits_0"]
     model = load(str(folder)).model
-    launched: list[str] = []
-
-    def launch(spec, **kw):
-        launched.append(spec.name)
-        return Emulator().launch(spec, **kw)
-
-    saved = dispatch.USE_KERNELS
-    dispatch.bind(True, launch)
-    try:
+    with metal_kernels_emulated() as launched:
         cache, rows = new_cache(model, 16, 4, mx.float32), []
         for start, n in [(0, 15)] + [(i, 1) for i in range(15, len(tokens))]:
             meta = build_metadata([SequenceSlice(list(range(8)), start, n, want_all_logits=True)], 4)
             rows.append(np.array(model(mx.array(tokens[start : start + n]), cache, meta)))
-    finally:
-        dispatch.bind(saved)
     # Both DeltaNet layers' recurrence through the kernel: in the prefill and in each decode step.
     assert launched.count("gated_delta") == 2 * (1 + len(tokens) - 15)
     assert float(np.abs(np.concatenate(rows) - want).max()) < 2e-4

@@ -10,6 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import make_tiny_llama
+from emulated import metal_kernels_emulated
 
 from mlx_infer import cpu_kernels
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
@@ -196,16 +197,8 @@ def test_kquant_matvec_matches_reference(kind, dtype):
 def emulated_kernels():
     """The dispatch bound to the kernels as on a Mac, with the emulator as their launcher; yields the
     names of the kernels launched."""
-    launched: list[str] = []
-
-    def launch(spec, **kw):
-        launched.append(spec.name)
-        return EMU(spec, **kw)
-
-    saved = dispatch.USE_KERNELS
-    dispatch.bind(True, launch)
-    yield launched
-    dispatch.bind(saved)
+    with metal_kernels_emulated() as launched:
+        yield launched
 
 
 def two_steps(model: nn.Module) -> list[np.ndarray]:

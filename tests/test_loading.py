@@ -17,6 +17,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import TINY_LLAMA_CONFIG, TINY_WORDS, make_tiny_llama, write_hf_folder
+from emulated import metal_kernels_emulated
 from gguf.constants import MODEL_ARCH_NAMES, GGMLQuantizationType
 from mlx.utils import tree_flatten, tree_unflatten
 
@@ -28,8 +29,7 @@ from mlx_infer.loading import load, policy
 from mlx_infer.loading.gguf import gguf_to_hf_names
 from mlx_infer.loading.gguf_config import MODEL_TYPES, llama3_scaling
 from mlx_infer.loading.gguf_file import read_header, tensor_bytes
-from mlx_infer.metal_kernels import dispatch
-from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
+from mlx_infer.metal_kernels.emulator import toolchain_available
 from mlx_infer.metal_kernels.layers import GGUFEmbedding, GGUFLinear, KernelQuantizedLinear
 from mlx_infer.models.base import rope_frequencies
 
@@ -322,16 +322,8 @@ def test_gguf_k_quants_stay_blocks_on_metal(tmp_path: Path, monkeypatch: pytest.
     write_tiny_gguf(tmp_path / "kq.gguf", config, tensors)
     dequantized = load(str(tmp_path / "kq.gguf"))  # the CPU path: float32
 
-    launched: list[str] = []
-
-    def launch(spec, **kw):
-        launched.append(spec.name)
-        return Emulator().launch(spec, **kw)
-
     monkeypatch.setattr(policy, "cpu_backend", lambda: False)
-    saved = dispatch.USE_KERNELS
-    dispatch.bind(True, launch)
-    try:
+    with metal_kernels_emulated() as launched:
         blocks = load(str(tmp_path / "kq.gguf"))
         assert "GGUF Q4_K/Q5_K/Q6_K kept as blocks" in blocks.weight_policy
         modules = dict(blocks.model.named_modules())
@@ -345,8 +337,6 @@ def test_gguf_k_quants_stay_blocks_on_metal(tmp_path: Path, monkeypatch: pytest.
         tokens = TOKENS[:6]  # up to 8 rows: every projection is a matvec kernel launch
         expect = all_logits(dequantized.model, tokens)
         got = all_logits(blocks.model, tokens)
-    finally:
-        dispatch.bind(saved)
     assert {"q4_k_qmv", "q5_k_qmv", "q6_k_qmv", "paged_attention"} <= set(launched)
     np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max())
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from emulated import metal_kernels_emulated
 from engine_helpers import CharTokenizer, greedy_reference
+from test_hybrid import MAX_TOKENS, PROMPTS, make_engine, run_all, run_counting_cache
 
 from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
 from mlx_infer.engine.scheduler import SchedulerConfig
@@ -23,8 +25,7 @@ from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.kv import LayerKV, new_cache, window_of
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.loading import load
-from mlx_infer.metal_kernels import dispatch
-from mlx_infer.metal_kernels.emulator import Emulator, toolchain_available
+from mlx_infer.metal_kernels.emulator import toolchain_available
 from mlx_infer.plan.planner import make_plan, window_pool_blocks
 from mlx_infer.sampling import SamplingParams
 
@@ -33,8 +34,6 @@ BLOCK = 4
 WINDOW = 8  # every tiny checkpoint's sliding_window
 # A window of 8 reaches back into at most 3 blocks of 4 (positions p - 7 .. p), the last one partial.
 DECODE_WINDOW_BLOCKS = 3
-PROMPTS = [list(range(5, 23)), [3, 4, 5], [(7 * i) % 60 + 3 for i in range(90)], [9] * 20]
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module", params=["gemma3_text", "gpt_oss", "gemma4_text"])
@@ -42,29 +41,6 @@ def windowed(request):
     model = load(str(TINY / request.param)).model
     assert window_of(model.kv_layout()) == WINDOW
     return request.param, model, [greedy_reference(model, p, MAX_TOKENS, eos=None) for p in PROMPTS]
-
-
-def make_engine(model, num_blocks=64, budget=512, max_seqs=8, block_size=BLOCK, **config) -> Engine:
-    config = EngineConfig(
-        block_size=block_size,
-        num_blocks=num_blocks,
-        kv_cache_dtype="float32",
-        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
-        **config,
-    )
-    return Engine(model, CharTokenizer(), 256, config)
-
-
-def run_all(engine: Engine, prompts, watch=None) -> list[list[int]]:
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.token_ids)
-        if watch is not None:
-            watch(engine)
-    return [tokens[i] for i in ids]
 
 
 @pytest.mark.parametrize(
@@ -117,30 +93,15 @@ def test_prefix_cache_needs_the_window_of_blocks_it_resumes_from(windowed):
     _, model, references = windowed
     engine = make_engine(model, num_blocks=128, max_seqs=2)
     prompt = PROMPTS[2]  # 90 tokens: 22 full blocks before the last token
-    assert _run_counting_cache(engine, [prompt, prompt]) == ([references[2]] * 2, [0, 88])
+    assert run_counting_cache(engine, [prompt, prompt]) == ([references[2]] * 2, [0, 88])
     # Fill the sliding layers' pool with other sequences: the cached window blocks are reused.
     fillers = engine.kv.window.pool.num_blocks // 10
     others = [[(5 * i + j) % 50 + 3 for i in range(40)] for j in range(fillers)]
     run_all(engine, others)
-    again, cached = _run_counting_cache(engine, [prompt])
+    again, cached = run_counting_cache(engine, [prompt])
     assert again == [references[2]]
     assert cached[0] < 88 and cached[0] % BLOCK == 0
     check_block_accounting(engine)
-
-
-def _run_counting_cache(engine: Engine, prompts) -> tuple[list[list[int]], list[int]]:
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs, cached = [], []
-    for p in prompts:
-        engine.add_request(p, params)
-        tokens = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens.extend(out.token_ids)
-                if out.finished:
-                    cached.append(out.num_cached_tokens)
-        outputs.append(tokens)
-    return outputs, cached
 
 
 def test_speculative_verification_trims_both_pools(windowed):
@@ -167,18 +128,8 @@ def test_windowed_pages_through_the_emulated_metal_kernels():
     """As on a Mac: the paged-attention Metal kernel (run by the emulator) reads the windowed tables of
     gpt-oss's sliding layers (sinks too) as it reads the shared ones."""
     model = load(str(TINY / "gpt_oss")).model
-    launched: list[str] = []
-
-    def launch(spec, **kw):
-        launched.append(spec.name)
-        return Emulator().launch(spec, **kw)
-
-    saved = dispatch.USE_KERNELS
-    dispatch.bind(True, launch)
-    try:
+    with metal_kernels_emulated() as launched:
         got, want = _windowed_and_shared_logits(model)
-    finally:
-        dispatch.bind(saved)
     assert any("paged_attention" in name for name in launched)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
@@ -210,8 +161,11 @@ def test_allocation_equals_the_plan(windowed):
     name, model, _ = windowed
     seqs, context, bs = 2, 1024, 16
     plan = make_plan(str(TINY / name), context=context, max_num_seqs=seqs, kv_cache_dtype="float32")
-    budget = plan.kv_bytes / 2**30
-    engine = make_engine(model, num_blocks=None, max_seqs=seqs, block_size=bs, kv_memory=budget)
+    config = EngineConfig(
+        block_size=bs, kv_cache_dtype="float32", kv_memory=plan.kv_bytes / 2**30,
+        scheduler=SchedulerConfig(max_num_seqs=seqs),
+    )  # fmt: skip
+    engine = Engine(model, CharTokenizer(), 256, config)
     pools = {id(c): c for c in engine.runner.cache if isinstance(c, LayerKV)}.values()
     window_bytes = sum(a.nbytes for c in pools if c.windowed for a in c.state())
     main_bytes = sum(a.nbytes for c in pools if not c.windowed for a in c.state())
