@@ -3,13 +3,15 @@ cache, what the pools and the planner count, and the config shapes of the publis
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from engine_helpers import CharTokenizer
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from test_distributed import FakeGroup
 from test_kernels import ATOL, attention_case, attention_error, needs_emulator
 
@@ -137,6 +139,29 @@ def test_planned_weights_equal_what_load_holds(name):
     folder = TINY / name
     held = sum(p.nbytes for _, p in tree_flatten(load(str(folder)).model.parameters()))
     assert make_plan(str(folder)).weights_bytes == held
+
+
+def test_bfloat16_per_layer_table_stays_as_stored_on_the_cpu(tmp_path: Path):
+    """A bfloat16 checkpoint on the CPU: every parameter is widened to float32 for the BLAS but the
+    per-layer embedding table, which is only gathered (half its bytes kept); its rows are widened as
+    they are read, so the logits are those of the checkpoint widened whole. The plan counts it so."""
+    folder = tmp_path / "bf16"
+    shutil.copytree(TINY / "gemma4_text", folder, ignore=shutil.ignore_patterns("*.gguf", "*.npz"))
+    weights = {k: v.astype(mx.bfloat16) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    model = load(str(folder)).model
+    params = dict(tree_flatten(model.parameters()))
+    table = "model.embed_tokens_per_layer.weight"
+    assert params[table].dtype == mx.bfloat16
+    assert all(p.dtype == mx.float32 for k, p in params.items() if k != table)
+    widened = build_model(json.loads((folder / "config.json").read_text()), weights, "bf16")
+    widened.update(tree_map(lambda p: p.astype(mx.float32), widened.parameters()))
+    tokens = mx.array(list(range(3, 40)))
+    meta = build_metadata([SequenceSlice(list(range(10)), 0, 37, True)], 4)
+    got = model(tokens, new_cache(model, 10, 4, mx.float32), meta)
+    want = widened(tokens, new_cache(widened, 10, 4, mx.float32), meta)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=0)
+    assert make_plan(str(folder)).weights_bytes == sum(p.nbytes for p in params.values())
 
 
 def test_e2b_layers_caches_and_sources():

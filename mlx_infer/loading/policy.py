@@ -19,7 +19,7 @@ import logging
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_infer import cpu_kernels
 from mlx_infer.metal_kernels import dispatch
@@ -176,12 +176,14 @@ def _dequantize(model: nn.Module, dtype: mx.Dtype | None) -> None:
 
 
 def _widen_to_float32(model: nn.Module) -> str:
-    """Cast float16/bfloat16 parameters to float32; return the names of the dtypes widened."""
+    """Cast float16/bfloat16 parameters to float32, but for the model's ``row_tables`` (only gathered, see
+    ``models/base.py``); return the names of the dtypes widened."""
     half = {mx.float16, mx.bfloat16}
-    params = tree_flatten(model.parameters())
-    found = sorted({str(p.dtype).split(".")[-1] for _, p in params if p.dtype in half})
-    if found:
-        model.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype in half else p, model.parameters()))
+    keep = set(getattr(model, "row_tables", ()))
+    narrow = [(k, p) for k, p in tree_flatten(model.parameters()) if p.dtype in half and k not in keep]
+    found = sorted({str(p.dtype).split(".")[-1] for _, p in narrow})
+    if narrow:
+        model.update(tree_unflatten([(k, p.astype(mx.float32)) for k, p in narrow]), strict=False)
     return "/".join(found)
 
 

@@ -203,6 +203,11 @@ class CausalLM(nn.Module):
     heads, ``self.lm_head``; they override ``embed``/``logits``/``sanitize`` where they differ.
     """
 
+    # Parameters only ever read a row at a time (a gather, never a matrix product): the CPU weight policy
+    # keeps them in their stored dtype rather than widening them to float32 for the BLAS, which would
+    # double their memory for nothing; the model widens the rows it reads.
+    row_tables: tuple[str, ...] = ()
+
     def __init__(self, args):
         super().__init__()
         self.args = args

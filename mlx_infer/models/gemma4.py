@@ -342,6 +342,9 @@ class Gemma4Model(nn.Module):
 
 
 class Model(CausalLM):
+    # The per-layer embedding (E2B: 262144 x 35 x 256, 4.7 GB in bfloat16) is only gathered.
+    row_tables = ("model.embed_tokens_per_layer.weight",)
+
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.model = Gemma4Model(args)
@@ -376,7 +379,8 @@ class Model(CausalLM):
         embedding ``h``, averaged (times 1/sqrt(2))."""
         args, inner = self.args, self.model
         shape = (tokens.shape[0], args.num_hidden_layers, args.hidden_size_per_layer_input)
-        table = scaled(inner.embed_tokens_per_layer(tokens), math.sqrt(args.hidden_size_per_layer_input))
+        rows = inner.embed_tokens_per_layer(tokens).astype(h.dtype)  # the table may be narrower (row_tables)
+        table = scaled(rows, math.sqrt(args.hidden_size_per_layer_input))
         projected = inner.per_layer_model_projection(h) * args.hidden_size**-0.5
         projected = inner.per_layer_projection_norm(projected.reshape(shape))
         return (projected + table.reshape(shape)) * 2.0**-0.5

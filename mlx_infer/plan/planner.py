@@ -166,7 +166,7 @@ def make_plan(
     backend = backend or backend_name()
     meta = read_metadata(spec, backend, keep_quantized)
     tensors = convert_to_bits(meta.tensors, q_bits) if q_bits else meta.tensors
-    tensors, how = held(tensors, backend, keep_quantized)
+    tensors, how = held(tensors, backend, keep_quantized, getattr(meta.model, "row_tables", ()))
     weights_bytes = sum(t.nbytes for t in tensors)
     compute_dtype = _compute_dtype(tensors)
     kv_dtype = resolve_kv_dtype(kv_cache_dtype, backend, compute_dtype)

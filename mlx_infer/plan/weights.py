@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -334,23 +334,29 @@ def convert_to_bits(tensors: Iterable[Tensor], bits: int) -> list[Tensor]:
     return out
 
 
-def held(tensors: Iterable[Tensor], backend: str, keep_quantized: bool | None) -> tuple[list[Tensor], str]:
+def held(
+    tensors: Iterable[Tensor], backend: str, keep_quantized: bool | None, row_tables: Collection[str] = ()
+) -> tuple[list[Tensor], str]:
     """The tensors after ``loading/policy.py``'s ``apply_weight_policy`` on ``backend`` ("cpu" or
-    "metal"), and how (the policy's own words)."""
+    "metal"), and how (the policy's own words). ``row_tables``: the model's float tables that the CPU
+    policy keeps as stored (``CausalLM.row_tables``)."""
     tensors = list(tensors)
+
+    def stays(t: Tensor) -> bool:
+        return t.name in row_tables and not t.bits
+
     # Quantized experts are no layer the policy converts: they keep their bits on every backend.
     bits = sorted({t.bits for t in tensors if t.bits and not t.expert})
     bits_text = "/".join(f"{b}-bit" for b in bits)
     if backend == "cpu":
         if bits and keep_quantized is not False and _cpu_kernels_cover(tensors):
-            return [
-                replace(t, dtype="float32") for t in tensors
-            ], f"kept {bits_text} for the native CPU kernels"
+            widened = [t if stays(t) else replace(t, dtype="float32") for t in tensors]
+            return widened, f"kept {bits_text} for the native CPU kernels"
         if keep_quantized:
             return tensors, f"kept {bits_text} on the CPU backend" if bits else ""
         half = "/".join(sorted({t.dtype for t in tensors if t.dtype in ("float16", "bfloat16")}))
         how = f"dequantized from {bits_text}" if bits else (f"from {half}" if half else "")
-        widened = [replace(_dequantized(t), dtype="float32") for t in tensors]
+        widened = [t if stays(t) else replace(_dequantized(t), dtype="float32") for t in tensors]
         return widened, f"{how} for the CPU backend" if how else ""
     if keep_quantized is False:
         return [_dequantized(t) for t in tensors], f"dequantized from {bits_text}" if bits else ""
