@@ -18,11 +18,13 @@ from emulated import metal_kernels_emulated
 from engine_helpers import CharTokenizer, greedy_reference
 from test_hybrid import MAX_TOKENS, PROMPTS, make_engine, run_all, run_counting_cache
 
+from mlx_infer.engine import runner
 from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.engine.speculative import SpeculativeConfig
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.kv import LayerKV, new_cache, window_of
+from mlx_infer.kv import pages
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.loading import load
 from mlx_infer.metal_kernels.emulator import toolchain_available
@@ -173,3 +175,26 @@ def test_allocation_equals_the_plan(windowed):
     assert engine.kv.window.pool.num_blocks == window_pool_blocks(WINDOW, bs, seqs, 512) == 40
     assert window_bytes == plan.window_kv_bytes > 0
     assert main_bytes == seqs * context * plan.kv_bytes_per_token == plan.kv_bytes - plan.window_kv_bytes
+
+
+def test_idle_release_gives_back_both_pools(windowed, monkeypatch):
+    """Idle, both pools unreserve their top chunks, forget their cached prefixes and give back their
+    blocks' pages, each in its own layers' arrays."""
+    _, model, references = windowed
+    engine = make_engine(model, kv_chunk_tokens=16)  # chunks of 4 blocks, so the pools grew in use
+    run_all(engine, PROMPTS)
+    window_pool = engine.kv.window.pool
+    assert window_pool.num_reserved_chunks > window_pool.min_chunks and window_pool.num_cached > 0
+    dropped: list[tuple[bool, int]] = []
+
+    def drop_blocks(cache, blocks, windowed=False):
+        dropped.append((windowed, sum(len(r) for r in blocks)))
+        return pages.drop_blocks(cache, blocks, windowed)
+
+    monkeypatch.setattr(runner, "drop_blocks", drop_blocks)
+    engine.release_idle_kv()
+    assert window_pool.num_reserved_chunks == window_pool.min_chunks
+    assert window_pool.num_cached == engine.kv.pool.num_cached == 0
+    # Every reserved block of each pool, the windowed ones through the windowed layers' arrays.
+    assert [w for w, _ in dropped] == [False, True] and all(n > 0 for _, n in dropped)
+    assert run_all(engine, PROMPTS[:1]) == references[:1]  # and the engine runs on
