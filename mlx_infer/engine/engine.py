@@ -611,12 +611,12 @@ def check_block_accounting(engine: Engine) -> None:
     live = {r.request_id for r in engine.scheduler.running} | {r.request_id for r in engine.scheduler.waiting}
     tables = [(kv.pool, kv.block_tables)]
     if kv.window is not None:
-        tables.append((kv.window.pool, kv.window.tables))
+        tables.append((kv.window.pool, {s: kv.window.held(s) for s in kv.window.tables}))
     for pool, by_seq in tables:
         strays = set(by_seq) - live
         if any(by_seq[s] for s in strays):
             raise RuntimeError(f"block tables of finished requests: {sorted(strays)[:5]}")
-        held = Counter(b for table in by_seq.values() for b in table if b is not None)
+        held = Counter(b for table in by_seq.values() for b in table)
         wrong = [b for b in range(pool.num_blocks) if pool.ref_counts[b] != held.get(b, 0)]
         if wrong:
             raise RuntimeError(f"{len(wrong)} blocks have reference counts that no block table accounts for")

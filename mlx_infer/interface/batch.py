@@ -58,9 +58,9 @@ class SequenceSlice:
     num_new: int  # tokens this step appends (and computes)
     want_all_logits: bool = False  # logits for every new token instead of only the last one
     state_slot: int | None = None  # recurrent-state slot (hybrid models); None: the sequence's batch index
-    # Blocks of the sliding-window layers' pool, in logical order; None where a block lies wholly before
-    # the window and was given back (its positions are masked, so any block may stand in for it).
-    window_table: list[int | None] | None = None
+    # Blocks of the sliding-window layers' pool, in logical order; a block lying wholly before the window
+    # was given back and a placeholder stands in (its positions are masked, so any block may).
+    window_table: list[int] | None = None
 
 
 def build_metadata(slices: list[SequenceSlice], block_size: int) -> BatchMetadata:
@@ -128,18 +128,18 @@ def build_metadata(slices: list[SequenceSlice], block_size: int) -> BatchMetadat
 
 
 def _paging(
-    tables: list[list[int | None]],
+    tables: list[list[int]],
     block_size: int,
     max_blocks: int,
     seq_of_token: np.ndarray,
     positions: np.ndarray,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """(block tables ``[B, max_blocks]``, key slots ``[B, L]``, slot mapping ``[T]``) of one pool's
-    per-sequence block tables; padding and blocks given back (None) read block 0, masked."""
+    per-sequence block tables; padding reads block 0, masked."""
     block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
     for i, table in enumerate(tables):
         row = table[:max_blocks]
-        block_tables[i, : len(row)] = [0 if b is None else b for b in row]
+        block_tables[i, : len(row)] = row
     offsets = np.arange(block_size, dtype=np.int32)
     key_slots = (block_tables[:, :, None] * block_size + offsets).reshape(len(tables), -1)
     slot_mapping = key_slots[seq_of_token, positions]

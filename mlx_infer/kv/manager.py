@@ -193,7 +193,7 @@ class KVCacheManager:
         """The main block pool, then the sliding-window layers' one if the model has it."""
         return [self.pool] + ([] if self.window is None else [self.window.pool])
 
-    def window_table(self, seq_id: str) -> list[int | None] | None:
+    def window_table(self, seq_id: str) -> list[int] | None:
         """The sequence's blocks in the sliding-window layers' pool (None: the model has no such pool)."""
         return None if self.window is None else self.window.tables.get(seq_id, [])
 
