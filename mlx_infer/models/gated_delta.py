@@ -189,15 +189,14 @@ def decode_step(
     The recurrence kernel (:func:`_kernel`) with one token per sequence where there is one;
     :func:`recurrent_gated_delta` otherwise (the reference).
     """
-    b, h, dk = k.shape
+    h, dk = k.shape[1:]
     dv = v.shape[-1]
     decay = mx.exp(g) * keep[:, None]
     one = (x[:, None] for x in (q, k, v, decay, beta))
     out = _kernel(*one, state, index, slots, None)
     if out is not None:
         return out[:, 0]
-    current = state.arrays[index][slots].reshape(b, h, dk + 1, dv)[:, :, :dk]
-    out, new = recurrent_gated_delta(q, k, v, g, beta, current, keep)
+    out, new = recurrent_gated_delta(q, k, v, g, beta, _slot_matrices(state, index, slots, h, dk, dv), keep)
     state.put(index, slots, mx.concatenate([new, out[:, :, None]], axis=2))
     return out
 
@@ -232,12 +231,17 @@ def sequences_step(
         return out
     # Padding rows must leave the state as it is: no decay (g = 0) and no write (beta = 0).
     valid = layout.valid[..., None]
-    initial = state.arrays[index][slots].reshape(b, h, dk + 1, dv)[:, :, :dk] * keep[:, None, None, None]
+    initial = _slot_matrices(state, index, slots, h, dk, dv) * keep[:, None, None, None]
     out, recurrent = chunk_gated_delta(q, k, v, g * valid, beta * valid, initial)
     # The slot's row after each head's matrix is the kernels' output row: nothing to keep there.
     scratch = mx.zeros((b, h, 1, dv), dtype=recurrent.dtype)
     state.put(index, slots, mx.concatenate([recurrent, scratch], axis=2))
     return out
+
+
+def _slot_matrices(state: LayerState, index: int, slots: mx.array, h: int, dk: int, dv: int) -> mx.array:
+    """``[B, H, Dk, Dv]``: each sequence's state matrices as its slot holds them (the reference paths)."""
+    return state.arrays[index][slots].reshape(-1, h, dk + 1, dv)[:, :, :dk]
 
 
 def _kernel(
