@@ -63,9 +63,10 @@ def _switched_activations(kind: str):
     cpu_kernels.set_activations("float32")
 
 
-@pytest.fixture(params=["int8", "int8-avx2"])
+@pytest.fixture(params=["int8", "int8-256", "int8-avx2"])
 def int8_activations(native, request):
-    """Each int8 build (VNNI where this CPU has it, and AVX2)."""
+    """Each int8 build: the default (512-bit vectors where this CPU has AVX-512 VNNI), the 256-bit one
+    (VNNI where this CPU has it) and plain AVX2."""
     yield from _switched_activations(request.param)
 
 
@@ -74,7 +75,7 @@ def int16_activations(native):
     yield from _switched_activations("int16")
 
 
-@pytest.fixture(params=["int8", "int8-avx2", "int16"])
+@pytest.fixture(params=["int8", "int8-256", "int8-avx2", "int16"])
 def integer_activations(native, request):
     """Each kind that quantizes x (every product's rows must be independent of each other)."""
     yield from _switched_activations(request.param)
@@ -98,14 +99,18 @@ def _np_int8_product(x: np.ndarray, w: mx.array, scales: mx.array, biases: mx.ar
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 100, 512])
+@pytest.mark.parametrize(
+    "rows,k", [(1, 640), (1, 576), (3, 640), (16, 576), (17, 640), (100, 576), (512, 640)]
+)
 def test_int8_activation_products_equal_their_numpy_scheme(int8_activations, bits: int, group: int,
-                                                           rows: int):
+                                                           rows: int, k: int):
     """Every row count, decode to prefill (4-row tiles and their remainder, several 64-row blocks;
     37 features: a tail of the 8-feature chunks), computes exactly w . x^, much closer to it than to
-    the float product."""
-    rng = np.random.default_rng(bits * 100 + group + rows)
-    k, features = 640, 37
+    the float product. K = 576 (SmolLM2's) ends the 512-bit kernel's 128-value steps with a 64-value one
+    (groups of 32 and 64; 640 for groups of 128, which 576 is not a multiple of)."""
+    k = k if k % group == 0 else 640
+    rng = np.random.default_rng(bits * 100 + group + rows + k)
+    features = 37
     weight = mx.array(rng.standard_normal((features, k)).astype(np.float32))
     w, scales, biases = mx.quantize(weight, group, bits)
     x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -372,7 +377,7 @@ def _check_attention(shapes, n_heads, n_kv, head_dim, window, softcap, seed, sin
 @pytest.mark.parametrize(
     "n_heads,n_kv,head_dim,window,softcap",
     [(4, 4, 64, None, None), (6, 2, 80, None, None), (8, 2, 128, None, None), (3, 1, 64, 7, None),
-     (4, 2, 64, None, 30.0)],
+     (4, 2, 64, None, 30.0), (10, 2, 72, None, None)],
 )
 def test_paged_attention_equals_numpy(native, n_heads, n_kv, head_dim, window, softcap):
     """A ragged step over permuted block tables: decodes at contexts 1, 15, 16, 17 and 300, and a

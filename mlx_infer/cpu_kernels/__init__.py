@@ -48,8 +48,9 @@ _reason = "not loaded yet"
 _step = StepMemo()
 
 ACTIVATIONS_ENV_VAR = "MLX_INFER_CPU_ACTIVATIONS"
-# int8-avx2: the int8 kernel without VNNI; int16: int16 x for the 4-bit weights too (8-bit ones always)
-ACTIVATIONS = ("int8", "int8-avx2", "int16", "float32")
+# int8-256: the int8 kernel in 256-bit vectors (VNNI where the CPU has it) even where AVX-512 VNNI
+# would be chosen; int8-avx2: without VNNI; int16: int16 x for the 4-bit weights too (8-bit ones always)
+ACTIVATIONS = ("int8", "int8-256", "int8-avx2", "int16", "float32")
 # Pools the kernels read and write (src/kv_format.h): int8 ones hold each head's row and its scale.
 KV_POOL_DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int8)
 
@@ -88,8 +89,8 @@ def set_activations(kind: str) -> None:
 
 
 def activations() -> str:
-    """The activations in use: ``"int8-vnni"``, ``"int8-avx2"``, ``"int16"`` or ``"float32"`` (also where
-    the kernels are unavailable)."""
+    """The activations in use: ``"int8-avx512"``, ``"int8-vnni"``, ``"int8-avx2"``, ``"int16"`` or
+    ``"float32"`` (also where the kernels are unavailable)."""
     return _native.activations() if available() else "float32"
 
 

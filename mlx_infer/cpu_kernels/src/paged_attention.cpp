@@ -42,63 +42,128 @@ KeyRange visible(const AttentionArgs& p, int t) {
   return {lo, hi};
 }
 
+// Scores of keys k[0..KB) against query heads q[0..RB) (D a multiple of 8): each key's 8 values at a
+// time are converted once and meet every head, and the KB x RB sums are reduced together (four keys'
+// sums per head in three horizontal adds and one add), not one horizontal sum per dot product.
+// Writes s[r * n + i] = (q_r . k_i) * row scale * `scale` for i < KB.
+template <KVType K, int KB, int RB>
+inline void score_keys(const float* const* q, const uint8_t* const* k, int D, float scale, float* s, int n) {
+  __m256 acc[KB][RB];
+  for (int i = 0; i < KB; ++i)
+    for (int r = 0; r < RB; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int d = 0; d < D; d += 8) {
+    __m256 kv[KB];
+    for (int i = 0; i < KB; ++i) kv[i] = load8<K>(k[i], d);
+    for (int r = 0; r < RB; ++r) {
+      const __m256 qv = _mm256_loadu_ps(q[r] + d);
+      for (int i = 0; i < KB; ++i) acc[i][r] = _mm256_fmadd_ps(qv, kv[i], acc[i][r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    if constexpr (KB == 4) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][r], acc[1][r]), _mm256_hadd_ps(acc[2][r], acc[3][r]));
+      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      const __m128 scales = _mm_setr_ps(row_scale<K>(k[0], D), row_scale<K>(k[1], D), row_scale<K>(k[2], D),
+                                        row_scale<K>(k[3], D));
+      _mm_storeu_ps(s + r * n, _mm_mul_ps(sums, _mm_mul_ps(scales, _mm_set1_ps(scale))));
+    } else {
+      for (int i = 0; i < KB; ++i) s[r * n + i] = hsum(acc[i][r]) * (row_scale<K>(k[i], D) * scale);
+    }
+  }
+}
+
+// Scores of the n keys `rows` (each at this KV head's row) against RB query heads: four keys a step.
+template <KVType K, int RB>
+void score_heads(const float* const* q, const uint8_t* const* rows, int n, int D, float scale, float* s) {
+  int i = 0;
+  for (; i + 4 <= n; i += 4) score_keys<K, 4, RB>(q, rows + i, D, scale, s + i, n);
+  for (; i < n; ++i) score_keys<K, 1, RB>(q, rows + i, D, scale, s + i, n);
+}
+
+// out[r][d..d + 8 * DB) = sum_i w[r * n + i] * v_i[d..] for RB query heads: the outputs stay in
+// registers over all n keys, each value vector converted once for every head.
+template <KVType K, int RB, int DB>
+inline void weigh_values(const uint8_t* const* v, const float* w, int n, int d, int scale_at, float* const* out) {
+  __m256 acc[RB][DB];
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < DB; ++b) acc[r][b] = _mm256_setzero_ps();
+  for (int i = 0; i < n; ++i) {
+    __m256 vv[DB];
+    for (int b = 0; b < DB; ++b) vv[b] = load8<K>(v[i], d + 8 * b);
+    const float row = row_scale<K>(v[i], scale_at);
+    for (int r = 0; r < RB; ++r) {
+      const __m256 wv = _mm256_set1_ps(w[r * n + i] * row);
+      for (int b = 0; b < DB; ++b) acc[r][b] = _mm256_fmadd_ps(vv[b], wv, acc[r][b]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < DB; ++b) _mm256_storeu_ps(out[r] + d + 8 * b, acc[r][b]);
+}
+
+template <KVType K, int RB>
+void value_heads(const uint8_t* const* v, const float* w, int n, int Dv, int scale_at, float* const* out) {
+  int d = 0;
+  for (; d + 16 <= Dv; d += 16) weigh_values<K, RB, 2>(v, w, n, d, scale_at, out);
+  for (; d < Dv; d += 8) weigh_values<K, RB, 1>(v, w, n, d, scale_at, out);
+}
+
+// f(RB, r0) over the query heads of one KV head in groups of up to three (the registers of
+// score_keys' 4 x 3 sums and weigh_values' 3 x 2 outputs).
+template <typename F>
+void head_groups(int rep, F&& f) {
+  for (int r0 = 0; r0 < rep; r0 += 3) f(std::min(3, rep - r0), r0);
+}
+
 // All of token t's query heads over keys [lo, hi] (non-empty). A pool slot holds the n_kv heads'
-// rows side by side, so walking the keys reads each slot's K (then V) as one contiguous run, and
-// blocks of block_size slots as one longer run: per-KV-head tasks read a third of every slot each
-// (SmolLM2), a strided pattern that reached ~7 GB/s where the machine streams 16. The GQA query heads
-// of a KV head share each K/V row load, and keys are walked block by block (no division per key).
+// rows side by side; the keys' slots are looked up once through the block table and prefetched (the
+// blocks are scattered, which the hardware prefetcher does not follow). Per KV head, its GQA query
+// heads share every K/V row conversion (score_keys, weigh_values).
 // Writes out[h] = sum_j exp(s_hj - max_h) v_j (unnormalized), max_h, and total_h = sum_j exp(s_hj - max_h).
 // K is the pools' row type: half and int8 rows are converted as they are read, int8 scales applied to
 // the dot product and the softmax weight.
 template <KVType K>
-void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float>& scores, float* out,
-                 float* max_score, float* total) {
+void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float>& scores,
+                 std::vector<const uint8_t*>& rows, float* out, float* max_score, float* total) {
   const int seq = p.token_seq[t];
   const int rep = p.H / p.n_kv;
-  const int lo = keys.lo, hi = keys.hi;
+  const int lo = keys.lo, n = keys.hi - keys.lo + 1;
   const size_t head_bytes = kv_head_bytes(K, p.D), v_head_bytes = kv_head_bytes(K, p.Dv_row);
   const size_t slot_bytes = static_cast<size_t>(p.n_kv) * head_bytes;  // one slot: every KV head
   const size_t v_slot_bytes = static_cast<size_t>(p.n_kv) * v_head_bytes;
   const float* q = p.q + static_cast<size_t>(t) * p.q_stride;
-  std::fill(out, out + static_cast<size_t>(p.H) * p.Dv, 0.0f);
   const int32_t* table = p.block_tables + static_cast<size_t>(seq) * p.max_blocks;
-  const int n = hi - lo + 1;
   scores.resize(static_cast<size_t>(p.H) * n);
-  auto row_of = [&](const uint8_t* pool, size_t slot_bytes, int j) {  // for the prefetch
+  rows.resize(3 * static_cast<size_t>(n));  // key rows and value rows of KV head 0, one KV head's rows
+  const uint8_t** krows = rows.data();
+  const uint8_t** vrows = krows + n;
+  const uint8_t** head_rows = vrows + n;
+  for (int i = 0; i < n; ++i) {
+    const int j = lo + i;
     const size_t slot = static_cast<size_t>(table[j / p.block_size]) * p.block_size + j % p.block_size;
-    return pool + slot * slot_bytes;
-  };
-  // Calls f(i, row) for the i-th key of the range, row pointing at its slot in `pool`. Blocks are
-  // scattered, which the hardware prefetcher does not follow: the slot kPrefetch keys ahead is
-  // requested explicitly.
-  constexpr int kPrefetch = 2;
-  auto for_each_key = [&](const uint8_t* pool, size_t slot_bytes, auto&& f) {
-    for (int j = lo; j <= hi;) {
-      const int block = j / p.block_size;
-      const int end = std::min(hi + 1, (block + 1) * p.block_size);
-      const uint8_t* base = pool + static_cast<size_t>(table[block]) * p.block_size * slot_bytes;
-      for (; j < end; ++j) {
-        if (j + kPrefetch <= hi) {
-          const char* ahead = reinterpret_cast<const char*>(row_of(pool, slot_bytes, j + kPrefetch));
-          for (size_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-        }
-        f(j - lo, base + static_cast<size_t>(j % p.block_size) * slot_bytes);
-      }
-    }
-  };
-  // Query head h = kv_head * rep + r reads KV head kv_head's row.
-  for_each_key(p.keys, slot_bytes, [&](int i, const uint8_t* k) {
-    for (int kv_head = 0, h = 0; kv_head < p.n_kv; ++kv_head) {
-      const uint8_t* k_head = k + kv_head * head_bytes;
-      for (int r = 0; r < rep; ++r, ++h) {
-        float s = dot_row<K>(q + static_cast<size_t>(h) * p.D, k_head, p.D) * p.scale;
-        if (p.softcap > 0.0f) s = std::tanh(s / p.softcap) * p.softcap;
-        scores[static_cast<size_t>(h) * n + i] = s;
-      }
-    }
-  });
+    krows[i] = p.keys + slot * slot_bytes;
+    vrows[i] = p.values + slot * v_slot_bytes;
+    for (size_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(krows[i]) + b, _MM_HINT_T0);
+  }
+  for (int kv_head = 0; kv_head < p.n_kv; ++kv_head) {
+    for (int i = 0; i < n; ++i) head_rows[i] = krows[i] + kv_head * head_bytes;
+    head_groups(rep, [&](int group, int r0) {
+      const int h0 = kv_head * rep + r0;
+      const float* qs[3] = {q + static_cast<size_t>(h0) * p.D, q + static_cast<size_t>(h0 + 1) * p.D,
+                            q + static_cast<size_t>(h0 + 2) * p.D};
+      float* s = scores.data() + static_cast<size_t>(h0) * n;
+      if (group == 3) score_heads<K, 3>(qs, head_rows, n, p.D, p.scale, s);
+      if (group == 2) score_heads<K, 2>(qs, head_rows, n, p.D, p.scale, s);
+      if (group == 1) score_heads<K, 1>(qs, head_rows, n, p.D, p.scale, s);
+    });
+  }
+  for (int i = 0; i < n; ++i) {
+    for (size_t b = 0; b < v_slot_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vrows[i]) + b, _MM_HINT_T0);
+  }
   for (int h = 0; h < p.H; ++h) {
     float* row = scores.data() + static_cast<size_t>(h) * n;
+    if (p.softcap > 0.0f) {
+      for (int i = 0; i < n; ++i) row[i] = std::tanh(row[i] / p.softcap) * p.softcap;
+    }
     const float m = *std::max_element(row, row + n);
     const __m256 vmax = _mm256_set1_ps(m);
     __m256 vtotal = _mm256_setzero_ps();
@@ -116,15 +181,18 @@ void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float
     max_score[h] = m;
     total[h] = sum;
   }
-  for_each_key(p.values, v_slot_bytes, [&](int i, const uint8_t* v) {
-    for (int kv_head = 0, h = 0; kv_head < p.n_kv; ++kv_head) {
-      const uint8_t* v_head = v + kv_head * v_head_bytes;
-      for (int r = 0; r < rep; ++r, ++h) {
-        axpy_row<K>(out + static_cast<size_t>(h) * p.Dv, v_head, scores[static_cast<size_t>(h) * n + i], p.Dv,
-                    p.Dv_row);
-      }
-    }
-  });
+  for (int kv_head = 0; kv_head < p.n_kv; ++kv_head) {
+    for (int i = 0; i < n; ++i) head_rows[i] = vrows[i] + kv_head * v_head_bytes;
+    head_groups(rep, [&](int group, int r0) {
+      const int h0 = kv_head * rep + r0;
+      float* outs[3] = {out + static_cast<size_t>(h0) * p.Dv, out + static_cast<size_t>(h0 + 1) * p.Dv,
+                        out + static_cast<size_t>(h0 + 2) * p.Dv};
+      const float* w = scores.data() + static_cast<size_t>(h0) * n;
+      if (group == 3) value_heads<K, 3>(head_rows, w, n, p.Dv, p.Dv_row, outs);
+      if (group == 2) value_heads<K, 2>(head_rows, w, n, p.Dv, p.Dv_row, outs);
+      if (group == 1) value_heads<K, 1>(head_rows, w, n, p.Dv, p.Dv_row, outs);
+    });
+  }
 }
 
 // Keys a chunk: boundaries at multiples of this from the first visible key. Small enough that a
@@ -137,16 +205,22 @@ int chunks_of(KeyRange keys) { return keys.hi < keys.lo ? 0 : (keys.hi - keys.lo
 // One chunk's partial result: out rows [H, Dv] (unnormalized), then maxima [H], then totals [H].
 size_t partial_size(const AttentionArgs& p) { return static_cast<size_t>(p.H) * (p.Dv + 2); }
 
-void attend_chunk(const AttentionArgs& p, int t, KeyRange keys, int c, std::vector<float>& scores, float* at) {
+// Each worker's scratch for attend_keys: scores [H, n] and the chunk's row pointers.
+struct Scratch {
+  std::vector<float> scores;
+  std::vector<const uint8_t*> rows;
+};
+
+void attend_chunk(const AttentionArgs& p, int t, KeyRange keys, int c, Scratch& scratch, float* at) {
   const KeyRange mine{keys.lo + c * kChunkKeys, std::min(keys.hi, keys.lo + (c + 1) * kChunkKeys - 1)};
   const size_t out_size = static_cast<size_t>(p.H) * p.Dv;
   float* max_score = at + out_size;
   float* total = max_score + p.H;
   switch (p.kv_type) {
-    case KVType::f32: attend_keys<KVType::f32>(p, t, mine, scores, at, max_score, total); break;
-    case KVType::f16: attend_keys<KVType::f16>(p, t, mine, scores, at, max_score, total); break;
-    case KVType::bf16: attend_keys<KVType::bf16>(p, t, mine, scores, at, max_score, total); break;
-    case KVType::i8: attend_keys<KVType::i8>(p, t, mine, scores, at, max_score, total); break;
+    case KVType::f32: attend_keys<KVType::f32>(p, t, mine, scratch.scores, scratch.rows, at, max_score, total); break;
+    case KVType::f16: attend_keys<KVType::f16>(p, t, mine, scratch.scores, scratch.rows, at, max_score, total); break;
+    case KVType::bf16: attend_keys<KVType::bf16>(p, t, mine, scratch.scores, scratch.rows, at, max_score, total); break;
+    case KVType::i8: attend_keys<KVType::i8>(p, t, mine, scratch.scores, scratch.rows, at, max_score, total); break;
   }
 }
 
@@ -176,12 +250,13 @@ void merge(const AttentionArgs& p, int t, const float* first, int chunks) {
 // Each token one task: its chunks in turn into a per-thread buffer, then merged.
 void attend_by_token(const AttentionArgs& p, ThreadPool& threads) {
   threads.for_range(p.T, 1, [&](int begin, int end) {
-    std::vector<float> scores, partial;
+    Scratch scratch;
+    std::vector<float> partial;
     for (int t = begin; t < end; ++t) {
       const KeyRange keys = visible(p, t);
       const int chunks = chunks_of(keys);
       partial.resize(chunks * partial_size(p));
-      for (int c = 0; c < chunks; ++c) attend_chunk(p, t, keys, c, scores, partial.data() + c * partial_size(p));
+      for (int c = 0; c < chunks; ++c) attend_chunk(p, t, keys, c, scratch, partial.data() + c * partial_size(p));
       merge(p, t, partial.data(), chunks);
     }
   });
@@ -193,10 +268,10 @@ void attend_by_chunk(const AttentionArgs& p, ThreadPool& threads) {
   for (int t = 0; t < p.T; ++t) first[t + 1] = first[t] + chunks_of(visible(p, t));
   std::vector<float> partial(first[p.T] * partial_size(p));
   threads.for_range(first[p.T], 1, [&](int begin, int end) {
-    std::vector<float> scores;
+    Scratch scratch;
     for (int i = begin; i < end; ++i) {
       const int t = static_cast<int>(std::upper_bound(first.begin(), first.end(), i) - first.begin()) - 1;
-      attend_chunk(p, t, visible(p, t), i - first[t], scores, partial.data() + i * partial_size(p));
+      attend_chunk(p, t, visible(p, t), i - first[t], scratch, partial.data() + i * partial_size(p));
     }
   });
   for (int t = 0; t < p.T; ++t) merge(p, t, partial.data() + first[t] * partial_size(p), first[t + 1] - first[t]);

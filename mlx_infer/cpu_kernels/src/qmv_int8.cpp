@@ -39,7 +39,7 @@
 #include <cstdint>
 
 #include "qmv_int8.h"
-#include "simd.h"
+#include "qmv_int8_parts.h"
 
 namespace mlx_infer {
 #ifdef MLX_INFER_VNNI
@@ -62,34 +62,6 @@ inline __m256i dot_nibbles(__m256i lo, __m256i xe, __m256i hi, __m256i xo) {
 #endif
 }
 
-// The weight scales of the block pair starting at block b for feature row `sw` of group scales:
-// lanes 0-3 block b's, lanes 4-7 block b + 1's (the lanes of dot_nibbles' sums).
-inline __m256 pair_scales(const float* sw, int b, int blocks_per_group) {
-  return _mm256_set_m128(_mm_set1_ps(sw[(b + 1) / blocks_per_group]), _mm_set1_ps(sw[b / blocks_per_group]));
-}
-
-// sum_g b_{n,g} * xsum_{m,g}: eight groups a step, the tail masked.
-inline float bias_term(const Int8Problem& p, int n, int m) {
-  const int groups = p.K / p.group;
-  const float* b = p.biases + static_cast<size_t>(n) * groups;
-  const float* xs = p.xsum + static_cast<size_t>(m) * groups;
-  __m256 sum = _mm256_setzero_ps();
-  int g = 0;
-  for (; g + 8 <= groups; g += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(b + g), _mm256_loadu_ps(xs + g), sum);
-  if (g < groups) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(groups - g), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    sum = _mm256_fmadd_ps(_mm256_maskload_ps(b + g, mask), _mm256_maskload_ps(xs + g, mask), sum);
-  }
-  return hsum(sum);
-}
-
-// How far ahead (in tiles of the same product) the weights, scales and biases are prefetched. The
-// hardware prefetchers alone left these small products (a few hundred KB each, in three streams)
-// waiting on memory: on the 2-vCPU AMD EPYC VM, SmolLM2's 120 layer products and 8-bit head called
-// in turn, as in a decode step (115 MB), went from 12.7-15.3 to 7.4-10.2 ms (medians of 30, two
-// runs each); 4 tiles ahead was no better than 2.
-constexpr int kPrefetchTiles = 2;
-
 // The accumulators of an NB-feature by MB-row output tile, with each feature's weight and scale rows.
 // Constructing it prefetches the scales and biases of the tile kPrefetchTiles ahead; prefetch(i)
 // the weights that tile's step i will read (beyond the end of the arrays is harmless: no faults).
@@ -108,11 +80,7 @@ struct Tile {
       for (int m = 0; m < MB; ++m) total[r][m] = _mm256_setzero_ps();
     }
     ahead = reinterpret_cast<const char*>(wr[0]) + kPrefetchTiles * NB * row_bytes;
-    const size_t at = static_cast<size_t>(n0 + kPrefetchTiles * NB) * groups;
-    for (size_t b = 0; b < NB * groups * sizeof(float); b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p.scales + at) + b, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p.biases + at) + b, _MM_HINT_T0);
-    }
+    prefetch_scales(p, n0 + kPrefetchTiles * NB, NB);
   }
 
   // Step i reads 32 bytes of each row, so over the tile's steps its NB contiguous rows are read at
@@ -242,10 +210,6 @@ void rows(const Int8Problem& p, int n, int m0, int m1) {
   for (; m + 4 <= m1; m += 4) tile<BITS, 4, NB>(p, n, m);
   for (; m < m1; ++m) tile<BITS, 1, NB>(p, n, m);
 }
-
-// Rows taken together: their int8 x (kRowBlock * K bytes, 36-96 KB for SmolLM2) stays in L2 while the
-// caller's features sweep across it; a decode step's few rows are one block.
-constexpr int kRowBlock = 64;
 
 // Four features a tile for one to three rows (four independent accumulator chains), two for 4-row
 // blocks. The tiles only group operations: a row's output is computed the same way in any of them.

@@ -31,5 +31,11 @@ void features(const Int8Problem& p, int n0, int n1);
 namespace int8_vnni {
 void features(const Int8Problem& p, int n0, int n1);
 }
+// 512-bit vectors (qmv_int8_avx512.cpp): int8 x for 4-bit weights and int16 x for 8-bit ones, for the
+// weight group sizes `handles` accepts.
+namespace int8_avx512 {
+bool handles(int group);
+void features(const Int8Problem& p, int n0, int n1);
+}
 
 }  // namespace mlx_infer

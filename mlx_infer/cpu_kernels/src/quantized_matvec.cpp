@@ -176,12 +176,37 @@ class SingleThreadedBlas {
 
 using Int8Features = void (*)(const Int8Problem&, int, int);
 
-// The int8 build for this CPU: VNNI where the CPU (and the compiler that built this) has it.
-Int8Features best_int8() {
+// The 256-bit int8 build for this CPU: VNNI where the CPU (and the compiler that built this) has it.
+Int8Features best_int8_256() {
 #ifdef MLX_INFER_HAVE_VNNI
   if (__builtin_cpu_supports("avxvnni")) return int8_vnni::features;
 #endif
   return int8_avx2::features;
+}
+
+#ifdef MLX_INFER_HAVE_AVX512
+// The 512-bit build where it computes the product; the best 256-bit one for what it leaves (4-bit
+// weights against int16 x, weight groups whose block scales have no fixed 4-block pattern).
+void avx512_or_256(const Int8Problem& p, int n0, int n1) {
+  static const Int8Features fallback = best_int8_256();
+  if ((p.bits == 4 && p.x16) || !int8_avx512::handles(p.group)) {
+    fallback(p, n0, n1);
+  } else {
+    int8_avx512::features(p, n0, n1);
+  }
+}
+#endif
+
+// The int8 build for this CPU: 512-bit vectors where it has AVX-512 with VNNI (and the compiler that
+// built this did), else the best 256-bit one.
+Int8Features best_int8() {
+#ifdef MLX_INFER_HAVE_AVX512
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    return avx512_or_256;
+  }
+#endif
+  return best_int8_256();
 }
 
 // nullptr: float32 activations.
@@ -338,8 +363,10 @@ void set_activations(const std::string& kind) {
     g_int8.store(best_int8());
   } else if (kind == "int8-avx2") {
     g_int8.store(int8_avx2::features);
+  } else if (kind == "int8-256") {
+    g_int8.store(best_int8_256());
   } else {
-    throw std::invalid_argument("activations must be float32, int8, int8-avx2 or int16, not " + kind);
+    throw std::invalid_argument("activations must be float32, int8, int8-256, int8-avx2 or int16, not " + kind);
   }
   g_x16.store(kind == "int16");
 }
@@ -348,7 +375,11 @@ std::string activations() {
   const Int8Features features = g_int8.load();
   if (features == nullptr) return "float32";
   if (g_x16.load()) return "int16";
-  return features == int8_avx2::features ? "int8-avx2" : "int8-vnni";
+  if (features == int8_avx2::features) return "int8-avx2";
+#ifdef MLX_INFER_HAVE_AVX512
+  if (features == avx512_or_256) return "int8-avx512";
+#endif
+  return "int8-vnni";
 }
 
 AffineWeights::AffineWeights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,

@@ -4,6 +4,9 @@
 #include <immintrin.h>
 
 namespace mlx_infer {
+// Internal linkage: the int8 kernels are built several times with different target flags (CMakeLists),
+// and one shared inline copy compiled with AVX-512 could be the one every build links to.
+namespace {
 
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
@@ -58,4 +61,5 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
 
+}  // namespace
 }  // namespace mlx_infer

@@ -1,0 +1,215 @@
+// The int8-activation products of qmv_int8.cpp in 512-bit vectors, for CPUs with AVX-512 VNNI.
+//
+// Same scheme, same inputs (QuantizedX's layouts), same result up to float32 summation order: see
+// qmv_int8.cpp for the arithmetic. What changes is how many instructions a weight costs, which is what
+// bounds these products on a CPU whose caches hold the weights: at batch 1 the 256-bit kernel spends
+// about five instructions on 32 weights besides the two VNNI sums (nibble masks, the two scale
+// broadcasts, the float conversion and multiply-add), at 16 rows a tile still about three per row.
+// A 64-byte vector holds four blocks of 32 weights (blocks 2q..2q + 3), so every one of those
+// instructions now covers twice the weights, and a block's weight scale comes from one permute of a
+// 4-float load instead of two broadcasts and an insert.
+//
+// A product with K % 128 == 64 (SmolLM2's 576) ends with one 256-bit step on the last block pair,
+// added into the low half of the accumulators: every row takes the same path whatever the row count,
+// so a row's outputs still do not depend on the other rows.
+//
+// Weight groups of 32 or 64 values, or multiples of 128, give every 4 blocks' scales a fixed permute
+// pattern; other group sizes stay with the 256-bit build (quantized_matvec.cpp: best_int8_for).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "qmv_int8.h"
+#include "qmv_int8_parts.h"
+
+namespace mlx_infer {
+namespace int8_avx512 {
+
+namespace {
+
+inline float hsum512(__m512 v) {
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm512_extractf32x8_ps(v, 1);
+  return hsum(_mm256_add_ps(lo, hi));
+}
+
+// The lane -> scale index pattern of four consecutive blocks 4j..4j + 3 (lanes 4i..4i + 3 hold
+// block 4j + i's sums), and how many scales those blocks use from sr + 4j / bpg.
+struct QuadScales {
+  __m512i index;
+  __mmask8 load;
+
+  explicit QuadScales(int bpg) {
+    alignas(64) int32_t lanes[16];
+    for (int l = 0; l < 16; ++l) lanes[l] = bpg <= 2 ? (l / 4) / bpg : 0;
+    index = _mm512_load_si512(lanes);
+    load = static_cast<__mmask8>(bpg == 1 ? 0xF : bpg == 2 ? 0x3 : 0x1);
+  }
+
+  // Block scales of blocks b..b + 3 of weight row sr, each in its blocks' lanes.
+  __m512 of(const float* sr, int b, int bpg) const {
+    return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(_mm_maskz_loadu_ps(load, sr + b / bpg)));
+  }
+};
+
+// An NB-feature by MB-row output tile's accumulators and weight/scale rows, prefetching as
+// qmv_int8.cpp's Tile does (each step reads `step_bytes` of every row).
+template <int MB, int NB>
+struct Tile {
+  __m512 total[NB][MB];
+  const uint8_t* wr[NB];
+  const float* sr[NB];
+  const char* ahead;
+  int step_bytes;
+
+  Tile(const Int8Problem& p, int n0, size_t row_bytes, int step) : step_bytes(step) {
+    const int groups = p.K / p.group;
+    for (int r = 0; r < NB; ++r) {
+      wr[r] = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0 + r) * row_bytes;
+      sr[r] = p.scales + static_cast<size_t>(n0 + r) * groups;
+      for (int m = 0; m < MB; ++m) total[r][m] = _mm512_setzero_ps();
+    }
+    ahead = reinterpret_cast<const char*>(wr[0]) + kPrefetchTiles * NB * row_bytes;
+    prefetch_scales(p, n0 + kPrefetchTiles * NB, NB);
+  }
+
+  void prefetch(int i) const {
+    for (int b = 0; b < NB * step_bytes; b += 64) {
+      _mm_prefetch(ahead + static_cast<size_t>(i) * NB * step_bytes + b, _MM_HINT_T0);
+    }
+  }
+
+  void store(const Int8Problem& p, int n0, int m0) const {
+    for (int r = 0; r < NB; ++r) {
+      for (int m = 0; m < MB; ++m) {
+        p.out[static_cast<size_t>(m0 + m) * p.N + n0 + r] = hsum512(total[r][m]) + bias_term(p, n0 + r, m0 + m);
+      }
+    }
+  }
+};
+
+// 4-bit weights against int8 x. Per 128 weights (64 bytes: blocks 2q..2q + 3 as two of
+// qmv_int8.cpp's 32-byte pairs) the low nibbles meet the pairs' even x values, the high nibbles their
+// odd ones; x's 64-value groups (even A, even B, odd A, odd B) are joined two by two.
+template <int MB, int NB>
+void tile4(const Int8Problem& p, int n0, int m0, const QuadScales& quad) {
+  const int pairs = p.K / 64;
+  const int bpg = p.group / 32;
+  Tile<MB, NB> t(p, n0, p.K / 2, 64);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  int q = 0;
+  for (; q + 2 <= pairs; q += 2) {
+    t.prefetch(q / 2);
+    __m512i xe[MB], xo[MB];
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* xq = p.xq + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(q) * 64;
+      const auto at = [xq](int offset) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + offset)); };
+      xe[m] = _mm512_inserti64x4(_mm512_castsi256_si512(at(0)), at(64), 1);
+      xo[m] = _mm512_inserti64x4(_mm512_castsi256_si512(at(32)), at(96), 1);
+    }
+    for (int r = 0; r < NB; ++r) {
+      const __m512i v = _mm512_loadu_si512(t.wr[r] + static_cast<size_t>(q) * 32);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __m512 sw = quad.of(t.sr[r], 2 * q, bpg);
+      for (int m = 0; m < MB; ++m) {
+        const __m512i acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe[m]), hi, xo[m]);
+        const __m512 dx = _mm512_loadu_ps(p.dx_lanes + (static_cast<size_t>(m0 + m) * pairs + q) * 8);
+        t.total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sw, dx), t.total[r][m]);
+      }
+    }
+  }
+  if (q < pairs) {  // the last block pair, in 256 bits, into the low half
+    const __m256i low256 = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < NB; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.wr[r] + static_cast<size_t>(q) * 32));
+      const __m256i lo = _mm256_and_si256(v, low256);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low256);
+      const __m256 sw = pair_scales(t.sr[r], 2 * q, bpg);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xq = p.xq + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(q) * 64;
+        const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+        const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+        const __m256i acc = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xe), hi, xo);
+        const __m256 dx = _mm256_loadu_ps(p.dx_lanes + (static_cast<size_t>(m0 + m) * pairs + q) * 8);
+        const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(sw, dx));
+        t.total[r][m] = _mm512_add_ps(t.total[r][m], _mm512_zextps256_ps512(part));
+      }
+    }
+  }
+  t.store(p, n0, m0);
+}
+
+// 8-bit weights u (0..255) widened to 16 bits against int16 x: one vpmaddwd per block of 32.
+template <int MB, int NB>
+void tile8(const Int8Problem& p, int n0, int m0) {
+  const int blocks = p.K / 32;
+  const int bpg = p.group / 32;
+  Tile<MB, NB> t(p, n0, p.K, 32);
+  for (int b = 0; b < blocks; ++b) {
+    t.prefetch(b);
+    for (int r = 0; r < NB; ++r) {
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.wr[r] + static_cast<size_t>(b) * 32)));
+      const float s = t.sr[r][b / bpg];
+      for (int m = 0; m < MB; ++m) {
+        const size_t at = static_cast<size_t>(m0 + m) * blocks + b;
+        const __m512i x = _mm512_loadu_si512(p.xq16 + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(b) * 32);
+        const __m512i dot = _mm512_madd_epi16(w, x);
+        t.total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(s * p.dx[at]), t.total[r][m]);
+      }
+    }
+  }
+  t.store(p, n0, m0);
+}
+
+template <int BITS, int MB, int NB>
+void rows_tile(const Int8Problem& p, int n, int m0, const QuadScales& quad) {
+  if constexpr (BITS == 4) {
+    tile4<MB, NB>(p, n, m0, quad);
+  } else {
+    tile8<MB, NB>(p, n, m0);
+  }
+}
+
+template <int BITS, int NB>
+void rows(const Int8Problem& p, int n, int m0, int m1, const QuadScales& quad) {
+  int m = m0;
+  for (; m + 4 <= m1; m += 4) rows_tile<BITS, 4, NB>(p, n, m, quad);
+  for (; m < m1; ++m) rows_tile<BITS, 1, NB>(p, n, m, quad);
+}
+
+template <int BITS>
+void feature_range(const Int8Problem& p, int n0, int n1) {
+  const QuadScales quad(p.group / 32);
+  for (int m0 = 0; m0 < p.M; m0 += kRowBlock) {
+    const int m1 = std::min(p.M, m0 + kRowBlock);
+    const bool few = m1 - m0 < 4;
+    int n = n0;
+    if (few) {
+      for (; n + 4 <= n1; n += 4) rows<BITS, 4>(p, n, m0, m1, quad);
+    } else {
+      for (; n + 2 <= n1; n += 2) rows<BITS, 2>(p, n, m0, m1, quad);
+    }
+    for (; n < n1; ++n) rows<BITS, 1>(p, n, m0, m1, quad);
+  }
+}
+
+}  // namespace
+
+bool handles(int group) {
+  const int bpg = group / 32;
+  return bpg == 1 || bpg == 2 || bpg % 4 == 0;
+}
+
+void features(const Int8Problem& p, int n0, int n1) {
+  if (p.bits == 8) {
+    feature_range<8>(p, n0, n1);
+  } else {
+    feature_range<4>(p, n0, n1);
+  }
+}
+
+}  // namespace int8_avx512
+}  // namespace mlx_infer
