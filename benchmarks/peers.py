@@ -3,7 +3,7 @@
 mlx-lm runs in a subprocess that never imports mlx_infer, so it gets MLX exactly as installed (the
 reference BLAS on Linux) rather than the BLAS mlx_infer binds. Its checkpoint is written from the
 weights mlx_infer loaded (HF names and config), cast to bfloat16: mlx-lm cannot read GGUF itself.
-llama.cpp runs through ``llama-bench``; its ``tg`` test decodes from an empty context.
+llama.cpp runs through ``llama-bench``, its decode at the prompt's depth (``-d``) as ours decodes.
 """
 
 from __future__ import annotations
@@ -114,25 +114,31 @@ def find_llama_bench(explicit: str | None) -> str | None:
 def run_llama_bench(
     binary: str, gguf: str, prompt_len: int, gen_len: int, repeats: int, threads: int
 ) -> Result:
-    cmd = [binary, "-m", gguf, "-p", str(prompt_len), "-n", str(gen_len), "-r", str(repeats),
-           "-t", str(threads), "-o", "json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        last = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        raise RuntimeError(f"llama-bench failed: {last[0]}")
-    tests = json.loads(proc.stdout)
+    """Prefill of ``prompt_len`` tokens from an empty context, and decode of ``gen_len`` tokens after a
+    ``prompt_len``-token context (``-d``, llama-bench's depth), as mlx-infer's decode runs: llama-bench's
+    plain ``tg`` test decodes from an empty context, which attends over fewer keys."""
     weight_bytes, kv_per_token, qtype = _gguf_sizes(gguf)
     result = Result(
         "llama.cpp", qtype, 1, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token,
-        decode_context=gen_len / 2, note=f"llama-bench {tests[0].get('build_commit', '')}, {threads} threads",
+        decode_context=prompt_len + gen_len / 2, note="",
     )
-    for test in tests:
-        samples = [float(x) for x in test.get("samples_ts") or [test["avg_ts"]]]
-        if test["n_prompt"] > 0 and test["n_gen"] == 0:
-            result.prefill = samples
-        elif test["n_gen"] > 0 and test["n_prompt"] == 0:
-            result.decode = samples
+    common = ["-m", gguf, "-r", str(repeats), "-t", str(threads), "-o", "json"]
+    prefill = _llama_bench_test(binary, [*common, "-p", str(prompt_len), "-n", "0"])
+    decode = _llama_bench_test(binary, [*common, "-p", "0", "-n", str(gen_len), "-d", str(prompt_len)])
+    result.prefill, result.decode = prefill["samples"], decode["samples"]
+    result.note = f"llama-bench {decode['build_commit']}, {threads} threads, decode at depth {prompt_len}"
     return result
+
+
+def _llama_bench_test(binary: str, args: list[str]) -> dict:
+    """The one test of a llama-bench run: its tokens/s samples and build commit."""
+    proc = subprocess.run([binary, *args], capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        raise RuntimeError(f"llama-bench failed: {last[0]}")
+    (test,) = json.loads(proc.stdout)
+    return {"samples": [float(x) for x in test.get("samples_ts") or [test["avg_ts"]]],
+            "build_commit": test.get("build_commit", "")}
 
 
 def _gguf_sizes(path: str) -> tuple[int, int, str]:
