@@ -92,7 +92,7 @@ struct Tile {
 
 // 4-bit weights against int8 x. Per 128 weights (64 bytes: blocks 2q..2q + 3 as two of
 // qmv_int8.cpp's 32-byte pairs) the low nibbles meet the pairs' even x values, the high nibbles their
-// odd ones; x's 64-value groups (even A, even B, odd A, odd B) are joined two by two.
+// odd ones: one 64-byte load each, x being stored in that order (QuantizedX's `quads`).
 template <int MB, int NB>
 void tile4(const Int8Problem& p, int n0, int m0, const QuadScales& quad) {
   const int pairs = p.K / 64;
@@ -105,9 +105,8 @@ void tile4(const Int8Problem& p, int n0, int m0, const QuadScales& quad) {
     __m512i xe[MB], xo[MB];
     for (int m = 0; m < MB; ++m) {
       const int8_t* xq = p.xq + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(q) * 64;
-      const auto at = [xq](int offset) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + offset)); };
-      xe[m] = _mm512_inserti64x4(_mm512_castsi256_si512(at(0)), at(64), 1);
-      xo[m] = _mm512_inserti64x4(_mm512_castsi256_si512(at(32)), at(96), 1);
+      xe[m] = _mm512_loadu_si512(xq);
+      xo[m] = _mm512_loadu_si512(xq + 64);
     }
     for (int r = 0; r < NB; ++r) {
       const __m512i v = _mm512_loadu_si512(t.wr[r] + static_cast<size_t>(q) * 32);
@@ -173,25 +172,30 @@ void rows_tile(const Int8Problem& p, int n, int m0, const QuadScales& quad) {
   }
 }
 
+// Rows [m0, m1) of features [n, n + NB): four rows a tile, the last one to three rows in one tile, so
+// a feature's weights are unpacked once for up to four rows (a verification's k + 1 rows, a batch).
 template <int BITS, int NB>
 void rows(const Int8Problem& p, int n, int m0, int m1, const QuadScales& quad) {
   int m = m0;
   for (; m + 4 <= m1; m += 4) rows_tile<BITS, 4, NB>(p, n, m, quad);
-  for (; m < m1; ++m) rows_tile<BITS, 1, NB>(p, n, m, quad);
+  switch (m1 - m) {
+    case 3: rows_tile<BITS, 3, NB>(p, n, m, quad); break;
+    case 2: rows_tile<BITS, 2, NB>(p, n, m, quad); break;
+    case 1: rows_tile<BITS, 1, NB>(p, n, m, quad); break;
+    default: break;
+  }
 }
 
+// Features NB at a time: 4 (16 accumulators at 4 rows, within the 32 vector registers with the x and
+// weight vectors).
 template <int BITS>
 void feature_range(const Int8Problem& p, int n0, int n1) {
   const QuadScales quad(p.group / 32);
+  constexpr int kFeatures = 4;
   for (int m0 = 0; m0 < p.M; m0 += kRowBlock) {
     const int m1 = std::min(p.M, m0 + kRowBlock);
-    const bool few = m1 - m0 < 4;
     int n = n0;
-    if (few) {
-      for (; n + 4 <= n1; n += 4) rows<BITS, 4>(p, n, m0, m1, quad);
-    } else {
-      for (; n + 2 <= n1; n += 2) rows<BITS, 2>(p, n, m0, m1, quad);
-    }
+    for (; n + kFeatures <= n1; n += kFeatures) rows<BITS, kFeatures>(p, n, m0, m1, quad);
     for (; n < n1; ++n) rows<BITS, 1>(p, n, m0, m1, quad);
   }
 }

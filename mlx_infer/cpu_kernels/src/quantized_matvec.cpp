@@ -209,6 +209,17 @@ Int8Features best_int8() {
   return best_int8_256();
 }
 
+// Whether `features` computes 4-bit products of this group size with the 512-bit kernel, which reads
+// x in 128-value order (QuantizedX's `quads`).
+bool takes_quads(Int8Features features, int group) {
+#ifdef MLX_INFER_HAVE_AVX512
+  return features == avx512_or_256 && int8_avx512::handles(group);
+#else
+  (void)features, (void)group;
+  return false;
+#endif
+}
+
 // nullptr: float32 activations.
 std::atomic<Int8Features> g_int8{best_int8()};
 // With int8 features: 4-bit weights meet int16 x instead of int8 (the "int16" activations).
@@ -217,7 +228,9 @@ std::atomic<bool> g_x16{false};
 // x [M, K] -> the quantized blocks, scales and sums of Int8Problem: int8 for 4-bit weights, int16 for
 // 8-bit ones and, when `wide`, for 4-bit ones too. For 4-bit weights, whose bytes hold weights 2j (low
 // nibble) and 2j + 1 (high nibble), each 64 values (blocks A, B) are stored as A's even, B's even, A's
-// odd, B's odd values in int8, the order the kernel's nibble vectors come in; in int16, as four vectors,
+// odd, B's odd values in int8, the order the kernel's nibble vectors come in; with `quads` (the 512-bit
+// kernel, whose 64 weight bytes hold two such pairs P, Q) each 128 values as P's evens, Q's evens, P's
+// odds, Q's odds, so that each nibble vector meets one load of x (a last lone pair as before); in int16, as four vectors,
 // vector j holding values 4l + j of A (l = 0..7), then the same of B (tile4x16's 16-bit lanes). Rows
 // are independent: a prefill's rows are quantized on the thread pool.
 struct QuantizedX {
@@ -225,19 +238,20 @@ struct QuantizedX {
   std::vector<int16_t> q16;
   std::vector<float> dx, dx_lanes, xsum;
 
-  QuantizedX(const float* x, int M, int K, int group, int bits, bool wide)
+  QuantizedX(const float* x, int M, int K, int group, int bits, bool wide, bool quads = false)
       : q(wide ? 0 : static_cast<size_t>(M) * K), q16(wide ? static_cast<size_t>(M) * K : 0),
         dx(static_cast<size_t>(M) * (K / 32)), dx_lanes(bits == 4 ? static_cast<size_t>(M) * (K / 64) * 8 : 0),
         xsum(static_cast<size_t>(M) * (K / group)) {
     pool().for_range(M, kRowsPerQuantizeTask,
-                     [&](int m0, int m1) { for (int m = m0; m < m1; ++m) row(x, m, K, group, bits, wide); });
+                     [&](int m0, int m1) { for (int m = m0; m < m1; ++m) row(x, m, K, group, bits, wide, quads); });
   }
 
  private:
   // Rows too few to be worth waking the pool for (a decode step's): a row of SmolLM2 takes ~1 us.
   static constexpr int kRowsPerQuantizeTask = 8;
 
-  void row(const float* x, int m, int K, int group, int bits, bool wide) {
+  void row(const float* x, int m, int K, int group, int bits, bool wide, bool quads) {
+    const int whole_quads = quads ? K / 128 : 0;  // blocks [0, 4 * whole_quads) in 128-value order
     const int blocks = K / 32;
     const float levels = wide ? 32767.0f : 127.0f;
     std::vector<int32_t> qsum(blocks);
@@ -259,6 +273,9 @@ struct QuantizedX {
           const int at = (b % 2) * 32 + i;
           q16[static_cast<size_t>(m) * K + static_cast<size_t>(b / 2) * 64 + (at % 4) * 16 + at / 4] =
               static_cast<int16_t>(v);
+        } else if (b < 4 * whole_quads) {
+          q[static_cast<size_t>(m) * K + static_cast<size_t>(b / 4) * 128 + (i % 2) * 64 + (b % 4) * 16 + i / 2] =
+              static_cast<int8_t>(v);
         } else {
           q[static_cast<size_t>(m) * K + static_cast<size_t>(b / 2) * 64 + (i % 2) * 32 + (b % 2) * 16 + i / 2] =
               static_cast<int8_t>(v);
@@ -290,7 +307,7 @@ bool fits_int8(int K, int group, int bits) {
 template <int BITS>
 void run_int8(const float* x, const AffineView& w, int M, int K, float* out, Int8Features features, bool x16) {
   const bool wide = BITS == 8 || x16;
-  const QuantizedX xq(x, M, K, w.group, BITS, wide);
+  const QuantizedX xq(x, M, K, w.group, BITS, wide, BITS == 4 && !wide && takes_quads(features, w.group));
   const Int8Problem ip{xq.q.data(), xq.q16.data(), xq.dx.data(), xq.dx_lanes.data(), xq.xsum.data(), w.w,
                        w.scales, w.biases, out, M, w.rows, K, w.group, BITS, BITS == 4 && wide};
   pool().for_range(w.rows, 8, [&](int n0, int n1) { features(ip, n0, n1); });
