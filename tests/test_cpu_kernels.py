@@ -84,11 +84,12 @@ def integer_activations(native, request):
 def _np_int8_product(x: np.ndarray, w: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int,
                      wide: bool = False):
     """The int8 scheme in NumPy: x rounded per block of 32 to x^ = dx * qx (dx = max|x| / L, qx
-    integers in [-L, L]: L = 127 (int8) for 4-bit weights, 32767 (int16) for 8-bit ones and, when
-    ``wide`` (the int16 activations), for 4-bit ones too), then exactly w . x^ in float64: the weight
-    and the bias terms both meet the quantized x, as llama.cpp's Q4_1 x Q8_1 products do."""
+    integers in [-L, L]: L = 127 (int8) for 4-bit weights, 32639 (int16 that splits into two int8
+    halves) for 8-bit ones and 32767 (int16) when ``wide`` (the int16 activations) for 4-bit ones),
+    then exactly w . x^ in float64: the weight and the bias terms both meet the quantized x, as
+    llama.cpp's Q4_1 x Q8_1 products do."""
     rows, k = x.shape
-    levels = np.float32(32767 if bits == 8 or wide else 127)
+    levels = np.float32(32639 if bits == 8 else 32767 if wide else 127)
     blocks = x.reshape(rows, k // 32, 32).astype(np.float32)
     amax = np.abs(blocks).max(-1)
     inv = np.where(amax > 0, levels / np.where(amax > 0, amax, 1), 0).astype(np.float32)

@@ -209,9 +209,9 @@ Int8Features best_int8() {
   return best_int8_256();
 }
 
-// Whether `features` computes 4-bit products of this group size with the 512-bit kernel, which reads
-// x in 128-value order (QuantizedX's `quads`).
-bool takes_quads(Int8Features features, int group) {
+// Whether `features` computes int8-x products of this group size with the 512-bit kernel, which reads
+// x as XLayout::quads (4-bit weights) or XLayout::halves (8-bit ones).
+bool takes_512(Int8Features features, int group) {
 #ifdef MLX_INFER_HAVE_AVX512
   return features == avx512_or_256 && int8_avx512::handles(group);
 #else
@@ -225,38 +225,71 @@ std::atomic<Int8Features> g_int8{best_int8()};
 // With int8 features: 4-bit weights meet int16 x instead of int8 (the "int16" activations).
 std::atomic<bool> g_x16{false};
 
-// x [M, K] -> the quantized blocks, scales and sums of Int8Problem: int8 for 4-bit weights, int16 for
-// 8-bit ones and, when `wide`, for 4-bit ones too. For 4-bit weights, whose bytes hold weights 2j (low
-// nibble) and 2j + 1 (high nibble), each 64 values (blocks A, B) are stored as A's even, B's even, A's
-// odd, B's odd values in int8, the order the kernel's nibble vectors come in; with `quads` (the 512-bit
-// kernel, whose 64 weight bytes hold two such pairs P, Q) each 128 values as P's evens, Q's evens, P's
-// odds, Q's odds, so that each nibble vector meets one load of x (a last lone pair as before); in int16, as four vectors,
-// vector j holding values 4l + j of A (l = 0..7), then the same of B (tile4x16's 16-bit lanes). Rows
-// are independent: a prefill's rows are quantized on the thread pool.
+// How QuantizedX lays out the quantized x, for the kernel that reads it (see Int8Problem).
+enum class XLayout {
+  pairs,   // int8, for 4-bit weights (256-bit kernels): each 64 values (blocks A, B) as A's even, B's
+           // even, A's odd, B's odd values, the order the kernel's nibble vectors come in (the weights'
+           // bytes hold weights 2j in the low nibble, 2j + 1 in the high one)
+  quads,   // int8, for 4-bit weights (512-bit kernel, whose 64 weight bytes hold two such pairs P, Q):
+           // each 128 values as P's evens, Q's evens, P's odds, Q's odds, so that each nibble vector
+           // meets one load of x; a last lone pair as in `pairs`
+  wide4,   // int16, for 4-bit weights ("int16" activations): as four vectors, vector j holding values
+           // 4l + j of A (l = 0..7), then the same of B (tile4x16's 16-bit lanes)
+  int16,   // int16 in order, for 8-bit weights (256-bit kernels)
+  halves,  // int16 in order for 8-bit weights, as two int8 arrays (512-bit kernel): v = 256 hi + lo,
+           // lo in [-128, 127], so that VNNI's u8 x s8 sums take them (xq lo, xq_hi hi)
+};
+
+// Levels of x's quantization: 127 for int8; for int16, 127 * 256 + 127 = 32639 (not 32767), the
+// largest magnitude whose `halves` stay int8, used by every layout of 8-bit weights so that a row's
+// product does not depend on the kernel beyond float rounding; 32767 for the opt-in int16 activations.
+float levels_of(XLayout layout) {
+  switch (layout) {
+    case XLayout::pairs:
+    case XLayout::quads: return 127.0f;
+    case XLayout::wide4: return 32767.0f;
+    case XLayout::int16:
+    case XLayout::halves: return 32639.0f;
+  }
+  return 0.0f;
+}
+
+// x [M, K] -> the quantized blocks, scales and sums of Int8Problem in `layout`. Rows are independent:
+// a prefill's rows are quantized on the thread pool.
 struct QuantizedX {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, q_hi;
   std::vector<int16_t> q16;
   std::vector<float> dx, dx_lanes, xsum;
 
-  QuantizedX(const float* x, int M, int K, int group, int bits, bool wide, bool quads = false)
-      : q(wide ? 0 : static_cast<size_t>(M) * K), q16(wide ? static_cast<size_t>(M) * K : 0),
-        dx(static_cast<size_t>(M) * (K / 32)), dx_lanes(bits == 4 ? static_cast<size_t>(M) * (K / 64) * 8 : 0),
+  QuantizedX(const float* x, int M, int K, int group, XLayout layout)
+      : q(layout == XLayout::pairs || layout == XLayout::quads || layout == XLayout::halves
+              ? static_cast<size_t>(M) * K : 0),
+        q_hi(layout == XLayout::halves ? static_cast<size_t>(M) * K : 0),
+        q16(layout == XLayout::wide4 || layout == XLayout::int16 ? static_cast<size_t>(M) * K : 0),
+        dx(static_cast<size_t>(M) * (K / 32)),
+        dx_lanes(layout == XLayout::int16 ? 0 : static_cast<size_t>(M) * (K / 64) * lanes_per_pair(layout)),
         xsum(static_cast<size_t>(M) * (K / group)) {
     pool().for_range(M, kRowsPerQuantizeTask,
-                     [&](int m0, int m1) { for (int m = m0; m < m1; ++m) row(x, m, K, group, bits, wide, quads); });
+                     [&](int m0, int m1) { for (int m = m0; m < m1; ++m) row(x, m, K, group, layout); });
   }
+
+  // dx_lanes: each block pair's two scales, each repeated over the lanes its VNNI sums come in: four
+  // lanes each in a 256-bit vector (4-bit weights), eight each in a 512-bit one (`halves`).
+  static int lanes_per_pair(XLayout layout) { return layout == XLayout::halves ? 16 : 8; }
 
  private:
   // Rows too few to be worth waking the pool for (a decode step's): a row of SmolLM2 takes ~1 us.
   static constexpr int kRowsPerQuantizeTask = 8;
 
-  void row(const float* x, int m, int K, int group, int bits, bool wide, bool quads) {
-    const int whole_quads = quads ? K / 128 : 0;  // blocks [0, 4 * whole_quads) in 128-value order
+  void row(const float* x, int m, int K, int group, XLayout layout) {
+    const int whole_quads = layout == XLayout::quads ? K / 128 : 0;  // blocks [0, 4 * whole_quads) in 128-value order
     const int blocks = K / 32;
-    const float levels = wide ? 32767.0f : 127.0f;
+    const float levels = levels_of(layout);
+    const int lanes = lanes_per_pair(layout);
+    const size_t at_row = static_cast<size_t>(m) * K;
     std::vector<int32_t> qsum(blocks);
     for (int b = 0; b < blocks; ++b) {
-      const float* xb = x + static_cast<size_t>(m) * K + static_cast<size_t>(b) * 32;
+      const float* xb = x + at_row + static_cast<size_t>(b) * 32;
       float amax = 0.0f;
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
       const float d = amax / levels;
@@ -266,25 +299,36 @@ struct QuantizedX {
       for (int i = 0; i < 32; ++i) {
         const auto v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
         sum += v;
-        if (bits == 8) {
-          q16[static_cast<size_t>(m) * K + static_cast<size_t>(b) * 32 + i] = static_cast<int16_t>(v);
-        } else if (wide) {
-          // Vector (parity, half of the pair index) holds 8 values of block A, then the same 8 of B.
-          const int at = (b % 2) * 32 + i;
-          q16[static_cast<size_t>(m) * K + static_cast<size_t>(b / 2) * 64 + (at % 4) * 16 + at / 4] =
-              static_cast<int16_t>(v);
-        } else if (b < 4 * whole_quads) {
-          q[static_cast<size_t>(m) * K + static_cast<size_t>(b / 4) * 128 + (i % 2) * 64 + (b % 4) * 16 + i / 2] =
-              static_cast<int8_t>(v);
-        } else {
-          q[static_cast<size_t>(m) * K + static_cast<size_t>(b / 2) * 64 + (i % 2) * 32 + (b % 2) * 16 + i / 2] =
-              static_cast<int8_t>(v);
+        const size_t k = static_cast<size_t>(b) * 32 + i;
+        switch (layout) {
+          case XLayout::int16: q16[at_row + k] = static_cast<int16_t>(v); break;
+          case XLayout::halves: {
+            const int hi = (v + 128) >> 8;  // floor((v + 128) / 256): v - 256 hi in [-128, 127]
+            q_hi[at_row + k] = static_cast<int8_t>(hi);
+            q[at_row + k] = static_cast<int8_t>(v - 256 * hi);
+            break;
+          }
+          case XLayout::wide4: {
+            // Vector (parity, half of the pair index) holds 8 values of block A, then the same 8 of B.
+            const int at = (b % 2) * 32 + i;
+            q16[at_row + static_cast<size_t>(b / 2) * 64 + (at % 4) * 16 + at / 4] = static_cast<int16_t>(v);
+            break;
+          }
+          case XLayout::quads:
+          case XLayout::pairs:
+            if (b < 4 * whole_quads) {
+              q[at_row + static_cast<size_t>(b / 4) * 128 + (i % 2) * 64 + (b % 4) * 16 + i / 2] = static_cast<int8_t>(v);
+            } else {
+              q[at_row + static_cast<size_t>(b / 2) * 64 + (i % 2) * 32 + (b % 2) * 16 + i / 2] = static_cast<int8_t>(v);
+            }
+            break;
         }
       }
       qsum[b] = sum;
-      if (bits == 4) {
-        float* lanes = dx_lanes.data() + (static_cast<size_t>(m) * (K / 64) + b / 2) * 8 + (b % 2) * 4;
-        for (int i = 0; i < 4; ++i) lanes[i] = d;
+      if (!dx_lanes.empty()) {
+        const int per_block = lanes / 2;
+        float* out = dx_lanes.data() + (static_cast<size_t>(m) * (K / 64) + b / 2) * lanes + (b % 2) * per_block;
+        for (int i = 0; i < per_block; ++i) out[i] = d;
       }
     }
     // The sums of x^ = dx * qx over each weight group, block by block in order, for the bias term.
@@ -307,9 +351,14 @@ bool fits_int8(int K, int group, int bits) {
 template <int BITS>
 void run_int8(const float* x, const AffineView& w, int M, int K, float* out, Int8Features features, bool x16) {
   const bool wide = BITS == 8 || x16;
-  const QuantizedX xq(x, M, K, w.group, BITS, wide, BITS == 4 && !wide && takes_quads(features, w.group));
-  const Int8Problem ip{xq.q.data(), xq.q16.data(), xq.dx.data(), xq.dx_lanes.data(), xq.xsum.data(), w.w,
-                       w.scales, w.biases, out, M, w.rows, K, w.group, BITS, BITS == 4 && wide};
+  const bool avx512 = takes_512(features, w.group);
+  const XLayout layout = BITS == 8 ? (avx512 ? XLayout::halves : XLayout::int16)
+                         : x16     ? XLayout::wide4
+                         : avx512  ? XLayout::quads
+                                   : XLayout::pairs;
+  const QuantizedX xq(x, M, K, w.group, layout);
+  const Int8Problem ip{xq.q.data(), xq.q_hi.data(), xq.q16.data(), xq.dx.data(), xq.dx_lanes.data(),
+                       xq.xsum.data(), w.w, w.scales, w.biases, out, M, w.rows, K, w.group, BITS, BITS == 4 && wide};
   pool().for_range(w.rows, 8, [&](int n0, int n1) { features(ip, n0, n1); });
 }
 
