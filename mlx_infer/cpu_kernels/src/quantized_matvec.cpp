@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -254,12 +255,65 @@ float levels_of(XLayout layout) {
   return 0.0f;
 }
 
+// A block of 32 values quantized: q = round-to-nearest-even(x * levels / max|x|) (std::nearbyint's
+// rounding, as the NumPy scheme of the tests), the scale d = max|x| / levels and the sum of q.
+struct Block32 {
+  __m256i q[4];  // values 8i..8i + 7 in q[i]
+  float d;
+  int32_t sum;
+};
+
+inline Block32 quantize_block(const float* xb, float levels) {
+  Block32 out;
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float a = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  out.d = a / levels;
+  const __m256 inv = _mm256_set1_ps(a > 0.0f ? levels / a : 0.0f);
+  __m256i sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    out.q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // the default rounding: to nearest even
+    sum = _mm256_add_epi32(sum, out.q[i]);
+  }
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  out.sum = _mm_cvtsi128_si32(s4);
+  return out;
+}
+
+// 32 int32 values (8 per vector) as int8 / int16, in order (packs saturate: the values fit anyway).
+inline __m256i pack_int8(const __m256i (&q)[4]) {
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  // The packs interleave 128-bit lanes: 4-byte groups come as values 0, 8, 16, 24, 4, 12, 20, 28 (x4).
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline __m256i pack_int16(__m256i a, __m256i b) {
+  return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+}
+
+// The memory of a quantized x, not zeroed (every element is written).
+template <typename T>
+struct Buffer {
+  std::unique_ptr<T[]> data;
+  explicit Buffer(size_t n) : data(n ? new T[n] : nullptr) {}
+  T* get() const { return data.get(); }
+};
+
 // x [M, K] -> the quantized blocks, scales and sums of Int8Problem in `layout`. Rows are independent:
 // a prefill's rows are quantized on the thread pool.
 struct QuantizedX {
-  std::vector<int8_t> q, q_hi;
-  std::vector<int16_t> q16;
-  std::vector<float> dx, dx_lanes, xsum;
+  Buffer<int8_t> q, q_hi;
+  Buffer<int16_t> q16;
+  Buffer<float> dx, dx_lanes, xsum;
 
   QuantizedX(const float* x, int M, int K, int group, XLayout layout)
       : q(layout == XLayout::pairs || layout == XLayout::quads || layout == XLayout::halves
@@ -283,62 +337,71 @@ struct QuantizedX {
 
   void row(const float* x, int m, int K, int group, XLayout layout) {
     const int whole_quads = layout == XLayout::quads ? K / 128 : 0;  // blocks [0, 4 * whole_quads) in 128-value order
-    const int blocks = K / 32;
+    const int blocks = K / 32, per_group = group / 32;
     const float levels = levels_of(layout);
     const int lanes = lanes_per_pair(layout);
     const size_t at_row = static_cast<size_t>(m) * K;
-    std::vector<int32_t> qsum(blocks);
+    float group_sum = 0.0f;  // the sum of x^ = dx * qx over the current weight group, block by block
     for (int b = 0; b < blocks; ++b) {
-      const float* xb = x + at_row + static_cast<size_t>(b) * 32;
-      float amax = 0.0f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / levels;
-      const float inv = amax > 0.0f ? levels / amax : 0.0f;
-      dx[static_cast<size_t>(m) * blocks + b] = d;
-      int32_t sum = 0;
-      for (int i = 0; i < 32; ++i) {
-        const auto v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-        sum += v;
-        const size_t k = static_cast<size_t>(b) * 32 + i;
-        switch (layout) {
-          case XLayout::int16: q16[at_row + k] = static_cast<int16_t>(v); break;
-          case XLayout::halves: {
-            const int hi = (v + 128) >> 8;  // floor((v + 128) / 256): v - 256 hi in [-128, 127]
-            q_hi[at_row + k] = static_cast<int8_t>(hi);
-            q[at_row + k] = static_cast<int8_t>(v - 256 * hi);
-            break;
-          }
-          case XLayout::wide4: {
-            // Vector (parity, half of the pair index) holds 8 values of block A, then the same 8 of B.
-            const int at = (b % 2) * 32 + i;
-            q16[at_row + static_cast<size_t>(b / 2) * 64 + (at % 4) * 16 + at / 4] = static_cast<int16_t>(v);
-            break;
-          }
-          case XLayout::quads:
-          case XLayout::pairs:
-            if (b < 4 * whole_quads) {
-              q[at_row + static_cast<size_t>(b / 4) * 128 + (i % 2) * 64 + (b % 4) * 16 + i / 2] = static_cast<int8_t>(v);
-            } else {
-              q[at_row + static_cast<size_t>(b / 2) * 64 + (i % 2) * 32 + (b % 2) * 16 + i / 2] = static_cast<int8_t>(v);
-            }
-            break;
-        }
-      }
-      qsum[b] = sum;
-      if (!dx_lanes.empty()) {
+      const Block32 block = quantize_block(x + at_row + static_cast<size_t>(b) * 32, levels);
+      dx.get()[static_cast<size_t>(m) * blocks + b] = block.d;
+      store(block, at_row, b, whole_quads, layout);
+      if (dx_lanes.get() != nullptr) {
         const int per_block = lanes / 2;
-        float* out = dx_lanes.data() + (static_cast<size_t>(m) * (K / 64) + b / 2) * lanes + (b % 2) * per_block;
-        for (int i = 0; i < per_block; ++i) out[i] = d;
+        float* out = dx_lanes.get() + (static_cast<size_t>(m) * (K / 64) + b / 2) * lanes + (b % 2) * per_block;
+        for (int i = 0; i < per_block; ++i) out[i] = block.d;
+      }
+      group_sum += block.d * static_cast<float>(block.sum);
+      if ((b + 1) % per_group == 0) {  // the bias term's sums of x^ per weight group
+        xsum.get()[static_cast<size_t>(m) * (K / group) + b / per_group] = group_sum;
+        group_sum = 0.0f;
       }
     }
-    // The sums of x^ = dx * qx over each weight group, block by block in order, for the bias term.
-    const int per_group = group / 32;
-    for (int g = 0; g < K / group; ++g) {
-      float total = 0.0f;
-      for (int b = g * per_group; b < (g + 1) * per_group; ++b) {
-        total += dx[static_cast<size_t>(m) * blocks + b] * static_cast<float>(qsum[b]);
+  }
+
+  // Block b's values where `layout` puts them (the row starting at element at_row).
+  void store(const Block32& block, size_t at_row, int b, int whole_quads, XLayout layout) {
+    const size_t k = at_row + static_cast<size_t>(b) * 32;
+    switch (layout) {
+      case XLayout::int16:
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16.get() + k), pack_int16(block.q[0], block.q[1]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16.get() + k + 16), pack_int16(block.q[2], block.q[3]));
+        break;
+      case XLayout::halves: {
+        __m256i hi[4], lo[4];
+        for (int i = 0; i < 4; ++i) {
+          hi[i] = _mm256_srai_epi32(_mm256_add_epi32(block.q[i], _mm256_set1_epi32(128)), 8);  // floor((v + 128) / 256)
+          lo[i] = _mm256_sub_epi32(block.q[i], _mm256_slli_epi32(hi[i], 8));                  // in [-128, 127]
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q_hi.get() + k), pack_int8(hi));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.get() + k), pack_int8(lo));
+        break;
       }
-      xsum[static_cast<size_t>(m) * (K / group) + g] = total;
+      case XLayout::wide4: {
+        alignas(32) int32_t v[32];
+        for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(v + 8 * j), block.q[j]);
+        for (int i = 0; i < 32; ++i) {
+          // Vector (parity, half of the pair index) holds 8 values of block A, then the same 8 of B.
+          const int at = (b % 2) * 32 + i;
+          q16.get()[at_row + static_cast<size_t>(b / 2) * 64 + (at % 4) * 16 + at / 4] = static_cast<int16_t>(v[i]);
+        }
+        break;
+      }
+      case XLayout::quads:
+      case XLayout::pairs: {
+        // Even values then odd ones (within each 128-bit lane, then the lanes' halves gathered).
+        const __m256i split = _mm256_shuffle_epi8(
+            pack_int8(block.q), _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8,
+                                                 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        const __m256i parts = _mm256_permute4x64_epi64(split, 0xD8);  // evens 0-31, then odds
+        const bool quad = b < 4 * whole_quads;
+        const size_t evens = at_row + (quad ? static_cast<size_t>(b / 4) * 128 + (b % 4) * 16
+                                            : static_cast<size_t>(b / 2) * 64 + (b % 2) * 16);
+        const size_t odds = evens + (quad ? 64 : 32);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.get() + evens), _mm256_castsi256_si128(parts));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.get() + odds), _mm256_extracti128_si256(parts, 1));
+        break;
+      }
     }
   }
 };
@@ -357,8 +420,8 @@ void run_int8(const float* x, const AffineView& w, int M, int K, float* out, Int
                          : avx512  ? XLayout::quads
                                    : XLayout::pairs;
   const QuantizedX xq(x, M, K, w.group, layout);
-  const Int8Problem ip{xq.q.data(), xq.q_hi.data(), xq.q16.data(), xq.dx.data(), xq.dx_lanes.data(),
-                       xq.xsum.data(), w.w, w.scales, w.biases, out, M, w.rows, K, w.group, BITS, BITS == 4 && wide};
+  const Int8Problem ip{xq.q.get(), xq.q_hi.get(), xq.q16.get(), xq.dx.get(), xq.dx_lanes.get(),
+                       xq.xsum.get(), w.w, w.scales, w.biases, out, M, w.rows, K, w.group, BITS, BITS == 4 && wide};
   pool().for_range(w.rows, 8, [&](int n0, int n1) { features(ip, n0, n1); });
 }
 
