@@ -42,12 +42,19 @@ KeyRange visible(const AttentionArgs& p, int t) {
   return {lo, hi};
 }
 
-// Scores of keys k[0..KB) against query heads q[0..RB) (D a multiple of 8): each key's 8 values at a
-// time are converted once and meet every head, and the KB x RB sums are reduced together (four keys'
-// sums per head in three horizontal adds and one add), not one horizontal sum per dot product.
-// Writes s[r * n + i] = (q_r . k_i) * row scale * `scale` for i < KB.
+// The sum of v's lanes in the order score_keys' four-key reduction gives each key:
+// ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), so a key's score does not depend on the keys beside it.
+inline float pairwise_sum(__m256 v) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v, v), _mm256_hadd_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+// Scores of keys k[0..KB) against query rows q[0..RB) (D a multiple of 8): each key's 8 values at a
+// time are converted once and meet every query row, and the KB x RB sums are reduced together (four
+// keys' sums per row in three horizontal adds and one add), not one horizontal sum per dot product.
+// Writes s[r][i] = (q_r . k_i) * row scale * `scale` for i < KB.
 template <KVType K, int KB, int RB>
-inline void score_keys(const float* const* q, const uint8_t* const* k, int D, float scale, float* s, int n) {
+inline void score_keys(const float* const* q, const uint8_t* const* k, int D, float scale, float* const* s, int i0) {
   __m256 acc[KB][RB];
   for (int i = 0; i < KB; ++i)
     for (int r = 0; r < RB; ++r) acc[i][r] = _mm256_setzero_ps();
@@ -65,25 +72,26 @@ inline void score_keys(const float* const* q, const uint8_t* const* k, int D, fl
       const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
       const __m128 scales = _mm_setr_ps(row_scale<K>(k[0], D), row_scale<K>(k[1], D), row_scale<K>(k[2], D),
                                         row_scale<K>(k[3], D));
-      _mm_storeu_ps(s + r * n, _mm_mul_ps(sums, _mm_mul_ps(scales, _mm_set1_ps(scale))));
+      _mm_storeu_ps(s[r] + i0, _mm_mul_ps(sums, _mm_mul_ps(scales, _mm_set1_ps(scale))));
     } else {
-      for (int i = 0; i < KB; ++i) s[r * n + i] = hsum(acc[i][r]) * (row_scale<K>(k[i], D) * scale);
+      for (int i = 0; i < KB; ++i) s[r][i0 + i] = pairwise_sum(acc[i][r]) * (row_scale<K>(k[i], D) * scale);
     }
   }
 }
 
-// Scores of the n keys `rows` (each at this KV head's row) against RB query heads: four keys a step.
+// Scores of the n keys `rows` (each at this KV head's row) against RB query rows: four keys a step.
 template <KVType K, int RB>
-void score_heads(const float* const* q, const uint8_t* const* rows, int n, int D, float scale, float* s) {
+void score_heads(const float* const* q, const uint8_t* const* rows, int n, int D, float scale, float* const* s) {
   int i = 0;
-  for (; i + 4 <= n; i += 4) score_keys<K, 4, RB>(q, rows + i, D, scale, s + i, n);
-  for (; i < n; ++i) score_keys<K, 1, RB>(q, rows + i, D, scale, s + i, n);
+  for (; i + 4 <= n; i += 4) score_keys<K, 4, RB>(q, rows + i, D, scale, s, i);
+  for (; i < n; ++i) score_keys<K, 1, RB>(q, rows + i, D, scale, s, i);
 }
 
-// out[r][d..d + 8 * DB) = sum_i w[r * n + i] * v_i[d..] for RB query heads: the outputs stay in
-// registers over all n keys, each value vector converted once for every head.
+// out[r][d..d + 8 * DB) = sum_i w[r][i] * v_i[d..] for RB query rows: the outputs stay in registers
+// over all n keys, each value vector converted once for every row.
 template <KVType K, int RB, int DB>
-inline void weigh_values(const uint8_t* const* v, const float* w, int n, int d, int scale_at, float* const* out) {
+inline void weigh_values(const uint8_t* const* v, const float* const* w, int n, int d, int scale_at,
+                         float* const* out) {
   __m256 acc[RB][DB];
   for (int r = 0; r < RB; ++r)
     for (int b = 0; b < DB; ++b) acc[r][b] = _mm256_setzero_ps();
@@ -92,7 +100,7 @@ inline void weigh_values(const uint8_t* const* v, const float* w, int n, int d, 
     for (int b = 0; b < DB; ++b) vv[b] = load8<K>(v[i], d + 8 * b);
     const float row = row_scale<K>(v[i], scale_at);
     for (int r = 0; r < RB; ++r) {
-      const __m256 wv = _mm256_set1_ps(w[r * n + i] * row);
+      const __m256 wv = _mm256_set1_ps(w[r][i] * row);
       for (int b = 0; b < DB; ++b) acc[r][b] = _mm256_fmadd_ps(vv[b], wv, acc[r][b]);
     }
   }
@@ -101,96 +109,132 @@ inline void weigh_values(const uint8_t* const* v, const float* w, int n, int d, 
 }
 
 template <KVType K, int RB>
-void value_heads(const uint8_t* const* v, const float* w, int n, int Dv, int scale_at, float* const* out) {
+void value_heads(const uint8_t* const* v, const float* const* w, int n, int Dv, int scale_at, float* const* out) {
   int d = 0;
   for (; d + 16 <= Dv; d += 16) weigh_values<K, RB, 2>(v, w, n, d, scale_at, out);
   for (; d < Dv; d += 8) weigh_values<K, RB, 1>(v, w, n, d, scale_at, out);
 }
 
-// f(RB, r0) over the query heads of one KV head in groups of up to three (the registers of
-// score_keys' 4 x 3 sums and weigh_values' 3 x 2 outputs).
+// Each worker's scratch for attend_group: scores [tokens, H, keys], the chunk's row pointers and the
+// tokens taking part.
+struct Scratch {
+  std::vector<float> scores;
+  std::vector<const uint8_t*> rows;
+  std::vector<int> tokens;
+};
+
+// Query rows of one KV head, taken three at a time (the registers of score_keys' 4 x 3 sums and
+// weigh_values' 3 x 2 outputs): f(count, first) over [0, rows).
 template <typename F>
-void head_groups(int rep, F&& f) {
-  for (int r0 = 0; r0 < rep; r0 += 3) f(std::min(3, rep - r0), r0);
+void in_threes(int rows, F&& f) {
+  for (int r0 = 0; r0 < rows; r0 += 3) f(std::min(3, rows - r0), r0);
 }
 
-// All of token t's query heads over keys [lo, hi] (non-empty). A pool slot holds the n_kv heads'
-// rows side by side; the keys' slots are looked up once through the block table and prefetched (the
-// blocks are scattered, which the hardware prefetcher does not follow). Per KV head, its GQA query
-// heads share every K/V row conversion (score_keys, weigh_values).
-// Writes out[h] = sum_j exp(s_hj - max_h) v_j (unnormalized), max_h, and total_h = sum_j exp(s_hj - max_h).
-// K is the pools' row type: half and int8 rows are converted as they are read, int8 scales applied to
-// the dot product and the softmax weight.
+// One chunk of keys for a group of g tokens of one sequence that share their first visible key: token
+// j sees the chunk's first n[j] keys (0: none, it takes no part). The keys' slots are looked up once
+// through the block table and prefetched (the blocks are scattered, which the hardware prefetcher does
+// not follow), and each K/V row is read from memory once for the whole group: a verification's k + 1
+// tokens, or a prefill's, attend over the same keys. Per KV head, the GQA query heads of every token
+// share each K/V row conversion (score_keys, weigh_values).
+// A token's results are the same bits as if it were alone: its scores are computed key by key in a
+// fixed order, its softmax runs over its own n[j] keys, and the keys past them weigh 0 in the values.
+// Writes, at at[j], out[h] = sum_i exp(s_hi - max_h) v_i (unnormalized), max_h, and total_h =
+// sum_i exp(s_hi - max_h). K is the pools' row type: half and int8 rows are converted as they are read,
+// int8 scales applied to the dot product and the softmax weight.
 template <KVType K>
-void attend_keys(const AttentionArgs& p, int t, KeyRange keys, std::vector<float>& scores,
-                 std::vector<const uint8_t*>& rows, float* out, float* max_score, float* total) {
-  const int seq = p.token_seq[t];
+void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const int* n, Scratch& scratch,
+                  float* const* at) {
+  const int seq = p.token_seq[t0];
   const int rep = p.H / p.n_kv;
-  const int lo = keys.lo, n = keys.hi - keys.lo + 1;
+  const int keys = *std::max_element(n, n + g);
   const size_t head_bytes = kv_head_bytes(K, p.D), v_head_bytes = kv_head_bytes(K, p.Dv_row);
   const size_t slot_bytes = static_cast<size_t>(p.n_kv) * head_bytes;  // one slot: every KV head
   const size_t v_slot_bytes = static_cast<size_t>(p.n_kv) * v_head_bytes;
-  const float* q = p.q + static_cast<size_t>(t) * p.q_stride;
   const int32_t* table = p.block_tables + static_cast<size_t>(seq) * p.max_blocks;
-  scores.resize(static_cast<size_t>(p.H) * n);
-  rows.resize(3 * static_cast<size_t>(n));  // key rows and value rows of KV head 0, one KV head's rows
-  const uint8_t** krows = rows.data();
-  const uint8_t** vrows = krows + n;
-  const uint8_t** head_rows = vrows + n;
-  for (int i = 0; i < n; ++i) {
-    const int j = lo + i;
+  scratch.scores.resize(static_cast<size_t>(g) * p.H * keys);
+  scratch.rows.resize(3 * static_cast<size_t>(keys));  // key and value rows of KV head 0, one KV head's rows
+  const uint8_t** krows = scratch.rows.data();
+  const uint8_t** vrows = krows + keys;
+  const uint8_t** head_rows = vrows + keys;
+  for (int i = 0; i < keys; ++i) {
+    const int j = first_key + i;
     const size_t slot = static_cast<size_t>(table[j / p.block_size]) * p.block_size + j % p.block_size;
     krows[i] = p.keys + slot * slot_bytes;
     vrows[i] = p.values + slot * v_slot_bytes;
     for (size_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(krows[i]) + b, _MM_HINT_T0);
   }
-  for (int kv_head = 0; kv_head < p.n_kv; ++kv_head) {
-    for (int i = 0; i < n; ++i) head_rows[i] = krows[i] + kv_head * head_bytes;
-    head_groups(rep, [&](int group, int r0) {
-      const int h0 = kv_head * rep + r0;
-      const float* qs[3] = {q + static_cast<size_t>(h0) * p.D, q + static_cast<size_t>(h0 + 1) * p.D,
-                            q + static_cast<size_t>(h0 + 2) * p.D};
-      float* s = scores.data() + static_cast<size_t>(h0) * n;
-      if (group == 3) score_heads<K, 3>(qs, head_rows, n, p.D, p.scale, s);
-      if (group == 2) score_heads<K, 2>(qs, head_rows, n, p.D, p.scale, s);
-      if (group == 1) score_heads<K, 1>(qs, head_rows, n, p.D, p.scale, s);
+  // The query rows of KV head kv: (token j, head kv * rep + r) for the tokens taking part.
+  std::vector<int>& tokens = scratch.tokens;
+  tokens.clear();
+  for (int j = 0; j < g; ++j) {
+    if (n[j] > 0) tokens.push_back(j);
+  }
+  const int rows = static_cast<int>(tokens.size()) * rep;
+  auto score_row = [&](int j, int h) { return scratch.scores.data() + (static_cast<size_t>(j) * p.H + h) * keys; };
+  auto query = [&](int row, int kv) {
+    const int j = tokens[row / rep], h = kv * rep + row % rep;
+    return std::make_pair(j, h);
+  };
+  for (int kv = 0; kv < p.n_kv; ++kv) {
+    for (int i = 0; i < keys; ++i) head_rows[i] = krows[i] + kv * head_bytes;
+    in_threes(rows, [&](int count, int r0) {
+      const float* qs[3];
+      float* ss[3];
+      for (int r = 0; r < count; ++r) {
+        const auto [j, h] = query(r0 + r, kv);
+        qs[r] = p.q + static_cast<size_t>(t0 + j) * p.q_stride + static_cast<size_t>(h) * p.D;
+        ss[r] = score_row(j, h);
+      }
+      if (count == 3) score_heads<K, 3>(qs, head_rows, keys, p.D, p.scale, ss);
+      if (count == 2) score_heads<K, 2>(qs, head_rows, keys, p.D, p.scale, ss);
+      if (count == 1) score_heads<K, 1>(qs, head_rows, keys, p.D, p.scale, ss);
     });
   }
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; i < keys; ++i) {
     for (size_t b = 0; b < v_slot_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vrows[i]) + b, _MM_HINT_T0);
   }
-  for (int h = 0; h < p.H; ++h) {
-    float* row = scores.data() + static_cast<size_t>(h) * n;
-    if (p.softcap > 0.0f) {
-      for (int i = 0; i < n; ++i) row[i] = std::tanh(row[i] / p.softcap) * p.softcap;
+  const size_t out_size = static_cast<size_t>(p.H) * p.Dv;
+  for (const int j : tokens) {
+    float* max_score = at[j] + out_size;
+    float* total = max_score + p.H;
+    for (int h = 0; h < p.H; ++h) {
+      float* row = score_row(j, h);
+      const int mine = n[j];
+      if (p.softcap > 0.0f) {
+        for (int i = 0; i < mine; ++i) row[i] = std::tanh(row[i] / p.softcap) * p.softcap;
+      }
+      const float m = *std::max_element(row, row + mine);
+      const __m256 vmax = _mm256_set1_ps(m);
+      __m256 vtotal = _mm256_setzero_ps();
+      int i = 0;
+      for (; i + 8 <= mine; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), vmax));
+        _mm256_storeu_ps(row + i, e);
+        vtotal = _mm256_add_ps(vtotal, e);
+      }
+      float sum = hsum(vtotal);
+      for (; i < mine; ++i) {
+        row[i] = std::exp(row[i] - m);
+        sum += row[i];
+      }
+      std::fill(row + mine, row + keys, 0.0f);  // keys this token does not see
+      max_score[h] = m;
+      total[h] = sum;
     }
-    const float m = *std::max_element(row, row + n);
-    const __m256 vmax = _mm256_set1_ps(m);
-    __m256 vtotal = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), vmax));
-      _mm256_storeu_ps(row + i, e);
-      vtotal = _mm256_add_ps(vtotal, e);
-    }
-    float sum = hsum(vtotal);
-    for (; i < n; ++i) {
-      row[i] = std::exp(row[i] - m);
-      sum += row[i];
-    }
-    max_score[h] = m;
-    total[h] = sum;
   }
-  for (int kv_head = 0; kv_head < p.n_kv; ++kv_head) {
-    for (int i = 0; i < n; ++i) head_rows[i] = vrows[i] + kv_head * v_head_bytes;
-    head_groups(rep, [&](int group, int r0) {
-      const int h0 = kv_head * rep + r0;
-      float* outs[3] = {out + static_cast<size_t>(h0) * p.Dv, out + static_cast<size_t>(h0 + 1) * p.Dv,
-                        out + static_cast<size_t>(h0 + 2) * p.Dv};
-      const float* w = scores.data() + static_cast<size_t>(h0) * n;
-      if (group == 3) value_heads<K, 3>(head_rows, w, n, p.Dv, p.Dv_row, outs);
-      if (group == 2) value_heads<K, 2>(head_rows, w, n, p.Dv, p.Dv_row, outs);
-      if (group == 1) value_heads<K, 1>(head_rows, w, n, p.Dv, p.Dv_row, outs);
+  for (int kv = 0; kv < p.n_kv; ++kv) {
+    for (int i = 0; i < keys; ++i) head_rows[i] = vrows[i] + kv * v_head_bytes;
+    in_threes(rows, [&](int count, int r0) {
+      const float* ws[3];
+      float* outs[3];
+      for (int r = 0; r < count; ++r) {
+        const auto [j, h] = query(r0 + r, kv);
+        ws[r] = score_row(j, h);
+        outs[r] = at[j] + static_cast<size_t>(h) * p.Dv;
+      }
+      if (count == 3) value_heads<K, 3>(head_rows, ws, keys, p.Dv, p.Dv_row, outs);
+      if (count == 2) value_heads<K, 2>(head_rows, ws, keys, p.Dv, p.Dv_row, outs);
+      if (count == 1) value_heads<K, 1>(head_rows, ws, keys, p.Dv, p.Dv_row, outs);
     });
   }
 }
@@ -205,22 +249,45 @@ int chunks_of(KeyRange keys) { return keys.hi < keys.lo ? 0 : (keys.hi - keys.lo
 // One chunk's partial result: out rows [H, Dv] (unnormalized), then maxima [H], then totals [H].
 size_t partial_size(const AttentionArgs& p) { return static_cast<size_t>(p.H) * (p.Dv + 2); }
 
-// Each worker's scratch for attend_keys: scores [H, n] and the chunk's row pointers.
-struct Scratch {
-  std::vector<float> scores;
-  std::vector<const uint8_t*> rows;
+// Tokens [t0, t0 + g) attended together (attend_group): consecutive tokens of one sequence with the
+// same first visible key, so chunk c of keys is the same keys for each, cut at each token's last one.
+struct Group {
+  int t0, g;
+  int lo;      // their first visible key
+  int chunks;  // the most any of them has
 };
 
-void attend_chunk(const AttentionArgs& p, int t, KeyRange keys, int c, Scratch& scratch, float* at) {
-  const KeyRange mine{keys.lo + c * kChunkKeys, std::min(keys.hi, keys.lo + (c + 1) * kChunkKeys - 1)};
-  const size_t out_size = static_cast<size_t>(p.H) * p.Dv;
-  float* max_score = at + out_size;
-  float* total = max_score + p.H;
+// At most this many tokens a group: a prefill's groups still spread over the threads.
+constexpr int kGroupTokens = 8;
+
+std::vector<Group> groups_of(const AttentionArgs& p) {
+  std::vector<Group> groups;
+  for (int t = 0; t < p.T;) {
+    const KeyRange first = visible(p, t);
+    Group group{t, 0, first.lo, 0};
+    while (t < p.T && group.g < kGroupTokens && p.token_seq[t] == p.token_seq[group.t0] &&
+           visible(p, t).lo == first.lo) {
+      group.chunks = std::max(group.chunks, chunks_of(visible(p, t)));
+      ++group.g, ++t;
+    }
+    groups.push_back(group);
+  }
+  return groups;
+}
+
+// Chunk c of a group: each token's own keys of it, its partial result at at[j].
+void attend_chunk(const AttentionArgs& p, const Group& group, int c, Scratch& scratch, float* const* at) {
+  const int first_key = group.lo + c * kChunkKeys;
+  int n[kGroupTokens];
+  for (int j = 0; j < group.g; ++j) {
+    const KeyRange keys = visible(p, group.t0 + j);
+    n[j] = std::max(0, std::min(keys.hi, first_key + kChunkKeys - 1) - first_key + 1);
+  }
   switch (p.kv_type) {
-    case KVType::f32: attend_keys<KVType::f32>(p, t, mine, scratch.scores, scratch.rows, at, max_score, total); break;
-    case KVType::f16: attend_keys<KVType::f16>(p, t, mine, scratch.scores, scratch.rows, at, max_score, total); break;
-    case KVType::bf16: attend_keys<KVType::bf16>(p, t, mine, scratch.scores, scratch.rows, at, max_score, total); break;
-    case KVType::i8: attend_keys<KVType::i8>(p, t, mine, scratch.scores, scratch.rows, at, max_score, total); break;
+    case KVType::f32: attend_group<KVType::f32>(p, group.t0, group.g, first_key, n, scratch, at); break;
+    case KVType::f16: attend_group<KVType::f16>(p, group.t0, group.g, first_key, n, scratch, at); break;
+    case KVType::bf16: attend_group<KVType::bf16>(p, group.t0, group.g, first_key, n, scratch, at); break;
+    case KVType::i8: attend_group<KVType::i8>(p, group.t0, group.g, first_key, n, scratch, at); break;
   }
 }
 
@@ -247,31 +314,51 @@ void merge(const AttentionArgs& p, int t, const float* first, int chunks) {
   }
 }
 
-// Each token one task: its chunks in turn into a per-thread buffer, then merged.
-void attend_by_token(const AttentionArgs& p, ThreadPool& threads) {
-  threads.for_range(p.T, 1, [&](int begin, int end) {
+// Where token j of a group puts its chunk c's partial result: partials[first[t0 + j] + c], tokens' chunks
+// consecutive (first[t]: the first of token t's).
+std::vector<int> first_chunks(const AttentionArgs& p) {
+  std::vector<int> first(p.T + 1, 0);
+  for (int t = 0; t < p.T; ++t) first[t + 1] = first[t] + chunks_of(visible(p, t));
+  return first;
+}
+
+// Each group one task: its chunks in turn, then its tokens merged.
+void attend_by_group(const AttentionArgs& p, ThreadPool& threads) {
+  const std::vector<Group> groups = groups_of(p);
+  const std::vector<int> first = first_chunks(p);
+  std::vector<float> partial(static_cast<size_t>(first[p.T]) * partial_size(p));
+  threads.for_range(static_cast<int>(groups.size()), 1, [&](int begin, int end) {
     Scratch scratch;
-    std::vector<float> partial;
-    for (int t = begin; t < end; ++t) {
-      const KeyRange keys = visible(p, t);
-      const int chunks = chunks_of(keys);
-      partial.resize(chunks * partial_size(p));
-      for (int c = 0; c < chunks; ++c) attend_chunk(p, t, keys, c, scratch, partial.data() + c * partial_size(p));
-      merge(p, t, partial.data(), chunks);
+    for (int i = begin; i < end; ++i) {
+      const Group& group = groups[i];
+      for (int c = 0; c < group.chunks; ++c) {
+        float* at[kGroupTokens];
+        for (int j = 0; j < group.g; ++j) at[j] = partial.data() + (first[group.t0 + j] + c) * partial_size(p);
+        attend_chunk(p, group, c, scratch, at);
+      }
+      for (int t = group.t0; t < group.t0 + group.g; ++t) {
+        merge(p, t, partial.data() + first[t] * partial_size(p), first[t + 1] - first[t]);
+      }
     }
   });
 }
 
-// Each chunk of each token one task, then each token's chunks merged.
+// Each chunk of each group one task, then each token's chunks merged.
 void attend_by_chunk(const AttentionArgs& p, ThreadPool& threads) {
-  std::vector<int> first(p.T + 1, 0);  // token t's chunks are items [first[t], first[t + 1])
-  for (int t = 0; t < p.T; ++t) first[t + 1] = first[t] + chunks_of(visible(p, t));
-  std::vector<float> partial(first[p.T] * partial_size(p));
-  threads.for_range(first[p.T], 1, [&](int begin, int end) {
+  const std::vector<Group> groups = groups_of(p);
+  const std::vector<int> first = first_chunks(p);
+  std::vector<int> items(groups.size() + 1, 0);  // group i's chunks are items [items[i], items[i + 1])
+  for (size_t i = 0; i < groups.size(); ++i) items[i + 1] = items[i] + groups[i].chunks;
+  std::vector<float> partial(static_cast<size_t>(first[p.T]) * partial_size(p));
+  threads.for_range(items.back(), 1, [&](int begin, int end) {
     Scratch scratch;
-    for (int i = begin; i < end; ++i) {
-      const int t = static_cast<int>(std::upper_bound(first.begin(), first.end(), i) - first.begin()) - 1;
-      attend_chunk(p, t, visible(p, t), i - first[t], scratch, partial.data() + i * partial_size(p));
+    for (int item = begin; item < end; ++item) {
+      const size_t i = std::upper_bound(items.begin(), items.end(), item) - items.begin() - 1;
+      const Group& group = groups[i];
+      const int c = item - items[i];
+      float* at[kGroupTokens];
+      for (int j = 0; j < group.g; ++j) at[j] = partial.data() + (first[group.t0 + j] + c) * partial_size(p);
+      attend_chunk(p, group, c, scratch, at);
     }
   });
   for (int t = 0; t < p.T; ++t) merge(p, t, partial.data() + first[t] * partial_size(p), first[t + 1] - first[t]);
@@ -290,7 +377,7 @@ void attend_all(const AttentionArgs& args) {
   if (p.T < kTasksPerThread * threads.size()) {
     attend_by_chunk(p, threads);
   } else {
-    attend_by_token(p, threads);
+    attend_by_group(p, threads);
   }
 }
 
