@@ -163,7 +163,8 @@ def test_int8_product_rows_do_not_depend_on_the_other_rows(integer_activations, 
         return np.array(cpu_kernels.quantized_matmul(mx.array(rows), w, scales, biases, 32, bits))
 
     full = product(x)
-    for start, count in ((0, 1), (511, 1), (9, 2), (5, 3), (64, 16), (100, 17), (200, 100), (3, 509)):
+    spans = ((0, 1), (511, 1), (9, 2), (5, 3), (20, 5), (30, 6), (64, 16), (100, 17), (200, 100), (3, 509))
+    for start, count in spans:
         np.testing.assert_array_equal(product(x[start:start + count]), full[start:start + count])
     others = rng.standard_normal((40, k)).astype(np.float32)
     mixed = product(np.concatenate([others[:21], x[7:8], others[21:]]))

@@ -185,7 +185,7 @@ void rows_tile(const Int8Problem& p, int n, int m0, const QuadScales& quad) {
 }
 
 // Rows [m0, m1) of features [n, n + NB): four rows a tile, the last one to three rows in one tile, so
-// a feature's weights are unpacked once for up to four rows (a verification's k + 1 rows, a batch).
+// a feature's weights are unpacked once for up to four rows.
 template <int BITS, int NB>
 void rows(const Int8Problem& p, int n, int m0, int m1, const QuadScales& quad) {
   int m = m0;
@@ -198,14 +198,31 @@ void rows(const Int8Problem& p, int n, int m0, int m1, const QuadScales& quad) {
   }
 }
 
-// Features NB at a time: 4 (16 accumulators at 4 rows, within the 32 vector registers with the x and
-// weight vectors).
+// Features [n, n1) for five or six rows in one tile of two features (10-12 accumulators and as many
+// x vectors): a verification of four or five proposed tokens reads the weights in one pass, where a
+// tile of four rows and one of the rest would read them twice.
+template <int BITS, int MB>
+void rows_in_one(const Int8Problem& p, int n, int n1, int m0, const QuadScales& quad) {
+  for (; n + 2 <= n1; n += 2) rows_tile<BITS, MB, 2>(p, n, m0, quad);
+  for (; n < n1; ++n) rows_tile<BITS, MB, 1>(p, n, m0, quad);
+}
+
+// Features four at a time (16 accumulators at 4 rows, within the 32 vector registers with the x and
+// weight vectors), five or six rows at once two features at a time.
 template <int BITS>
 void feature_range(const Int8Problem& p, int n0, int n1) {
   const QuadScales quad(p.group / 32);
   constexpr int kFeatures = 4;
   for (int m0 = 0; m0 < p.M; m0 += kRowBlock) {
     const int m1 = std::min(p.M, m0 + kRowBlock);
+    if (m1 - m0 == 5) {
+      rows_in_one<BITS, 5>(p, n0, n1, m0, quad);
+      continue;
+    }
+    if (m1 - m0 == 6) {
+      rows_in_one<BITS, 6>(p, n0, n1, m0, quad);
+      continue;
+    }
     int n = n0;
     for (; n + kFeatures <= n1; n += kFeatures) rows<BITS, kFeatures>(p, n, m0, m1, quad);
     for (; n < n1; ++n) rows<BITS, 1>(p, n, m0, m1, quad);
