@@ -39,6 +39,7 @@ from rich.table import Table  # noqa: E402
 from mlx_infer import blas  # noqa: E402
 from mlx_infer.engine.speculative import METHODS, SpeculativeConfig  # noqa: E402
 from mlx_infer.loading import load  # noqa: E402
+from mlx_infer.plan.planner import KV_CACHE_DTYPES  # noqa: E402
 
 PEERS = ("mlx-lm", "llama.cpp")
 
@@ -68,18 +69,19 @@ def main(argv: list[str] | None = None) -> int:
             rows = [{**vars(r), "acceptance": r.acceptance} for r in spec_results]
             Path(args.json).write_text(json.dumps({"speculative": rows}, indent=2))
         return 0 if all(r.identical for r in spec_results) else 1
-    results = run_mlx_infer.run(lm, args.p, args.n, args.r, args.b)
+    results = run_mlx_infer.run(lm, args.p, args.n, args.r, args.b, kv_dtypes=args.kv_cache_dtype)
     skipped: list[str] = []
     for peer in args.compare:
-        try:
-            result, why = _run_peer(peer, lm, args)
-        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            # A broken peer must not cost the figures already measured.
-            result, why = None, f"failed: {e}"
-        if result is not None:
-            results.append(result)
-        else:
-            skipped.append(f"{peer}: {why}")
+        for kv_dtype in args.kv_cache_dtype if peer == "llama.cpp" else ["auto"]:
+            try:
+                result, why = _run_peer(peer, lm, args, kv_dtype)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                # A broken peer must not cost the figures already measured.
+                result, why = None, f"failed: {e}"
+            if result is not None:
+                results.append(result)
+            else:
+                skipped.append(f"{peer}: {why}")
     profiles = [run_mlx_infer.profile_ops(lm, b, args.p) for b in args.b] if args.profile else []
 
     _print_table(console, results, bandwidth)
@@ -114,6 +116,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                          help="keep quantized weights quantized even without a fast kernel for them")
     weights.add_argument("--dequantize", action="store_const", const=False, dest="keep_quantized",
                          help="dequantize weights at load (float32 through the BLAS on the CPU backend)")
+    parser.add_argument("--kv-cache-dtype", type=_kv_list, default=["auto"],
+                        help="KV cache dtypes to run, e.g. float16,int8 (default auto); llama.cpp runs the "
+                        "same (-ctk/-ctv f16, f32, bf16, q8_0 for int8)")
     parser.add_argument("--json", help="also write the results to this file")
     spec = SpeculativeConfig()
     parser.add_argument("--speculative", choices=METHODS, default=None,
@@ -134,6 +139,14 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _kv_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in KV_CACHE_DTYPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"KV cache dtypes are {', '.join(KV_CACHE_DTYPES)}")
+    return names
+
+
 def _peer_list(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [x for x in names if x not in PEERS]
@@ -142,8 +155,9 @@ def _peer_list(text: str) -> list[str]:
     return names
 
 
-def _run_peer(peer: str, lm, args: argparse.Namespace) -> tuple[Result | None, str]:
-    """The peer's batch-1 result, or None and why it was not run."""
+def _run_peer(peer: str, lm, args: argparse.Namespace, kv_dtype: str) -> tuple[Result | None, str]:
+    """The peer's batch-1 result (llama.cpp: with ``kv_dtype``'s cache type), or None and why it was not
+    run."""
     import mlx.core as mx
 
     from mlx_infer.engine.runner import kv_bytes_per_token
@@ -159,7 +173,7 @@ def _run_peer(peer: str, lm, args: argparse.Namespace) -> tuple[Result | None, s
         return None, "llama-bench not found (put it on PATH or pass --llama-bench PATH)"
     if not lm.source.endswith(".gguf"):
         return None, "llama.cpp needs a .gguf model"
-    return peers.run_llama_bench(binary, lm.source, args.p, args.n, args.r, args.threads), ""
+    return peers.run_llama_bench(binary, lm.source, args.p, args.n, args.r, args.threads, kv_dtype), ""
 
 
 def _print_speculative(console: Console, results: list, spec: SpeculativeConfig) -> None:
@@ -181,13 +195,16 @@ def _print_speculative(console: Console, results: list, spec: SpeculativeConfig)
 
 def _print_table(console: Console, results: list[Result], bandwidth: float) -> None:
     table = Table(title="generate: prefill and decode tokens/s (mean ± std over repetitions)")
-    for name in ("engine", "weights", "batch", "prefill tok/s", "decode tok/s", "decode bound", "of bound"):
-        table.add_column(name, justify="left" if name in ("engine", "weights") else "right")
+    columns = ("engine", "weights", "KV", "batch", "prefill tok/s", "decode tok/s", "decode bound",
+               "of bound")
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("engine", "weights", "KV") else "right")
     for r in results:
         bound = _bound(r, bandwidth)
         share = mean(r.decode) / bound if r.decode else math.nan
         table.add_row(
-            r.engine, r.weights, str(r.batch), _fmt(r.prefill), _fmt(r.decode), f"{bound:.1f}", f"{share:.0%}"
+            r.engine, r.weights, r.kv or "-", str(r.batch), _fmt(r.prefill), _fmt(r.decode), f"{bound:.1f}",
+            f"{share:.0%}",
         )
     console.print(table)
     console.print(
@@ -195,14 +212,21 @@ def _print_table(console: Console, results: list[Result], bandwidth: float) -> N
     )
 
 
+# The KV cache of ours that llama.cpp's equals (its q8_0: our int8, with a scale per 32 values, ours per row).
+SAME_KV = {"f16": "float16", "f32": "float32", "bf16": "bfloat16", "q8_0": "int8"}
+
+
 def _print_ratios(console: Console, results: list[Result]) -> None:
-    ours = {r.batch: r for r in results if r.engine == "mlx-infer"}
+    ours = {(r.batch, r.kv): r for r in results if r.engine == "mlx-infer"}
     for peer in (r for r in results if r.engine != "mlx-infer"):
-        mine = ours.get(peer.batch)
+        # llama.cpp against the same KV type; mlx-lm (its own bfloat16 cache) against our first one
+        mine = ours.get((peer.batch, SAME_KV.get(peer.kv, ""))) or next(
+            (r for (batch, _), r in ours.items() if batch == peer.batch), None
+        )
         if mine is None:
             continue
         console.print(
-            f"mlx-infer / {peer.engine} ({peer.weights}) at batch {peer.batch}: "
+            f"mlx-infer / {peer.engine} ({peer.weights}, KV {peer.kv}) at batch {peer.batch}: "
             f"prefill {mean(mine.prefill) / mean(peer.prefill):.2f}×, "
             f"decode {mean(mine.decode) / mean(peer.decode):.2f}×"
         )
@@ -223,7 +247,8 @@ def _write_json(path: Path, args, results, profiles, bandwidth: float, skipped: 
             "read_bandwidth_bytes_per_s": bandwidth,
         },
         "args": {"model": args.model, "p": args.p, "n": args.n, "r": args.r, "b": args.b,
-                 "compare": args.compare, "keep_quantized": args.keep_quantized},
+                 "compare": args.compare, "keep_quantized": args.keep_quantized,
+                 "kv_cache_dtype": args.kv_cache_dtype},
         "results": [dict(r.to_json(), decode_bound=_bound(r, bandwidth)) for r in results],
         "profile": [
             {"batch": p.batch, "ops_per_step": p.ops_per_step, "ops_per_token": p.ops_per_token,

@@ -17,6 +17,7 @@ class Result:
     kv_bytes_per_token: int = 0  # bytes of KV cache one context token costs a decode step
     decode_context: float = 0.0  # mean context length during the timed decode steps
     note: str = ""
+    kv: str = ""  # the KV cache's type, e.g. "float16", "int8", llama.cpp's "q8_0"
 
     def to_json(self) -> dict:
         out = asdict(self)

@@ -66,7 +66,7 @@ def run_mlx_lm(folder: Path, prompt_len: int, gen_len: int, repeats: int, kv_byt
     return Result(
         "mlx-lm", "bfloat16", 1, data["prefill"], data["decode"], weight_bytes=data["weight_bytes"],
         kv_bytes_per_token=kv_bytes_per_token,
-        decode_context=prompt_len + gen_len / 2, note=f"mlx-lm {data['version']}",
+        decode_context=prompt_len + gen_len / 2, note=f"mlx-lm {data['version']}", kv="bfloat16",
     )
 
 
@@ -111,18 +111,29 @@ def find_llama_bench(explicit: str | None) -> str | None:
     return shutil.which("llama-bench")
 
 
+# mlx-infer's --kv-cache-dtype -> llama.cpp's cache type (-ctk/-ctv) and its bytes per value; "auto" is
+# float16 on the CPU backend, as llama.cpp's default.
+LLAMA_KV_TYPES = {"auto": ("f16", 2.0), "float16": ("f16", 2.0), "float32": ("f32", 4.0),
+                  "bfloat16": ("bf16", 2.0), "int8": ("q8_0", 34 / 32)}
+
+
 def run_llama_bench(
-    binary: str, gguf: str, prompt_len: int, gen_len: int, repeats: int, threads: int
+    binary: str, gguf: str, prompt_len: int, gen_len: int, repeats: int, threads: int, kv_dtype: str = "auto"
 ) -> Result:
     """Prefill of ``prompt_len`` tokens from an empty context, and decode of ``gen_len`` tokens after a
     ``prompt_len``-token context (``-d``, llama-bench's depth), as mlx-infer's decode runs: llama-bench's
-    plain ``tg`` test decodes from an empty context, which attends over fewer keys."""
-    weight_bytes, kv_per_token, qtype = _gguf_sizes(gguf)
+    plain ``tg`` test decodes from an empty context, which attends over fewer keys. The KV cache is
+    ``kv_dtype``'s equivalent (LLAMA_KV_TYPES); a quantized one needs flash attention (``-fa 1``)."""
+    weight_bytes, kv_f16_per_token, qtype = _gguf_sizes(gguf)
+    cache, value_bytes = LLAMA_KV_TYPES[kv_dtype]
+    kv_per_token = int(kv_f16_per_token / 2 * value_bytes)
     result = Result(
         "llama.cpp", qtype, 1, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token,
-        decode_context=prompt_len + gen_len / 2, note="",
+        decode_context=prompt_len + gen_len / 2, note="", kv=cache,
     )
-    common = ["-m", gguf, "-r", str(repeats), "-t", str(threads), "-o", "json"]
+    common = ["-m", gguf, "-r", str(repeats), "-t", str(threads), "-o", "json", "-ctk", cache, "-ctv", cache]
+    if cache == "q8_0":
+        common += ["-fa", "1"]
     prefill = _llama_bench_test(binary, [*common, "-p", str(prompt_len), "-n", "0"])
     decode = _llama_bench_test(binary, [*common, "-p", "0", "-n", str(gen_len), "-d", str(prompt_len)])
     result.prefill, result.decode = prefill["samples"], decode["samples"]

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from mlx_infer import blas
 from mlx_infer.engine.engine import Engine, EngineConfig
-from mlx_infer.engine.runner import kv_bytes_per_token
+from mlx_infer.engine.runner import dtype_name, kv_bytes_per_token
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.loading import LoadedModel
 from mlx_infer.sampling import SamplingParams
@@ -60,19 +60,21 @@ def weights_label(model: nn.Module) -> str:
 
 
 def run(
-    lm: LoadedModel, prompt_len: int, gen_len: int, repeats: int, batches: list[int], seed: int = 0
+    lm: LoadedModel, prompt_len: int, gen_len: int, repeats: int, batches: list[int], seed: int = 0,
+    kv_dtypes: tuple[str, ...] = ("auto",),
 ) -> list[Result]:
+    """Each KV cache dtype (``--kv-cache-dtype`` values) at each batch size."""
     weight_bytes = weight_bytes_per_step(lm.model)
     label = weights_label(lm.model)
     rng = np.random.default_rng(seed)
     results = []
-    for b in batches:
-        engine = _engine(lm, b, prompt_len, gen_len)
+    for kv_dtype, b in ((kv, b) for kv in kv_dtypes for b in batches):
+        engine = _engine(lm, b, prompt_len, gen_len, kv_dtype)
         _generate(engine, rng, lm, b, min(prompt_len, 32), min(gen_len, 4))  # warm-up: first-call costs
         per_token_kv = kv_bytes_per_token(lm.model, engine.kv_dtype)  # the pool as allocated
         result = Result(
             "mlx-infer", label, b, weight_bytes=weight_bytes, kv_bytes_per_token=per_token_kv,
-            decode_context=prompt_len + gen_len / 2,
+            decode_context=prompt_len + gen_len / 2, kv=dtype_name(engine.kv_dtype),
         )
         for _ in range(repeats):
             prefill_s, decode_s = _generate(engine, rng, lm, b, prompt_len, gen_len)
@@ -131,13 +133,14 @@ def profile_ops(lm: LoadedModel, batch: int, prompt_len: int) -> OpProfile:
     return OpProfile(batch, sum(ops.values()), dict(ops.most_common()))
 
 
-def _engine(lm: LoadedModel, batch: int, prompt_len: int, gen_len: int) -> Engine:
+def _engine(lm: LoadedModel, batch: int, prompt_len: int, gen_len: int, kv_dtype: str = "auto") -> Engine:
     block = 16
     per_seq = math.ceil((prompt_len + gen_len) / block) + 1
     config = EngineConfig(
         block_size=block,
         num_blocks=batch * per_seq + 1,
         enable_prefix_caching=False,  # random prompts never share blocks; keep the cache out of it
+        kv_cache_dtype=kv_dtype,
         scheduler=SchedulerConfig(
             max_num_seqs=max(batch, SchedulerConfig.max_num_seqs),
             max_num_batched_tokens=max(batch * prompt_len, SchedulerConfig.max_num_batched_tokens),

@@ -26,15 +26,17 @@ def test_bench_generate_smoke(smollm2_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "-m", str(smollm2_path), "-p", "16", "-n", "4", "-r", "2", "-b", "1,2",
-         "--profile", "--json", str(out)],
+         "--kv-cache-dtype", "float16,int8", "--profile", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "decode bound" in proc.stdout and "MLX ops per decode step" in proc.stdout
     data = json.loads(out.read_text())
     assert data["machine"]["read_bandwidth_bytes_per_s"] > 1e8
-    rows = {r["batch"]: r for r in data["results"] if r["engine"] == "mlx-infer"}
-    assert sorted(rows) == [1, 2]
+    rows = {(r["batch"], r["kv"]): r for r in data["results"] if r["engine"] == "mlx-infer"}
+    assert sorted(rows) == [(1, "float16"), (1, "int8"), (2, "float16"), (2, "int8")]
+    # int8 rows: 64 values and a float32 scale per KV head, against 128 bytes in float16
+    assert rows[1, "int8"]["kv_bytes_per_token"] / rows[1, "float16"]["kv_bytes_per_token"] == 68 / 128
     for r in rows.values():
         assert len(r["prefill"]) == 2 and len(r["decode"]) == 2
         assert all(x > 0 for x in r["prefill"] + r["decode"])
