@@ -118,7 +118,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                          help="dequantize weights at load (float32 through the BLAS on the CPU backend)")
     parser.add_argument("--kv-cache-dtype", type=_kv_list, default=["auto"],
                         help="KV cache dtypes to run, e.g. float16,int8 (default auto); llama.cpp runs the "
-                        "same (-ctk/-ctv f16, f32, bf16, q8_0 for int8)")
+                        "same (-ctk/-ctv f16, bf16, q8_0 for int8; it has no float32 cache)")
     parser.add_argument("--json", help="also write the results to this file")
     spec = SpeculativeConfig()
     parser.add_argument("--speculative", choices=METHODS, default=None,
@@ -173,6 +173,8 @@ def _run_peer(peer: str, lm, args: argparse.Namespace, kv_dtype: str) -> tuple[R
         return None, "llama-bench not found (put it on PATH or pass --llama-bench PATH)"
     if not lm.source.endswith(".gguf"):
         return None, "llama.cpp needs a .gguf model"
+    if kv_dtype not in peers.LLAMA_KV_TYPES:
+        return None, f"llama-bench has no {kv_dtype} KV cache"
     return peers.run_llama_bench(binary, lm.source, args.p, args.n, args.r, args.threads, kv_dtype), ""
 
 

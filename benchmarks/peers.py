@@ -112,9 +112,9 @@ def find_llama_bench(explicit: str | None) -> str | None:
 
 
 # mlx-infer's --kv-cache-dtype -> llama.cpp's cache type (-ctk/-ctv) and its bytes per value; "auto" is
-# float16 on the CPU backend, as llama.cpp's default.
-LLAMA_KV_TYPES = {"auto": ("f16", 2.0), "float16": ("f16", 2.0), "float32": ("f32", 4.0),
-                  "bfloat16": ("bf16", 2.0), "int8": ("q8_0", 34 / 32)}
+# float16 on the CPU backend, as llama.cpp's default. llama-bench takes no f32 cache.
+LLAMA_KV_TYPES = {"auto": ("f16", 2.0), "float16": ("f16", 2.0), "bfloat16": ("bf16", 2.0),
+                  "int8": ("q8_0", 34 / 32)}
 
 
 def run_llama_bench(
