@@ -62,31 +62,15 @@ inline __m256i dot_nibbles(__m256i lo, __m256i xe, __m256i hi, __m256i xo) {
 #endif
 }
 
-// The accumulators of an NB-feature by MB-row output tile, with each feature's weight and scale rows.
-// Constructing it prefetches the scales and biases of the tile kPrefetchTiles ahead; prefetch(i)
-// the weights that tile's step i will read (beyond the end of the arrays is harmless: no faults).
+// The accumulators of an NB-feature by MB-row output tile, over its rows (TileRows). Every step reads
+// 32 bytes of each weight row.
 template <int MB, int NB>
-struct Tile {
+struct Tile : TileRows<NB> {
   __m256 total[NB][MB];
-  const uint8_t* wr[NB];
-  const float* sr[NB];
-  const char* ahead;  // the first weight byte of the tile kPrefetchTiles ahead
 
-  Tile(const Int8Problem& p, int n0, size_t row_bytes) {
-    const int groups = p.K / p.group;
-    for (int r = 0; r < NB; ++r) {
-      wr[r] = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0 + r) * row_bytes;
-      sr[r] = p.scales + static_cast<size_t>(n0 + r) * groups;
+  Tile(const Int8Problem& p, int n0, size_t row_bytes) : TileRows<NB>(p, n0, row_bytes, 32) {
+    for (int r = 0; r < NB; ++r)
       for (int m = 0; m < MB; ++m) total[r][m] = _mm256_setzero_ps();
-    }
-    ahead = reinterpret_cast<const char*>(wr[0]) + kPrefetchTiles * NB * row_bytes;
-    prefetch_scales(p, n0 + kPrefetchTiles * NB, NB);
-  }
-
-  // Step i reads 32 bytes of each row, so over the tile's steps its NB contiguous rows are read at
-  // NB * 32 bytes a step: the same share of the tile ahead is requested.
-  void prefetch(int i) const {
-    for (int b = 0; b < NB * 32; b += 64) _mm_prefetch(ahead + static_cast<size_t>(i) * NB * 32 + b, _MM_HINT_T0);
   }
 
   void store(const Int8Problem& p, int n0, int m0) const {

@@ -54,31 +54,14 @@ struct QuadScales {
   }
 };
 
-// An NB-feature by MB-row output tile's accumulators and weight/scale rows, prefetching as
-// qmv_int8.cpp's Tile does (each step reads `step_bytes` of every row).
+// The accumulators of an NB-feature by MB-row output tile, over its rows (qmv_int8_parts.h's TileRows).
 template <int MB, int NB>
-struct Tile {
+struct Tile : TileRows<NB> {
   __m512 total[NB][MB];
-  const uint8_t* wr[NB];
-  const float* sr[NB];
-  const char* ahead;
-  int step_bytes;
 
-  Tile(const Int8Problem& p, int n0, size_t row_bytes, int step) : step_bytes(step) {
-    const int groups = p.K / p.group;
-    for (int r = 0; r < NB; ++r) {
-      wr[r] = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0 + r) * row_bytes;
-      sr[r] = p.scales + static_cast<size_t>(n0 + r) * groups;
+  Tile(const Int8Problem& p, int n0, size_t row_bytes, int step) : TileRows<NB>(p, n0, row_bytes, step) {
+    for (int r = 0; r < NB; ++r)
       for (int m = 0; m < MB; ++m) total[r][m] = _mm512_setzero_ps();
-    }
-    ahead = reinterpret_cast<const char*>(wr[0]) + kPrefetchTiles * NB * row_bytes;
-    prefetch_scales(p, n0 + kPrefetchTiles * NB, NB);
-  }
-
-  void prefetch(int i) const {
-    for (int b = 0; b < NB * step_bytes; b += 64) {
-      _mm_prefetch(ahead + static_cast<size_t>(i) * NB * step_bytes + b, _MM_HINT_T0);
-    }
   }
 
   void store(const Int8Problem& p, int n0, int m0) const {

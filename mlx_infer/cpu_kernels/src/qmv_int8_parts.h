@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "qmv_int8.h"
 #include "simd.h"
@@ -29,14 +30,39 @@ inline __m256 pair_scales(const float* sw, int b, int blocks_per_group) {
   return _mm256_set_m128(_mm_set1_ps(sw[(b + 1) / blocks_per_group]), _mm_set1_ps(sw[b / blocks_per_group]));
 }
 
-// Prefetch the scales and biases of `count` feature rows from row n.
-inline void prefetch_scales(const Int8Problem& p, int n, int count) {
-  const size_t at = static_cast<size_t>(n) * (p.K / p.group);
-  for (size_t b = 0; b < count * (p.K / p.group) * sizeof(float); b += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(p.scales + at) + b, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p.biases + at) + b, _MM_HINT_T0);
+// The weight and scale rows of an NB-feature output tile and where its weight prefetches point; both
+// builds' tiles add their accumulators. Constructing it prefetches the scales and biases of the tile
+// kPrefetchTiles ahead; prefetch(i) the weights that tile's step i will read, `step_bytes` of each row
+// a step (beyond the end of the arrays is harmless: no faults).
+template <int NB>
+struct TileRows {
+  const uint8_t* wr[NB];
+  const float* sr[NB];
+  const char* ahead;  // the first weight byte of the tile kPrefetchTiles ahead
+  int step_bytes;
+
+  TileRows(const Int8Problem& p, int n0, size_t row_bytes, int step) : step_bytes(step) {
+    const int groups = p.K / p.group;
+    for (int r = 0; r < NB; ++r) {
+      wr[r] = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0 + r) * row_bytes;
+      sr[r] = p.scales + static_cast<size_t>(n0 + r) * groups;
+    }
+    ahead = reinterpret_cast<const char*>(wr[0]) + kPrefetchTiles * NB * row_bytes;
+    const size_t at = static_cast<size_t>(n0 + kPrefetchTiles * NB) * groups;
+    for (size_t b = 0; b < NB * groups * sizeof(float); b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p.scales + at) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p.biases + at) + b, _MM_HINT_T0);
+    }
   }
-}
+
+  // Over the tile's steps its NB contiguous rows are read at NB * step_bytes a step: the same share of
+  // the tile ahead is requested.
+  void prefetch(int i) const {
+    for (int b = 0; b < NB * step_bytes; b += 64) {
+      _mm_prefetch(ahead + static_cast<size_t>(i) * NB * step_bytes + b, _MM_HINT_T0);
+    }
+  }
+};
 
 // sum_g b_{n,g} * xsum_{m,g}: eight groups a step, the tail masked.
 inline float bias_term(const Int8Problem& p, int n, int m) {
