@@ -42,39 +42,54 @@ KeyRange visible(const AttentionArgs& p, int t) {
   return {lo, hi};
 }
 
-// The sum of v's lanes in the order score_keys' four-key reduction gives each key:
-// ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), so a key's score does not depend on the keys beside it.
-inline float pairwise_sum(__m256 v) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v, v), _mm256_hadd_ps(v, v));
-  return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
-
 // Scores of keys k[0..KB) against query rows q[0..RB) (D a multiple of 8): each key's 8 values at a
-// time are converted once and meet every query row, and the KB x RB sums are reduced together (four
-// keys' sums per row in three horizontal adds and one add), not one horizontal sum per dot product.
-// Writes s[r][i] = (q_r . k_i) * row scale * `scale` for i < KB.
+// time are converted once and meet every query row. Each dot product is summed as a plain per-key loop
+// would (simd.h's dot: the 8-value chunks at d % 16 == 0 in one accumulator, those at d % 16 == 8 in a
+// second, added, then hsum's lanes ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))), the four keys' sums
+// reduced together in that order: a key's score is the same bits whatever keys are beside it, and the
+// same as before the keys were blocked, so answers whose top tokens are close do not move with this
+// kernel. The second accumulators would not fit the 16 registers beside the first, so the two sets
+// are summed one after the other. Writes s[r][i0 + i] = (q_r . k_i) * row scale * `scale`.
 template <KVType K, int KB, int RB>
 inline void score_keys(const float* const* q, const uint8_t* const* k, int D, float scale, float* const* s, int i0) {
   __m256 acc[KB][RB];
-  for (int i = 0; i < KB; ++i)
-    for (int r = 0; r < RB; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int d = 0; d < D; d += 8) {
-    __m256 kv[KB];
-    for (int i = 0; i < KB; ++i) kv[i] = load8<K>(k[i], d);
-    for (int r = 0; r < RB; ++r) {
-      const __m256 qv = _mm256_loadu_ps(q[r] + d);
-      for (int i = 0; i < KB; ++i) acc[i][r] = _mm256_fmadd_ps(qv, kv[i], acc[i][r]);
+  alignas(32) float first[KB][RB][8];
+  for (int half = 0; half < 2; ++half) {
+    for (int i = 0; i < KB; ++i)
+      for (int r = 0; r < RB; ++r) acc[i][r] = _mm256_setzero_ps();
+    for (int d = 8 * half; d < D; d += 16) {
+      __m256 kv[KB];
+      for (int i = 0; i < KB; ++i) kv[i] = load8<K>(k[i], d);
+      for (int r = 0; r < RB; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q[r] + d);
+        for (int i = 0; i < KB; ++i) acc[i][r] = _mm256_fmadd_ps(qv, kv[i], acc[i][r]);
+      }
+    }
+    if (half == 0) {
+      for (int i = 0; i < KB; ++i)
+        for (int r = 0; r < RB; ++r) _mm256_store_ps(first[i][r], acc[i][r]);
     }
   }
   for (int r = 0; r < RB; ++r) {
+    __m128 x[KB];  // per key: its two accumulators added, then its 256-bit halves
+    for (int i = 0; i < KB; ++i) {
+      const __m256 v = _mm256_add_ps(_mm256_load_ps(first[i][r]), acc[i][r]);
+      x[i] = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    }
     if constexpr (KB == 4) {
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][r], acc[1][r]), _mm256_hadd_ps(acc[2][r], acc[3][r]));
-      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      const __m128 scales = _mm_setr_ps(row_scale<K>(k[0], D), row_scale<K>(k[1], D), row_scale<K>(k[2], D),
-                                        row_scale<K>(k[3], D));
-      _mm_storeu_ps(s[r] + i0, _mm_mul_ps(sums, _mm_mul_ps(scales, _mm_set1_ps(scale))));
+      // Lanes (x0 + x2) and (x1 + x3) of each key, then their sum: hsum's order for four keys at once.
+      const __m128 u01 = _mm_add_ps(_mm_unpacklo_ps(x[0], x[1]), _mm_unpackhi_ps(x[0], x[1]));
+      const __m128 u23 = _mm_add_ps(_mm_unpacklo_ps(x[2], x[3]), _mm_unpackhi_ps(x[2], x[3]));
+      const __m128 sums = _mm_add_ps(_mm_movelh_ps(u01, u23), _mm_movehl_ps(u23, u01));
+      const __m128 rows = _mm_setr_ps(row_scale<K>(k[0], D), row_scale<K>(k[1], D), row_scale<K>(k[2], D),
+                                      row_scale<K>(k[3], D));
+      _mm_storeu_ps(s[r] + i0, _mm_mul_ps(_mm_mul_ps(sums, rows), _mm_set1_ps(scale)));
     } else {
-      for (int i = 0; i < KB; ++i) s[r][i0 + i] = pairwise_sum(acc[i][r]) * (row_scale<K>(k[i], D) * scale);
+      for (int i = 0; i < KB; ++i) {
+        __m128 lo = _mm_add_ps(x[i], _mm_movehl_ps(x[i], x[i]));
+        lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+        s[r][i0 + i] = _mm_cvtss_f32(lo) * row_scale<K>(k[i], D) * scale;
+      }
     }
   }
 }
