@@ -84,12 +84,11 @@ def integer_activations(native, request):
 def _np_int8_product(x: np.ndarray, w: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int,
                      wide: bool = False):
     """The int8 scheme in NumPy: x rounded per block of 32 to x^ = dx * qx (dx = max|x| / L, qx
-    integers in [-L, L]: L = 127 (int8) for 4-bit weights, 32639 (int16 that splits into two int8
-    halves) for 8-bit ones and 32767 (int16) when ``wide`` (the int16 activations) for 4-bit ones),
-    then exactly w . x^ in float64: the weight and the bias terms both meet the quantized x, as
-    llama.cpp's Q4_1 x Q8_1 products do."""
+    integers in [-L, L]: L = 127 (int8) for 4-bit weights, 32767 (int16) for 8-bit ones and, when
+    ``wide`` (the int16 activations), for 4-bit ones too), then exactly w . x^ in float64: the weight
+    and the bias terms both meet the quantized x, as llama.cpp's Q4_1 x Q8_1 products do."""
     rows, k = x.shape
-    levels = np.float32(32639 if bits == 8 else 32767 if wide else 127)
+    levels = np.float32(32767 if bits == 8 or wide else 127)
     blocks = x.reshape(rows, k // 32, 32).astype(np.float32)
     amax = np.abs(blocks).max(-1)
     inv = np.where(amax > 0, levels / np.where(amax > 0, amax, 1), 0).astype(np.float32)
@@ -126,6 +125,30 @@ def test_int8_activation_products_equal_their_numpy_scheme(int8_activations, bit
     rounding = np.abs(want - exact).max()
     assert rounding < (2e-4 if bits == 8 else 0.03) * scale
     assert np.abs(out - want).max() < rounding / 10
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int8_builds_give_the_same_bits(native, bits: int, group: int):
+    """The 512-bit kernel (where this CPU has AVX-512 VNNI), the 256-bit VNNI one and plain AVX2 compute
+    every product bit for bit alike, at every row count and with an odd feature count: an answer whose
+    top tokens are close does not change with the machine's vector width."""
+    rng = np.random.default_rng(bits + group)
+    k, features = 640, 37
+    weight = mx.array(rng.standard_normal((features, k)).astype(np.float32))
+    w, scales, biases = mx.quantize(weight, group, bits)
+    x = mx.array(rng.standard_normal((100, k)).astype(np.float32))
+    outs = {}
+    for kind in ("int8", "int8-256", "int8-avx2"):
+        cpu_kernels.set_activations(kind)
+        try:
+            outs[kind] = [np.array(cpu_kernels.quantized_matmul(x[:rows], w, scales, biases, group, bits))
+                          for rows in (1, 2, 3, 4, 5, 6, 7, 16, 100)]
+        finally:
+            cpu_kernels.set_activations("float32")
+    for kind in ("int8-256", "int8-avx2"):
+        for got, want in zip(outs["int8"], outs[kind]):
+            np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])

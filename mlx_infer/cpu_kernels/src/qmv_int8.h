@@ -10,13 +10,10 @@ namespace mlx_infer {
 // weights. x is quantized per block of 32 values with one float scale dx: to int8 for 4-bit weights,
 // to int16 for 8-bit ones (see qmv_int8.cpp).
 struct Int8Problem {
-  const int8_t* xq;       // 4-bit weights: [M, K] int8, reordered (see QuantizedX); 8-bit ones in the
-                          // 512-bit kernel: the low int8 halves of the int16 x (XLayout::halves)
-  const int8_t* xq_hi;    // 8-bit weights in the 512-bit kernel: the high halves
-  const int16_t* xq16;    // 8-bit weights (256-bit kernels): [M, K] int16
+  const int8_t* xq;       // 4-bit weights: [M, K] int8, each 64 values reordered (see QuantizedX)
+  const int16_t* xq16;    // 8-bit weights: [M, K] int16
   const float* dx;        // [M, K / 32] scale of each block of 32 values
-  const float* dx_lanes;  // [M, K / 64, 8]: dx of blocks 2q, 2q + 1, each repeated 4 times (4-bit kernels);
-                          // [M, K / 64, 16], each repeated 8 times (XLayout::halves)
+  const float* dx_lanes;  // [M, K / 64, 8]: dx of blocks 2q, 2q + 1, each repeated 4 times (4-bit kernels)
   const float* xsum;      // [M, K / group] sum of the quantized x over each weight group: sum_b dx_b * sum(qx_b)
   const uint32_t* w;
   const float* scales;
@@ -34,10 +31,8 @@ void features(const Int8Problem& p, int n0, int n1);
 namespace int8_vnni {
 void features(const Int8Problem& p, int n0, int n1);
 }
-// 512-bit vectors (qmv_int8_avx512.cpp): int8 x for 4-bit weights and int16 x for 8-bit ones, for the
-// weight group sizes `handles` accepts.
+// 512-bit vectors (qmv_int8_avx512.cpp): two features a vector, each computed as the 256-bit builds do.
 namespace int8_avx512 {
-bool handles(int group);
 void features(const Int8Problem& p, int n0, int n1);
 }
 

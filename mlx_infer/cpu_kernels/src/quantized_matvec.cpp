@@ -185,40 +185,16 @@ Int8Features best_int8_256() {
   return int8_avx2::features;
 }
 
-#ifdef MLX_INFER_HAVE_AVX512
-// The 512-bit build where it computes the product; the best 256-bit one for what it leaves (4-bit
-// weights against int16 x, weight groups whose block scales have no fixed 4-block pattern).
-void avx512_or_256(const Int8Problem& p, int n0, int n1) {
-  static const Int8Features fallback = best_int8_256();
-  if ((p.bits == 4 && p.x16) || !int8_avx512::handles(p.group)) {
-    fallback(p, n0, n1);
-  } else {
-    int8_avx512::features(p, n0, n1);
-  }
-}
-#endif
-
 // The int8 build for this CPU: 512-bit vectors where it has AVX-512 with VNNI (and the compiler that
 // built this did), else the best 256-bit one.
 Int8Features best_int8() {
 #ifdef MLX_INFER_HAVE_AVX512
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return avx512_or_256;
+    return int8_avx512::features;
   }
 #endif
   return best_int8_256();
-}
-
-// Whether `features` computes int8-x products of this group size with the 512-bit kernel, which reads
-// x as XLayout::quads (4-bit weights) or XLayout::halves (8-bit ones).
-bool takes_512(Int8Features features, int group) {
-#ifdef MLX_INFER_HAVE_AVX512
-  return features == avx512_or_256 && int8_avx512::handles(group);
-#else
-  (void)features, (void)group;
-  return false;
-#endif
 }
 
 // nullptr: float32 activations.
@@ -228,32 +204,13 @@ std::atomic<bool> g_x16{false};
 
 // How QuantizedX lays out the quantized x, for the kernel that reads it (see Int8Problem).
 enum class XLayout {
-  pairs,   // int8, for 4-bit weights (256-bit kernels): each 64 values (blocks A, B) as A's even, B's
-           // even, A's odd, B's odd values, the order the kernel's nibble vectors come in (the weights'
-           // bytes hold weights 2j in the low nibble, 2j + 1 in the high one)
-  quads,   // int8, for 4-bit weights (512-bit kernel, whose 64 weight bytes hold two such pairs P, Q):
-           // each 128 values as P's evens, Q's evens, P's odds, Q's odds, so that each nibble vector
-           // meets one load of x; a last lone pair as in `pairs`
-  wide4,   // int16, for 4-bit weights ("int16" activations): as four vectors, vector j holding values
-           // 4l + j of A (l = 0..7), then the same of B (tile4x16's 16-bit lanes)
-  int16,   // int16 in order, for 8-bit weights (256-bit kernels)
-  halves,  // int16 in order for 8-bit weights, as two int8 arrays (512-bit kernel): v = 256 hi + lo,
-           // lo in [-128, 127], so that VNNI's u8 x s8 sums take them (xq lo, xq_hi hi)
+  pairs,  // int8, for 4-bit weights: each 64 values (blocks A, B) as A's even, B's even, A's odd, B's
+          // odd values, the order the kernel's nibble vectors come in (the weights' bytes hold weights
+          // 2j in the low nibble, 2j + 1 in the high one)
+  wide4,  // int16, for 4-bit weights ("int16" activations): as four vectors, vector j holding values
+          // 4l + j of A (l = 0..7), then the same of B (tile4x16's 16-bit lanes)
+  int16,  // int16 in order, for 8-bit weights
 };
-
-// Levels of x's quantization: 127 for int8; for int16, 127 * 256 + 127 = 32639 (not 32767), the
-// largest magnitude whose `halves` stay int8, used by every layout of 8-bit weights so that a row's
-// product does not depend on the kernel beyond float rounding; 32767 for the opt-in int16 activations.
-float levels_of(XLayout layout) {
-  switch (layout) {
-    case XLayout::pairs:
-    case XLayout::quads: return 127.0f;
-    case XLayout::wide4: return 32767.0f;
-    case XLayout::int16:
-    case XLayout::halves: return 32639.0f;
-  }
-  return 0.0f;
-}
 
 // A block of 32 values quantized: q = round-to-nearest-even(x * levels / max|x|) (std::nearbyint's
 // rounding, as the NumPy scheme of the tests), the scale d = max|x| / levels and the sum of q.
@@ -311,45 +268,37 @@ struct Buffer {
 // x [M, K] -> the quantized blocks, scales and sums of Int8Problem in `layout`. Rows are independent:
 // a prefill's rows are quantized on the thread pool.
 struct QuantizedX {
-  Buffer<int8_t> q, q_hi;
+  Buffer<int8_t> q;
   Buffer<int16_t> q16;
   Buffer<float> dx, dx_lanes, xsum;
 
   QuantizedX(const float* x, int M, int K, int group, XLayout layout)
-      : q(layout == XLayout::pairs || layout == XLayout::quads || layout == XLayout::halves
-              ? static_cast<size_t>(M) * K : 0),
-        q_hi(layout == XLayout::halves ? static_cast<size_t>(M) * K : 0),
-        q16(layout == XLayout::wide4 || layout == XLayout::int16 ? static_cast<size_t>(M) * K : 0),
+      : q(layout == XLayout::pairs ? static_cast<size_t>(M) * K : 0),
+        q16(layout == XLayout::pairs ? 0 : static_cast<size_t>(M) * K),
         dx(static_cast<size_t>(M) * (K / 32)),
-        dx_lanes(layout == XLayout::int16 ? 0 : static_cast<size_t>(M) * (K / 64) * lanes_per_pair(layout)),
+        dx_lanes(layout == XLayout::int16 ? 0 : static_cast<size_t>(M) * (K / 64) * 8),
         xsum(static_cast<size_t>(M) * (K / group)) {
     pool().for_range(M, kRowsPerQuantizeTask,
                      [&](int m0, int m1) { for (int m = m0; m < m1; ++m) row(x, m, K, group, layout); });
   }
-
-  // dx_lanes: each block pair's two scales, each repeated over the lanes its VNNI sums come in: four
-  // lanes each in a 256-bit vector (4-bit weights), eight each in a 512-bit one (`halves`).
-  static int lanes_per_pair(XLayout layout) { return layout == XLayout::halves ? 16 : 8; }
 
  private:
   // Rows too few to be worth waking the pool for (a decode step's): a row of SmolLM2 takes ~1 us.
   static constexpr int kRowsPerQuantizeTask = 8;
 
   void row(const float* x, int m, int K, int group, XLayout layout) {
-    const int whole_quads = layout == XLayout::quads ? K / 128 : 0;  // blocks [0, 4 * whole_quads) in 128-value order
     const int blocks = K / 32, per_group = group / 32;
-    const float levels = levels_of(layout);
-    const int lanes = lanes_per_pair(layout);
+    // int8 for 4-bit weights; int16 for 8-bit ones (and the opt-in int16 activations)
+    const float levels = layout == XLayout::pairs ? 127.0f : 32767.0f;
     const size_t at_row = static_cast<size_t>(m) * K;
     float group_sum = 0.0f;  // the sum of x^ = dx * qx over the current weight group, block by block
     for (int b = 0; b < blocks; ++b) {
       const Block32 block = quantize_block(x + at_row + static_cast<size_t>(b) * 32, levels);
       dx.get()[static_cast<size_t>(m) * blocks + b] = block.d;
-      store(block, at_row, b, whole_quads, layout);
-      if (dx_lanes.get() != nullptr) {
-        const int per_block = lanes / 2;
-        float* out = dx_lanes.get() + (static_cast<size_t>(m) * (K / 64) + b / 2) * lanes + (b % 2) * per_block;
-        for (int i = 0; i < per_block; ++i) out[i] = block.d;
+      store(block, at_row, b, layout);
+      if (dx_lanes.get() != nullptr) {  // each block pair's scales over the 4 lanes of its VNNI sums
+        float* out = dx_lanes.get() + (static_cast<size_t>(m) * (K / 64) + b / 2) * 8 + (b % 2) * 4;
+        for (int i = 0; i < 4; ++i) out[i] = block.d;
       }
       group_sum += block.d * static_cast<float>(block.sum);
       if ((b + 1) % per_group == 0) {  // the bias term's sums of x^ per weight group
@@ -360,23 +309,13 @@ struct QuantizedX {
   }
 
   // Block b's values where `layout` puts them (the row starting at element at_row).
-  void store(const Block32& block, size_t at_row, int b, int whole_quads, XLayout layout) {
+  void store(const Block32& block, size_t at_row, int b, XLayout layout) {
     const size_t k = at_row + static_cast<size_t>(b) * 32;
     switch (layout) {
       case XLayout::int16:
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16.get() + k), pack_int16(block.q[0], block.q[1]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16.get() + k + 16), pack_int16(block.q[2], block.q[3]));
         break;
-      case XLayout::halves: {
-        __m256i hi[4], lo[4];
-        for (int i = 0; i < 4; ++i) {
-          hi[i] = _mm256_srai_epi32(_mm256_add_epi32(block.q[i], _mm256_set1_epi32(128)), 8);  // floor((v + 128) / 256)
-          lo[i] = _mm256_sub_epi32(block.q[i], _mm256_slli_epi32(hi[i], 8));                  // in [-128, 127]
-        }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q_hi.get() + k), pack_int8(hi));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.get() + k), pack_int8(lo));
-        break;
-      }
       case XLayout::wide4: {
         alignas(32) int32_t v[32];
         for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(v + 8 * j), block.q[j]);
@@ -387,19 +326,15 @@ struct QuantizedX {
         }
         break;
       }
-      case XLayout::quads:
       case XLayout::pairs: {
         // Even values then odd ones (within each 128-bit lane, then the lanes' halves gathered).
         const __m256i split = _mm256_shuffle_epi8(
             pack_int8(block.q), _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8,
                                                  10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
         const __m256i parts = _mm256_permute4x64_epi64(split, 0xD8);  // evens 0-31, then odds
-        const bool quad = b < 4 * whole_quads;
-        const size_t evens = at_row + (quad ? static_cast<size_t>(b / 4) * 128 + (b % 4) * 16
-                                            : static_cast<size_t>(b / 2) * 64 + (b % 2) * 16);
-        const size_t odds = evens + (quad ? 64 : 32);
+        const size_t evens = at_row + static_cast<size_t>(b / 2) * 64 + (b % 2) * 16;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q.get() + evens), _mm256_castsi256_si128(parts));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.get() + odds), _mm256_extracti128_si256(parts, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.get() + evens + 32), _mm256_extracti128_si256(parts, 1));
         break;
       }
     }
@@ -414,14 +349,10 @@ bool fits_int8(int K, int group, int bits) {
 template <int BITS>
 void run_int8(const float* x, const AffineView& w, int M, int K, float* out, Int8Features features, bool x16) {
   const bool wide = BITS == 8 || x16;
-  const bool avx512 = takes_512(features, w.group);
-  const XLayout layout = BITS == 8 ? (avx512 ? XLayout::halves : XLayout::int16)
-                         : x16     ? XLayout::wide4
-                         : avx512  ? XLayout::quads
-                                   : XLayout::pairs;
+  const XLayout layout = BITS == 8 ? XLayout::int16 : x16 ? XLayout::wide4 : XLayout::pairs;
   const QuantizedX xq(x, M, K, w.group, layout);
-  const Int8Problem ip{xq.q.get(), xq.q_hi.get(), xq.q16.get(), xq.dx.get(), xq.dx_lanes.get(),
-                       xq.xsum.get(), w.w, w.scales, w.biases, out, M, w.rows, K, w.group, BITS, BITS == 4 && wide};
+  const Int8Problem ip{xq.q.get(), xq.q16.get(), xq.dx.get(), xq.dx_lanes.get(), xq.xsum.get(), w.w,
+                       w.scales, w.biases, out, M, w.rows, K, w.group, BITS, BITS == 4 && wide};
   pool().for_range(w.rows, 8, [&](int n0, int n1) { features(ip, n0, n1); });
 }
 
@@ -506,7 +437,7 @@ std::string activations() {
   if (g_x16.load()) return "int16";
   if (features == int8_avx2::features) return "int8-avx2";
 #ifdef MLX_INFER_HAVE_AVX512
-  if (features == avx512_or_256) return "int8-avx512";
+  if (features == int8_avx512::features) return "int8-avx512";
 #endif
   return "int8-vnni";
 }
