@@ -77,29 +77,6 @@ inline float row_scale(const uint8_t* head, int D) {
   }
 }
 
-// q . row (D a multiple of 8), the row's scale applied once to the sum.
-template <KVType K>
-inline float dot_row(const float* q, const uint8_t* head, int D) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= D; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8<K>(head, i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8<K>(head, i + 8), acc1);
-  }
-  for (; i < D; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8<K>(head, i), acc0);
-  return hsum(_mm256_add_ps(acc0, acc1)) * row_scale<K>(head, D);
-}
-
-// y += w * row (D a multiple of 8), the row's scale folded into w. The row may be longer than the D
-// values used (MLA's values: a prefix of the key rows): an int8 row's scale then lies at scale_at.
-template <KVType K>
-inline void axpy_row(float* y, const uint8_t* head, float w, int D, int scale_at = -1) {
-  const __m256 vw = _mm256_set1_ps(w * row_scale<K>(head, scale_at < 0 ? D : scale_at));
-  for (int i = 0; i < D; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(load8<K>(head, i), vw, _mm256_loadu_ps(y + i)));
-  }
-}
-
 // float32 -> bfloat16 rounding to nearest even, NaN kept a (quiet) NaN: as MLX's astype.
 inline uint16_t to_bf16(float x) {
   uint32_t bits;

@@ -43,12 +43,12 @@ KeyRange visible(const AttentionArgs& p, int t) {
 }
 
 // Scores of keys k[0..KB) against query rows q[0..RB) (D a multiple of 8): each key's 8 values at a
-// time are converted once and meet every query row. Each dot product is summed as a plain per-key loop
-// would (simd.h's dot: the 8-value chunks at d % 16 == 0 in one accumulator, those at d % 16 == 8 in a
-// second, added, then hsum's lanes ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))), the four keys' sums
-// reduced together in that order: a key's score is the same bits whatever keys are beside it, and the
-// same as before the keys were blocked, so answers whose top tokens are close do not move with this
-// kernel. The second accumulators would not fit the 16 registers beside the first, so the two sets
+// time are converted once and meet every query row. Each dot product is summed in one fixed order, the
+// per-key kernel's before keys were blocked: the 8-value chunks at d % 16 == 0 in one accumulator,
+// those at d % 16 == 8 in a second, the two added, then the lanes as simd.h's hsum adds them,
+// ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)); the four keys' sums are reduced together in that order. So
+// a key's score is the same bits whatever keys are beside it, and answers whose top tokens are close
+// do not move with this kernel. The second accumulators would not fit the 16 registers beside the first, so the two sets
 // are summed one after the other. Writes s[r][i0 + i] = (q_r . k_i) * row scale * `scale`.
 template <KVType K, int KB, int RB>
 inline void score_keys(const float* const* q, const uint8_t* const* k, int D, float scale, float* const* s, int i0) {
@@ -329,39 +329,48 @@ void merge(const AttentionArgs& p, int t, const float* first, int chunks) {
   }
 }
 
-// Where token j of a group puts its chunk c's partial result: partials[first[t0 + j] + c], tokens' chunks
-// consecutive (first[t]: the first of token t's).
-std::vector<int> first_chunks(const AttentionArgs& p) {
-  std::vector<int> first(p.T + 1, 0);
-  for (int t = 0; t < p.T; ++t) first[t + 1] = first[t] + chunks_of(visible(p, t));
+// The partial results of tokens [t0, t1): token t's chunks at first[t - t0], ..., consecutive, each
+// partial_size floats; first[t1 - t0] counts them all.
+std::vector<int> first_chunks(const AttentionArgs& p, int t0, int t1) {
+  std::vector<int> first(t1 - t0 + 1, 0);
+  for (int t = t0; t < t1; ++t) first[t - t0 + 1] = first[t - t0] + chunks_of(visible(p, t));
   return first;
 }
 
-// Each group one task: its chunks in turn, then its tokens merged.
+// Chunk c of a group, its tokens' partial results in `partial` (laid out by `first`, from the group's
+// first token): a token without a chunk c gets no place (attend_group skips it).
+void attend_group_chunk(const AttentionArgs& p, const Group& group, int c, const int* first, float* partial,
+                        Scratch& scratch) {
+  float* at[kGroupTokens];
+  for (int j = 0; j < group.g; ++j) {
+    const bool has = first[j] + c < first[j + 1];
+    at[j] = has ? partial + static_cast<size_t>(first[j] + c) * partial_size(p) : nullptr;
+  }
+  attend_chunk(p, group, c, scratch, at);
+}
+
+// Each group one task: its chunks in turn into the task's own buffer, then its tokens merged.
 void attend_by_group(const AttentionArgs& p, ThreadPool& threads) {
   const std::vector<Group> groups = groups_of(p);
-  const std::vector<int> first = first_chunks(p);
-  std::vector<float> partial(static_cast<size_t>(first[p.T]) * partial_size(p));
   threads.for_range(static_cast<int>(groups.size()), 1, [&](int begin, int end) {
     Scratch scratch;
+    std::vector<float> partial;
     for (int i = begin; i < end; ++i) {
       const Group& group = groups[i];
-      for (int c = 0; c < group.chunks; ++c) {
-        float* at[kGroupTokens];
-        for (int j = 0; j < group.g; ++j) at[j] = partial.data() + (first[group.t0 + j] + c) * partial_size(p);
-        attend_chunk(p, group, c, scratch, at);
-      }
-      for (int t = group.t0; t < group.t0 + group.g; ++t) {
-        merge(p, t, partial.data() + first[t] * partial_size(p), first[t + 1] - first[t]);
+      const std::vector<int> first = first_chunks(p, group.t0, group.t0 + group.g);
+      partial.resize(static_cast<size_t>(first.back()) * partial_size(p));
+      for (int c = 0; c < group.chunks; ++c) attend_group_chunk(p, group, c, first.data(), partial.data(), scratch);
+      for (int j = 0; j < group.g; ++j) {
+        merge(p, group.t0 + j, partial.data() + static_cast<size_t>(first[j]) * partial_size(p), first[j + 1] - first[j]);
       }
     }
   });
 }
 
-// Each chunk of each group one task, then each token's chunks merged.
+// Each chunk of each group one task (a decode step of a few sequences), then each token's chunks merged.
 void attend_by_chunk(const AttentionArgs& p, ThreadPool& threads) {
   const std::vector<Group> groups = groups_of(p);
-  const std::vector<int> first = first_chunks(p);
+  const std::vector<int> first = first_chunks(p, 0, p.T);
   std::vector<int> items(groups.size() + 1, 0);  // group i's chunks are items [items[i], items[i + 1])
   for (size_t i = 0; i < groups.size(); ++i) items[i + 1] = items[i] + groups[i].chunks;
   std::vector<float> partial(static_cast<size_t>(first[p.T]) * partial_size(p));
@@ -370,13 +379,12 @@ void attend_by_chunk(const AttentionArgs& p, ThreadPool& threads) {
     for (int item = begin; item < end; ++item) {
       const size_t i = std::upper_bound(items.begin(), items.end(), item) - items.begin() - 1;
       const Group& group = groups[i];
-      const int c = item - items[i];
-      float* at[kGroupTokens];
-      for (int j = 0; j < group.g; ++j) at[j] = partial.data() + (first[group.t0 + j] + c) * partial_size(p);
-      attend_chunk(p, group, c, scratch, at);
+      attend_group_chunk(p, group, item - items[i], first.data() + group.t0, partial.data(), scratch);
     }
   });
-  for (int t = 0; t < p.T; ++t) merge(p, t, partial.data() + first[t] * partial_size(p), first[t + 1] - first[t]);
+  for (int t = 0; t < p.T; ++t) {
+    merge(p, t, partial.data() + static_cast<size_t>(first[t]) * partial_size(p), first[t + 1] - first[t]);
+  }
 }
 
 }  // namespace
