@@ -106,8 +106,9 @@ def test_int8_activation_products_equal_their_numpy_scheme(int8_activations, bit
                                                            rows: int, k: int):
     """Every row count, decode to prefill (4-row tiles and their remainder, several 64-row blocks;
     37 features: a tail of the 8-feature chunks), computes exactly w . x^, much closer to it than to
-    the float product. K = 576 (SmolLM2's) ends the 512-bit kernel's 128-value steps with a 64-value one
-    (groups of 32 and 64; 640 for groups of 128, which 576 is not a multiple of)."""
+    the float product. K = 576 is SmolLM2's (9 block pairs, an odd count; groups of 32 and 64) and 640
+    a multiple of 128 (also for groups of 128, which 576 is not a multiple of); 37 features leave the
+    512-bit kernel an odd last feature, which the 256-bit one computes."""
     k = k if k % group == 0 else 640
     rng = np.random.default_rng(bits * 100 + group + rows + k)
     features = 37
