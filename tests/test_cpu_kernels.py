@@ -84,11 +84,12 @@ def integer_activations(native, request):
 def _np_int8_product(x: np.ndarray, w: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int,
                      wide: bool = False):
     """The int8 scheme in NumPy: x rounded per block of 32 to x^ = dx * qx (dx = max|x| / L, qx
-    integers in [-L, L]: L = 127 (int8) for 4-bit weights, 32767 (int16) for 8-bit ones and, when
-    ``wide`` (the int16 activations), for 4-bit ones too), then exactly w . x^ in float64: the weight
-    and the bias terms both meet the quantized x, as llama.cpp's Q4_1 x Q8_1 products do."""
+    integers in [-L, L]: L = 127 (int8) for 4-bit weights, 32639 (int16 split in two signed bytes) for
+    8-bit ones and, when ``wide`` (the int16 activations), for 4-bit ones too), then exactly w . x^ in
+    float64: the weight and the bias terms both meet the quantized x, as llama.cpp's Q4_1 x Q8_1
+    products do."""
     rows, k = x.shape
-    levels = np.float32(32767 if bits == 8 or wide else 127)
+    levels = np.float32(32639 if bits == 8 or wide else 127)
     blocks = x.reshape(rows, k // 32, 32).astype(np.float32)
     amax = np.abs(blocks).max(-1)
     inv = np.where(amax > 0, levels / np.where(amax > 0, amax, 1), 0).astype(np.float32)
@@ -104,14 +105,14 @@ def _np_int8_product(x: np.ndarray, w: mx.array, scales: mx.array, biases: mx.ar
 )
 def test_int8_activation_products_equal_their_numpy_scheme(int8_activations, bits: int, group: int,
                                                            rows: int, k: int):
-    """Every row count, decode to prefill (4-row tiles and their remainder, several 64-row blocks;
-    37 features: a tail of the 8-feature chunks), computes exactly w . x^, much closer to it than to
-    the float product. K = 576 is SmolLM2's (9 block pairs, an odd count; groups of 32 and 64) and 640
-    a multiple of 128 (also for groups of 128, which 576 is not a multiple of); 37 features leave the
-    512-bit kernel an odd last feature, which the 256-bit one computes."""
+    """Every row count, decode to prefill (several 64-row blocks), computes exactly w . x^, much closer
+    to it than to the float product. K = 576 is SmolLM2's (groups of 32 and 64) and 640 a multiple of
+    128 (also for groups of 128, which 576 is not a multiple of). 45 features are split over the
+    threads as 16 + 16 + 13: the last 13 leave the 512-bit kernel 8 features for the 256-bit one's
+    vectors and 5 for features_one_by_one."""
     k = k if k % group == 0 else 640
     rng = np.random.default_rng(bits * 100 + group + rows + k)
-    features = 37
+    features = 45
     weight = mx.array(rng.standard_normal((features, k)).astype(np.float32))
     w, scales, biases = mx.quantize(weight, group, bits)
     x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -130,25 +131,32 @@ def test_int8_activation_products_equal_their_numpy_scheme(int8_activations, bit
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int8_builds_give_the_same_bits(native, bits: int, group: int):
+@pytest.mark.parametrize("x_kind", ["int8", "int16"])
+def test_integer_builds_give_the_same_bits(native, bits: int, group: int, x_kind: str):
     """The 512-bit kernel (where this CPU has AVX-512 VNNI), the 256-bit VNNI one and plain AVX2 compute
-    every product bit for bit alike, at every row count and with an odd feature count: an answer whose
-    top tokens are close does not change with the machine's vector width."""
+    every product bit for bit alike, at every row count, and a feature's output is the same whether a
+    lane of a 16- or 8-feature vector or the one-by-one loop computes it: an answer whose top tokens
+    are close does not change with the machine's vector width or the product's feature count. (45
+    features are split over the threads as 16 + 16 + 13, the 13 as 8 in a vector and 5 one by one; 37
+    as 16 + 16 + 5, those 5 one by one.)"""
     rng = np.random.default_rng(bits + group)
-    k, features = 640, 37
-    weight = mx.array(rng.standard_normal((features, k)).astype(np.float32))
+    k = 640
+    weight = mx.array(rng.standard_normal((45, k)).astype(np.float32))
     w, scales, biases = mx.quantize(weight, group, bits)
     x = mx.array(rng.standard_normal((100, k)).astype(np.float32))
     outs = {}
-    for kind in ("int8", "int8-256", "int8-avx2"):
+    builds = (x_kind, f"{x_kind}-256", f"{x_kind}-avx2")
+    for kind in builds:
         cpu_kernels.set_activations(kind)
         try:
             outs[kind] = [np.array(cpu_kernels.quantized_matmul(x[:rows], w, scales, biases, group, bits))
                           for rows in (1, 2, 3, 4, 5, 6, 7, 16, 100)]
+            first_37 = cpu_kernels.quantized_matmul(x[:16], w[:37], scales[:37], biases[:37], group, bits)
+            np.testing.assert_array_equal(np.array(first_37), outs[kind][7][:, :37])
         finally:
             cpu_kernels.set_activations("float32")
-    for kind in ("int8-256", "int8-avx2"):
-        for got, want in zip(outs["int8"], outs[kind]):
+    for kind in builds[1:]:
+        for got, want in zip(outs[x_kind], outs[kind]):
             np.testing.assert_array_equal(got, want)
 
 

@@ -48,9 +48,9 @@ _reason = "not loaded yet"
 _step = StepMemo()
 
 ACTIVATIONS_ENV_VAR = "MLX_INFER_CPU_ACTIVATIONS"
-# int8-256: the int8 kernel in 256-bit vectors (VNNI where the CPU has it) even where AVX-512 VNNI
-# would be chosen; int8-avx2: without VNNI; int16: int16 x for the 4-bit weights too (8-bit ones always)
-ACTIVATIONS = ("int8", "int8-256", "int8-avx2", "int16", "float32")
+# int16: int16 x for the 4-bit weights too (8-bit ones always); -256: the integer kernel in 256-bit
+# vectors (VNNI where the CPU has it) even where AVX-512 VNNI would be chosen; -avx2: without VNNI.
+ACTIVATIONS = ("int8", "int8-256", "int8-avx2", "int16", "int16-256", "int16-avx2", "float32")
 # Pools the kernels read and write (src/kv_format.h): int8 ones hold each head's row and its scale.
 KV_POOL_DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int8)
 

@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "qmv_int8.h"
 #include "qmv_int8_parts.h"
@@ -50,178 +51,161 @@ namespace int8_avx2 {
 
 namespace {
 
-// The 8 lanes of sum over 4 adjacent byte pairs of lo * xe + hi * xo, lo and hi 4-bit weights (0..15).
-// Without VNNI the two products' 16-bit pair sums (u8 x s8, vpmaddubsw) are added before widening:
-// each is at most 2 * 15 * 127 in magnitude, so neither they nor their sum saturate 16 bits.
-inline __m256i dot_nibbles(__m256i lo, __m256i xe, __m256i hi, __m256i xo) {
+// Dwords j = 0..3 of the 16 bytes at `at` in each of 8 weight rows (row_bytes apart, from `base`):
+// r[j] lane f holds row f's dword j. Rows 4L + a are loaded into 128-bit lane L of z[a], and a 4 x 4
+// transpose within each 128-bit lane puts them at lane 4L + a.
+inline void dwords8(const uint8_t* base, size_t row_bytes, size_t at, __m256i* r) {
+  __m256i z[4];
+  for (int a = 0; a < 4; ++a) {
+    const uint8_t* row = base + a * row_bytes + at;
+    z[a] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))),
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 4 * row_bytes)), 1);
+  }
+  const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+  r[0] = _mm256_unpacklo_epi64(t0, t2);
+  r[1] = _mm256_unpackhi_epi64(t0, t2);
+  r[2] = _mm256_unpacklo_epi64(t1, t3);
+  r[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+inline __m256i x_dword(const int8_t* x, int j) {
+  int32_t v;
+  std::memcpy(&v, x + 4 * j, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Per lane, the products of its 4 unsigned weight bytes u (any 0..255) with the 4 signed bytes s,
+// added to acc: vpdpbusd, or without VNNI the same exact sum from 16-bit products (vpmaddubsw could
+// saturate for 8-bit weights).
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #ifdef MLX_INFER_VNNI
-  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xe), hi, xo);
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  const __m256i u_even = _mm256_and_si256(u, _mm256_set1_epi16(0x00FF)), u_odd = _mm256_srli_epi16(u, 8);
+  const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
 #endif
 }
 
-// The accumulators of an NB-feature by MB-row output tile, over its rows (TileRows). Every step reads
-// 32 bytes of each weight row.
-template <int MB, int NB>
-struct Tile : TileRows<NB> {
-  __m256 total[NB][MB];
+// Block b of 8 features as VNNI operands, and their exact dot products with a row's quantized x.
+template <int BITS>
+struct Block8;
 
-  Tile(const Int8Problem& p, int n0, size_t row_bytes) : TileRows<NB>(p, n0, row_bytes, 32) {
-    for (int r = 0; r < NB; ++r)
-      for (int m = 0; m < MB; ++m) total[r][m] = _mm256_setzero_ps();
+// 4-bit weights: dword j of a row's 16 bytes holds weights 8j..8j + 7, its low nibbles the even ones
+// and its high nibbles the odd ones: the octets of x.
+template <>
+struct Block8<4> {
+  __m256i lo[4], hi[4];
+
+  Block8(const uint8_t* base, size_t row_bytes, int b) {
+    __m256i r[4];
+    dwords8(base, row_bytes, static_cast<size_t>(b) * 16, r);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm256_and_si256(r[j], low);
+      hi[j] = _mm256_and_si256(_mm256_srli_epi16(r[j], 4), low);
+    }
   }
 
-  void store(const Int8Problem& p, int n0, int m0) const {
-    for (int r = 0; r < NB; ++r) {
-      for (int m = 0; m < MB; ++m) {
-        p.out[static_cast<size_t>(m0 + m) * p.N + n0 + r] = hsum(total[r][m]) + bias_term(p, n0 + r, m0 + m);
-      }
+  // Against int8 x (or one byte of an int16 x) in octets.
+  __m256i dot_bytes(const int8_t* x) const {
+#ifdef MLX_INFER_VNNI
+    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      even = dpbusd(even, lo[j], x_dword(x, 2 * j));
+      odd = dpbusd(odd, hi[j], x_dword(x, 2 * j + 1));
     }
+    return _mm256_add_epi32(even, odd);
+#else
+    // 16-bit pair sums of u8 x s8 (each at most 2 * 15 * 127 in magnitude) added eight at a time:
+    // at most 30480, no saturation; then widened.
+    __m256i pairs = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(lo[j], x_dword(x, 2 * j)));
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(hi[j], x_dword(x, 2 * j + 1)));
+    }
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+  }
+
+  __m256i dot(const Int8Problem& p, size_t x_at) const {
+    if (!p.x16) return dot_bytes(p.xq + x_at);
+    return _mm256_add_epi32(_mm256_slli_epi32(dot_bytes(p.xq + x_at), 8), dot_bytes(p.xl + x_at));
   }
 };
 
-template <int MB, int NB>
-void tile4(const Int8Problem& p, int n0, int m0) {
-  const int pairs = p.K / 64;
-  const int bpg = p.group / 32;
-  Tile<MB, NB> t(p, n0, p.K / 2);
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int q = 0; q < pairs; ++q) {
-    t.prefetch(q);
-    __m256i xe[MB], xo[MB];
-    for (int m = 0; m < MB; ++m) {
-      const int8_t* xq = p.xq + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(q) * 64;
-      xe[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-      xo[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
-    }
-    for (int r = 0; r < NB; ++r) {
-      // 32 bytes = blocks 2q and 2q + 1; low nibbles are their even weights, high nibbles the odd.
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.wr[r] + static_cast<size_t>(q) * 32));
-      const __m256i lo = _mm256_and_si256(v, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      const __m256 sw = pair_scales(t.sr[r], 2 * q, bpg);
-      for (int m = 0; m < MB; ++m) {
-        const __m256i acc = dot_nibbles(lo, xe[m], hi, xo[m]);
-        const __m256 dx = _mm256_loadu_ps(p.dx_lanes + (static_cast<size_t>(m0 + m) * pairs + q) * 8);
-        t.total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(sw, dx), t.total[r][m]);
-      }
-    }
+// 8-bit weights against x = 256 * xh + xl (QuantizedX's split16): dword j of a row's 32 bytes holds
+// weights 4j..4j + 3, and w . x = 256 * (w . xh) + w . xl.
+template <>
+struct Block8<8> {
+  __m256i w[8];
+
+  Block8(const uint8_t* base, size_t row_bytes, int b) {
+    dwords8(base, row_bytes, static_cast<size_t>(b) * 32, w);
+    dwords8(base, row_bytes, static_cast<size_t>(b) * 32 + 16, w + 4);
   }
-  t.store(p, n0, m0);
-}
 
-// 4-bit weights against int16 x (QuantizedX's int16 layout): 16-bit lane l of the 32 bytes holds
-// weights 4l..4l + 3 (lanes 0-7 block 2q, 8-15 block 2q + 1), so shifting by 0/4/8/12 and masking
-// gives four vectors of one weight per lane, and the 32-bit sums of vpmaddwd keep lanes 0-3 block
-// 2q's and 4-7 block 2q + 1's, as in tile4. Four vpmaddwd per 64 weights, exact in 32-bit lanes
-// (8 products of at most 15 * 32767 per lane, also exact as floats: under 2^24).
-template <int MB, int NB>
-void tile4x16(const Int8Problem& p, int n0, int m0) {
-  const int pairs = p.K / 64;
-  const int bpg = p.group / 32;
-  Tile<MB, NB> t(p, n0, p.K / 2);
-  const __m256i low = _mm256_set1_epi16(0x0F);
-  for (int q = 0; q < pairs; ++q) {
-    t.prefetch(q);
-    __m256i xv[MB][4];
-    for (int m = 0; m < MB; ++m) {
-      const int16_t* x = p.xq16 + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(q) * 64;
-      for (int j = 0; j < 4; ++j) xv[m][j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * j));
+  __m256i dot(const Int8Problem& p, size_t x_at) const {
+    __m256i high = _mm256_setzero_si256(), low = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      high = dpbusd(high, w[j], x_dword(p.xq + x_at, j));
+      low = dpbusd(low, w[j], x_dword(p.xl + x_at, j));
     }
-    for (int r = 0; r < NB; ++r) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.wr[r] + static_cast<size_t>(q) * 32));
-      const __m256i w[4] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                            _mm256_and_si256(_mm256_srli_epi16(v, 8), low), _mm256_srli_epi16(v, 12)};
-      const __m256 sw = pair_scales(t.sr[r], 2 * q, bpg);
-      for (int m = 0; m < MB; ++m) {
-        const __m256i acc = _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_madd_epi16(w[0], xv[m][0]), _mm256_madd_epi16(w[1], xv[m][1])),
-            _mm256_add_epi32(_mm256_madd_epi16(w[2], xv[m][2]), _mm256_madd_epi16(w[3], xv[m][3])));
-        const __m256 dx = _mm256_loadu_ps(p.dx_lanes + (static_cast<size_t>(m0 + m) * pairs + q) * 8);
-        t.total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(sw, dx), t.total[r][m]);
-      }
-    }
+    return _mm256_add_epi32(_mm256_slli_epi32(high, 8), low);
   }
-  t.store(p, n0, m0);
-}
+};
 
-// 8-bit weights u (0..255) widened to 16 bits against int16 x: two vpmaddwd per block, exact in
-// 32-bit lanes (|u * x| < 2^23), the same code in both builds.
-template <int MB, int NB>
-void tile8(const Int8Problem& p, int n0, int m0) {
-  const int blocks = p.K / 32;
-  const int bpg = p.group / 32;
-  Tile<MB, NB> t(p, n0, p.K);
-  for (int b = 0; b < blocks; ++b) {
-    t.prefetch(b);
-    for (int r = 0; r < NB; ++r) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.wr[r] + static_cast<size_t>(b) * 32));
-      const __m256i w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
-      const __m256i w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
-      const float s = t.sr[r][b / bpg];
-      for (int m = 0; m < MB; ++m) {
-        const size_t at = static_cast<size_t>(m0 + m) * blocks + b;
-        const int16_t* x = p.xq16 + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(b) * 32;
-        const __m256i dot =
-            _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-                             _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
-        t.total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * p.dx[at]), t.total[r][m]);
-      }
-    }
-  }
-  t.store(p, n0, m0);
-}
-
-// BITS: 4 (4-bit weights, int8 x), 16 (4-bit weights, int16 x) or 8 (8-bit weights, int16 x).
-template <int BITS, int MB, int NB>
-void tile(const Int8Problem& p, int n, int m0) {
-  if constexpr (BITS == 4) {
-    tile4<MB, NB>(p, n, m0);
-  } else if constexpr (BITS == 16) {
-    tile4x16<MB, NB>(p, n, m0);
-  } else {
-    tile8<MB, NB>(p, n, m0);
-  }
-}
-
-// Features [n, n + NB) for rows [m0, m1): each feature's weights come from memory once and from L1 for
-// the other rows.
-template <int BITS, int NB>
-void rows(const Int8Problem& p, int n, int m0, int m1) {
-  int m = m0;
-  for (; m + 4 <= m1; m += 4) tile<BITS, 4, NB>(p, n, m);
-  for (; m < m1; ++m) tile<BITS, 1, NB>(p, n, m);
-}
-
-// Four features a tile for one to three rows (four independent accumulator chains), two for 4-row
-// blocks. The tiles only group operations: a row's output is computed the same way in any of them.
+// Features [n0, n0 + 8) for rows [m0, m1), one feature a lane: features_one_by_one's operations. The
+// block's weights are arranged once for all the rows; each row's running totals wait in `totals`.
 template <int BITS>
-void feature_range(const Int8Problem& p, int n0, int n1) {
+void lanes8(const Int8Problem& p, int n0, int m0, int m1) {
+  const int groups = p.K / p.group, bpg = p.group / 32, blocks = p.K / 32;
+  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0) * row_bytes;
+  const TileRows<8> ahead(p, n0, row_bytes, BITS * 4);
+  alignas(32) float totals[kRowBlock][8];
+  for (int m = m0; m < m1; ++m) _mm256_store_ps(totals[m - m0], _mm256_setzero_ps());
+  const __m256i feature_at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(groups));
+  const float* scales = p.scales + static_cast<size_t>(n0) * groups;
+  const float* biases = p.biases + static_cast<size_t>(n0) * groups;
+  for (int g = 0; g < groups; ++g) {
+    const __m256 s = _mm256_i32gather_ps(scales + g, feature_at, 4);
+    for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+      ahead.prefetch(b);
+      const Block8<BITS> block(base, row_bytes, b);
+      for (int m = m0; m < m1; ++m) {
+        const __m256i dot = block.dot(p, static_cast<size_t>(m) * p.K + static_cast<size_t>(b) * 32);
+        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(p.dx[static_cast<size_t>(m) * blocks + b]));
+        _mm256_store_ps(totals[m - m0], _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sd, _mm256_load_ps(totals[m - m0])));
+      }
+    }
+    const __m256 bias = _mm256_i32gather_ps(biases + g, feature_at, 4);
+    for (int m = m0; m < m1; ++m) {
+      const __m256 xsum = _mm256_set1_ps(p.xsum[static_cast<size_t>(m) * groups + g]);
+      _mm256_store_ps(totals[m - m0], _mm256_fmadd_ps(bias, xsum, _mm256_load_ps(totals[m - m0])));
+    }
+  }
+  for (int m = m0; m < m1; ++m) _mm256_storeu_ps(p.out + static_cast<size_t>(m) * p.N + n0, _mm256_load_ps(totals[m - m0]));
+}
+
+template <int BITS>
+void lane_features(const Int8Problem& p, int n0, int n1) {
+  const int n_end = n0 + (n1 - n0) / 8 * 8;
   for (int m0 = 0; m0 < p.M; m0 += kRowBlock) {
     const int m1 = std::min(p.M, m0 + kRowBlock);
-    constexpr int kFew = 4;
-    const int nb = m1 - m0 < kFew ? 4 : 2;
-    int n = n0;
-    if (nb == 4) {
-      for (; n + 4 <= n1; n += 4) rows<BITS, 4>(p, n, m0, m1);
-    } else {
-      for (; n + 2 <= n1; n += 2) rows<BITS, 2>(p, n, m0, m1);
-    }
-    for (; n < n1; ++n) rows<BITS, 1>(p, n, m0, m1);
+    for (int n = n0; n < n_end; n += 8) lanes8<BITS>(p, n, m0, m1);
   }
+  features_one_by_one(p, n_end, n1);
 }
 
 }  // namespace
 
 void features(const Int8Problem& p, int n0, int n1) {
   if (p.bits == 8) {
-    feature_range<8>(p, n0, n1);
-  } else if (p.x16) {
-    feature_range<16>(p, n0, n1);
+    lane_features<8>(p, n0, n1);
   } else {
-    feature_range<4>(p, n0, n1);
+    lane_features<4>(p, n0, n1);
   }
 }
 

@@ -1,20 +1,21 @@
 // The int8-activation products of qmv_int8.cpp in 512-bit vectors, for CPUs with AVX-512 VNNI.
 //
-// Each 512-bit vector holds two output features side by side, each half doing exactly what the 256-bit
-// kernel does for one feature: the same integer sums in the same lanes, the same scale products, the
-// same chain of multiply-adds over the block pairs and the same final sum. So a product's outputs are
-// the same bits as the 256-bit builds' (with or without VNNI), and an answer does not depend on which
-// of these CPUs computes it. What 512 bits buy is instructions: the nibble masks, the integer sums, the
-// conversion and the multiply-adds each cover two features, and an x vector (broadcast to both halves)
-// serves four features of a tile.
+// Sixteen output features a vector, one a lane, each lane doing exactly what a lane of the 256-bit
+// kernels (and features_one_by_one) does: the same exact integer dot product per block, the same
+// scale products and the same chain of multiply-adds. So a product's outputs are the same bits as the
+// 256-bit builds' (with or without VNNI), and an answer does not depend on which of these CPUs
+// computes it. What 512 bits buy is instructions: each vpdpbusd covers four weights of sixteen
+// features, a block's sixteen dot products are converted and scaled by one instruction each, and the
+// weights are arranged once per block for all the rows.
 //
-// A feature range of odd length leaves its last feature to the 256-bit kernel (int8_avx2: the same
-// results), as do 4-bit weights against int16 x.
+// A feature range whose length is not a multiple of 16 leaves the rest to the 256-bit kernel
+// (int8_avx2: the same results), as do 4-bit weights against int16 x.
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "qmv_int8.h"
 #include "qmv_int8_parts.h"
@@ -24,172 +25,138 @@ namespace int8_avx512 {
 
 namespace {
 
-// The two features' sums: the low 256 bits feature 2j's, the high 256 bits feature 2j + 1's.
-inline __m256 low_half(__m512 v) { return _mm512_castps512_ps256(v); }
-inline __m256 high_half(__m512 v) { return _mm512_extractf32x8_ps(v, 1); }
-
-// The same 32 bytes in both 256-bit halves.
-inline __m512i both_halves(const void* p) {
-  return _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+// Dwords j = 0..3 of the 16 bytes at `at` in each of 16 weight rows (row_bytes apart, from `base`):
+// r[j] lane f holds row f's dword j. Rows 4L + a are loaded into 128-bit lane L of z[a], and a 4 x 4
+// transpose within each 128-bit lane puts them at lane 4L + a (qmv_int8.cpp's dwords8 in 512 bits).
+inline void dwords16(const uint8_t* base, size_t row_bytes, size_t at, __m512i* r) {
+  __m512i z[4];
+  for (int a = 0; a < 4; ++a) {
+    const uint8_t* row = base + a * row_bytes + at;
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 4 * row_bytes)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * row_bytes)), 2);
+    z[a] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 12 * row_bytes)), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  r[0] = _mm512_unpacklo_epi64(t0, t2);
+  r[1] = _mm512_unpackhi_epi64(t0, t2);
+  r[2] = _mm512_unpacklo_epi64(t1, t3);
+  r[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-// Features [n0, n0 + 2 NP) by rows [m0, m0 + MB): feature pair j's accumulators and rows.
-template <int MB, int NP>
-struct PairTile : TileRows<2 * NP> {
-  __m512 total[NP][MB];
+inline __m512i x_dword(const int8_t* x, int j) {
+  int32_t v;
+  std::memcpy(&v, x + 4 * j, 4);
+  return _mm512_set1_epi32(v);
+}
 
-  PairTile(const Int8Problem& p, int n0, size_t row_bytes) : TileRows<2 * NP>(p, n0, row_bytes, 32) {
-    for (int j = 0; j < NP; ++j)
-      for (int m = 0; m < MB; ++m) total[j][m] = _mm512_setzero_ps();
-  }
+// Block b of 16 features as vpdpbusd operands, and their exact dot products with a row's quantized x
+// (qmv_int8.cpp's Block8 in 512 bits).
+template <int BITS>
+struct Block16;
 
-  // 32 bytes of each feature of pair j at `offset` in their rows.
-  __m512i weights(int j, size_t offset) const {
-    const auto* a = reinterpret_cast<const __m256i*>(this->wr[2 * j] + offset);
-    const auto* b = reinterpret_cast<const __m256i*>(this->wr[2 * j + 1] + offset);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(a)), _mm256_loadu_si256(b), 1);
-  }
+template <>
+struct Block16<4> {
+  __m512i lo[4], hi[4];  // dword j's even weights (low nibbles) and odd ones (high nibbles)
 
-  void store(const Int8Problem& p, int n0, int m0) const {
-    for (int j = 0; j < NP; ++j) {
-      for (int m = 0; m < MB; ++m) {
-        float* out = p.out + static_cast<size_t>(m0 + m) * p.N + n0 + 2 * j;
-        out[0] = hsum(low_half(total[j][m])) + bias_term(p, n0 + 2 * j, m0 + m);
-        out[1] = hsum(high_half(total[j][m])) + bias_term(p, n0 + 2 * j + 1, m0 + m);
-      }
+  Block16(const uint8_t* base, size_t row_bytes, int b) {
+    __m512i r[4];
+    dwords16(base, row_bytes, static_cast<size_t>(b) * 16, r);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm512_and_si512(r[j], low);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(r[j], 4), low);
     }
+  }
+
+  // Against int8 x (or one byte of an int16 x) in octets.
+  __m512i dot_bytes(const int8_t* x) const {
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      even = _mm512_dpbusd_epi32(even, lo[j], x_dword(x, 2 * j));
+      odd = _mm512_dpbusd_epi32(odd, hi[j], x_dword(x, 2 * j + 1));
+    }
+    return _mm512_add_epi32(even, odd);
+  }
+
+  __m512i dot(const Int8Problem& p, size_t x_at) const {
+    if (!p.x16) return dot_bytes(p.xq + x_at);
+    return _mm512_add_epi32(_mm512_slli_epi32(dot_bytes(p.xq + x_at), 8), dot_bytes(p.xl + x_at));
   }
 };
 
-// 4-bit weights against int8 x, as qmv_int8.cpp's tile4 per feature: per block pair q, the low nibbles
-// meet x's even values, the high nibbles its odd ones (QuantizedX's layout), lanes 0-3 block 2q's sums
-// and 4-7 block 2q + 1's in each half.
-template <int MB, int NP>
-void tile4(const Int8Problem& p, int n0, int m0) {
-  const int pairs = p.K / 64;
-  const int bpg = p.group / 32;
-  PairTile<MB, NP> t(p, n0, p.K / 2);
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int q = 0; q < pairs; ++q) {
-    t.prefetch(q);
-    __m512i xe[MB], xo[MB];
-    __m512 dx[MB];
-    for (int m = 0; m < MB; ++m) {
-      const int8_t* xq = p.xq + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(q) * 64;
-      xe[m] = both_halves(xq);
-      xo[m] = both_halves(xq + 32);
-      dx[m] = _mm512_broadcast_f32x8(_mm256_loadu_ps(p.dx_lanes + (static_cast<size_t>(m0 + m) * pairs + q) * 8));
-    }
-    for (int j = 0; j < NP; ++j) {
-      const __m512i v = t.weights(j, static_cast<size_t>(q) * 32);
-      const __m512i lo = _mm512_and_si512(v, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      const __m512 sw = _mm512_insertf32x8(_mm512_castps256_ps512(pair_scales(t.sr[2 * j], 2 * q, bpg)),
-                                           pair_scales(t.sr[2 * j + 1], 2 * q, bpg), 1);
-      for (int m = 0; m < MB; ++m) {
-        const __m512i acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe[m]), hi, xo[m]);
-        t.total[j][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sw, dx[m]), t.total[j][m]);
-      }
-    }
+// 8-bit weights against x = 256 * xh + xl (QuantizedX's split16): dword j of a row's 32 bytes holds
+// weights 4j..4j + 3, and w . x = 256 * (w . xh) + w . xl.
+template <>
+struct Block16<8> {
+  __m512i w[8];
+
+  Block16(const uint8_t* base, size_t row_bytes, int b) {
+    dwords16(base, row_bytes, static_cast<size_t>(b) * 32, w);
+    dwords16(base, row_bytes, static_cast<size_t>(b) * 32 + 16, w + 4);
   }
-  t.store(p, n0, m0);
-}
 
-// 8-bit weights u (0..255) widened to 16 bits against int16 x, as qmv_int8.cpp's tile8 per feature: per
-// block, the first 16 weights meet x's first 16 values and the last 16 its last, two vpmaddwd added.
-template <int MB, int NP>
-void tile8(const Int8Problem& p, int n0, int m0) {
-  const int blocks = p.K / 32;
-  const int bpg = p.group / 32;
-  PairTile<MB, NP> t(p, n0, p.K);
-  for (int b = 0; b < blocks; ++b) {
-    t.prefetch(b);
-    __m512i x0[MB], x1[MB];
-    __m512 dx[MB];
-    for (int m = 0; m < MB; ++m) {
-      const int16_t* x = p.xq16 + static_cast<size_t>(m0 + m) * p.K + static_cast<size_t>(b) * 32;
-      x0[m] = both_halves(x);
-      x1[m] = both_halves(x + 16);
-      dx[m] = _mm512_set1_ps(p.dx[static_cast<size_t>(m0 + m) * blocks + b]);
+  __m512i dot(const Int8Problem& p, size_t x_at) const {
+    __m512i high = _mm512_setzero_si512(), low = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      high = _mm512_dpbusd_epi32(high, w[j], x_dword(p.xq + x_at, j));
+      low = _mm512_dpbusd_epi32(low, w[j], x_dword(p.xl + x_at, j));
     }
-    for (int j = 0; j < NP; ++j) {
-      const __m512i v = t.weights(j, static_cast<size_t>(b) * 32);
-      // Each half's first 16 bytes widened, then each half's last 16 (the 256-bit kernel's w0 and w1).
-      const __m512i w0 = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(
-          _mm512_castsi512_si256(v), _mm512_extracti32x4_epi32(v, 2), 1));
-      const __m512i w1 = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(
-          _mm256_castsi128_si256(_mm512_extracti32x4_epi32(v, 1)), _mm512_extracti32x4_epi32(v, 3), 1));
-      const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(t.sr[2 * j][b / bpg]),
-                                          _mm256_set1_ps(t.sr[2 * j + 1][b / bpg]), 1);
-      for (int m = 0; m < MB; ++m) {
-        const __m512i dot = _mm512_add_epi32(_mm512_madd_epi16(w0, x0[m]), _mm512_madd_epi16(w1, x1[m]));
-        t.total[j][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, dx[m]), t.total[j][m]);
-      }
-    }
+    return _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
   }
-  t.store(p, n0, m0);
-}
+};
 
-template <int BITS, int MB, int NP>
-void pair_tile(const Int8Problem& p, int n, int m0) {
-  if constexpr (BITS == 4) {
-    tile4<MB, NP>(p, n, m0);
-  } else {
-    tile8<MB, NP>(p, n, m0);
-  }
-}
-
-// Rows [m0, m1) of features [n, n + 2 NP): four rows a tile, the last one to three rows in one tile, so
-// a feature's weights are unpacked once for up to four rows.
-template <int BITS, int NP>
-void rows(const Int8Problem& p, int n, int m0, int m1) {
-  int m = m0;
-  for (; m + 4 <= m1; m += 4) pair_tile<BITS, 4, NP>(p, n, m);
-  switch (m1 - m) {
-    case 3: pair_tile<BITS, 3, NP>(p, n, m); break;
-    case 2: pair_tile<BITS, 2, NP>(p, n, m); break;
-    case 1: pair_tile<BITS, 1, NP>(p, n, m); break;
-    default: break;
-  }
-}
-
-// Features [n, n1) (an even count) for five or six rows in one tile of one pair (12 accumulators and
-// x vectors): a verification of four or five proposed tokens reads the weights in one pass, where a
-// tile of four rows and one of the rest would read them twice.
-template <int BITS, int MB>
-void rows_in_one(const Int8Problem& p, int n, int n1, int m0) {
-  for (; n < n1; n += 2) pair_tile<BITS, MB, 1>(p, n, m0);
-}
-
-// Features two pairs at a time (8 accumulators at 4 rows, with 8 x vectors and 4 scale vectors within
-// the 32 registers); an odd last feature to the 256-bit kernel.
+// Features [n0, n0 + 16) for rows [m0, m1), one feature a lane (qmv_int8.cpp's lanes8 in 512 bits).
 template <int BITS>
-void feature_range(const Int8Problem& p, int n0, int n1) {
-  const int even_end = n0 + (n1 - n0) / 2 * 2;
+void lanes16(const Int8Problem& p, int n0, int m0, int m1) {
+  const int groups = p.K / p.group, bpg = p.group / 32, blocks = p.K / 32;
+  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0) * row_bytes;
+  const TileRows<16> ahead(p, n0, row_bytes, BITS * 4);
+  alignas(64) float totals[kRowBlock][16];
+  for (int m = m0; m < m1; ++m) _mm512_store_ps(totals[m - m0], _mm512_setzero_ps());
+  const __m512i feature_at = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(groups));
+  const float* scales = p.scales + static_cast<size_t>(n0) * groups;
+  const float* biases = p.biases + static_cast<size_t>(n0) * groups;
+  for (int g = 0; g < groups; ++g) {
+    const __m512 s = _mm512_i32gather_ps(feature_at, scales + g, 4);
+    for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+      ahead.prefetch(b);
+      const Block16<BITS> block(base, row_bytes, b);
+      for (int m = m0; m < m1; ++m) {
+        const __m512i dot = block.dot(p, static_cast<size_t>(m) * p.K + static_cast<size_t>(b) * 32);
+        const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(p.dx[static_cast<size_t>(m) * blocks + b]));
+        _mm512_store_ps(totals[m - m0], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, _mm512_load_ps(totals[m - m0])));
+      }
+    }
+    const __m512 bias = _mm512_i32gather_ps(feature_at, biases + g, 4);
+    for (int m = m0; m < m1; ++m) {
+      const __m512 xsum = _mm512_set1_ps(p.xsum[static_cast<size_t>(m) * groups + g]);
+      _mm512_store_ps(totals[m - m0], _mm512_fmadd_ps(bias, xsum, _mm512_load_ps(totals[m - m0])));
+    }
+  }
+  for (int m = m0; m < m1; ++m) _mm512_storeu_ps(p.out + static_cast<size_t>(m) * p.N + n0, _mm512_load_ps(totals[m - m0]));
+}
+
+template <int BITS>
+void lane_features(const Int8Problem& p, int n0, int n1) {
+  const int n_end = n0 + (n1 - n0) / 16 * 16;
   for (int m0 = 0; m0 < p.M; m0 += kRowBlock) {
     const int m1 = std::min(p.M, m0 + kRowBlock);
-    if (m1 - m0 == 5) {
-      rows_in_one<BITS, 5>(p, n0, even_end, m0);
-    } else if (m1 - m0 == 6) {
-      rows_in_one<BITS, 6>(p, n0, even_end, m0);
-    } else {
-      int n = n0;
-      for (; n + 4 <= even_end; n += 4) rows<BITS, 2>(p, n, m0, m1);
-      for (; n < even_end; n += 2) rows<BITS, 1>(p, n, m0, m1);
-    }
+    for (int n = n0; n < n_end; n += 16) lanes16<BITS>(p, n, m0, m1);
   }
-  if (even_end < n1) int8_avx2::features(p, even_end, n1);
+  if (n_end < n1) int8_avx2::features(p, n_end, n1);
 }
 
 }  // namespace
 
 void features(const Int8Problem& p, int n0, int n1) {
   if (p.bits == 8) {
-    feature_range<8>(p, n0, n1);
-  } else if (p.x16) {
-    int8_avx2::features(p, n0, n1);
+    lane_features<8>(p, n0, n1);
   } else {
-    feature_range<4>(p, n0, n1);
+    lane_features<4>(p, n0, n1);
   }
 }
 

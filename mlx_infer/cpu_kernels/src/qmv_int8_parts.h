@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -23,12 +24,6 @@ constexpr int kPrefetchTiles = 2;
 // Rows taken together: their int8 x (kRowBlock * K bytes, 36-96 KB for SmolLM2) stays in L2 while the
 // caller's features sweep across it; a decode step's few rows are one block.
 constexpr int kRowBlock = 64;
-
-// The weight scales of the block pair starting at block b for feature row `sw` of group scales:
-// lanes 0-3 block b's, lanes 4-7 block b + 1's (the lanes of a pair's VNNI sums).
-inline __m256 pair_scales(const float* sw, int b, int blocks_per_group) {
-  return _mm256_set_m128(_mm_set1_ps(sw[(b + 1) / blocks_per_group]), _mm_set1_ps(sw[b / blocks_per_group]));
-}
 
 // The weight and scale rows of an NB-feature output tile and where its weight prefetches point; both
 // builds' tiles add their accumulators. Constructing it prefetches the scales and biases of the tile
@@ -64,19 +59,48 @@ struct TileRows {
   }
 };
 
-// sum_g b_{n,g} * xsum_{m,g}: eight groups a step, the tail masked.
-inline float bias_term(const Int8Problem& p, int n, int m) {
-  const int groups = p.K / p.group;
-  const float* b = p.biases + static_cast<size_t>(n) * groups;
-  const float* xs = p.xsum + static_cast<size_t>(m) * groups;
-  __m256 sum = _mm256_setzero_ps();
-  int g = 0;
-  for (; g + 8 <= groups; g += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(b + g), _mm256_loadu_ps(xs + g), sum);
-  if (g < groups) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(groups - g), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    sum = _mm256_fmadd_ps(_mm256_maskload_ps(b + g, mask), _mm256_maskload_ps(xs + g, mask), sum);
+// The integer dot product of block b of feature n's weights with row m's quantized x, exact: for
+// 4-bit weights against int8 x in octets (within each 8 values, the even ones then the odd ones), for
+// 8-bit weights against int16 x split in signed bytes, x = 256 * xh + xl.
+inline int32_t block_dot(const Int8Problem& p, int n, int m, int b) {
+  const size_t x_at = static_cast<size_t>(m) * p.K + static_cast<size_t>(b) * 32;
+  int32_t sum = 0;
+  if (p.bits == 4) {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n) * (p.K / 2) + b * 16;
+    auto x = [&](int at) { return p.x16 ? 256 * p.xq[x_at + at] + p.xl[x_at + at] : p.xq[x_at + at]; };
+    for (int d = 0; d < 4; ++d) {
+      for (int i = 0; i < 4; ++i) {
+        const int byte = w[4 * d + i];  // weights 8d + 2i (low nibble) and 8d + 2i + 1 (high)
+        sum += (byte & 0x0F) * x(8 * d + i) + (byte >> 4) * x(8 * d + 4 + i);
+      }
+    }
+  } else {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n) * p.K + b * 32;
+    for (int k = 0; k < 32; ++k) sum += w[k] * (256 * p.xq[x_at + k] + p.xl[x_at + k]);
   }
-  return hsum(sum);
+  return sum;
+}
+
+// Features [n0, n1) of every row one at a time: what each lane of the vector kernels computes, in the
+// same operations in the same order, so any feature may be left to it.
+//   total = 0; per group g: per block b of g: total = fma(float(dot_b), s_g * dx_b, total);
+//              then total = fma(bias_g, xsum_g, total)
+inline void features_one_by_one(const Int8Problem& p, int n0, int n1) {
+  const int groups = p.K / p.group, bpg = p.group / 32, blocks = p.K / 32;
+  for (int n = n0; n < n1; ++n) {
+    for (int m = 0; m < p.M; ++m) {
+      float total = 0.0f;
+      for (int g = 0; g < groups; ++g) {
+        const float s = p.scales[static_cast<size_t>(n) * groups + g];
+        for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+          const float sd = s * p.dx[static_cast<size_t>(m) * blocks + b];
+          total = std::fma(static_cast<float>(block_dot(p, n, m, b)), sd, total);
+        }
+        total = std::fma(p.biases[static_cast<size_t>(n) * groups + g], p.xsum[static_cast<size_t>(m) * groups + g], total);
+      }
+      p.out[static_cast<size_t>(m) * p.N + n] = total;
+    }
+  }
 }
 
 }  // namespace

@@ -204,13 +204,17 @@ std::atomic<bool> g_x16{false};
 
 // How QuantizedX lays out the quantized x, for the kernel that reads it (see Int8Problem).
 enum class XLayout {
-  pairs,  // int8, for 4-bit weights: each 64 values (blocks A, B) as A's even, B's even, A's odd, B's
-          // odd values, the order the kernel's nibble vectors come in (the weights' bytes hold weights
-          // 2j in the low nibble, 2j + 1 in the high one)
-  wide4,  // int16, for 4-bit weights ("int16" activations): as four vectors, vector j holding values
-          // 4l + j of A (l = 0..7), then the same of B (tile4x16's 16-bit lanes)
-  int16,  // int16 in order, for 8-bit weights
+  octets,        // int8, for 4-bit weights: each 8 values as their 4 even ones, then their 4 odd ones, the
+                 // order of a weight dword's low and high nibbles (a byte holds weights 2j and 2j + 1)
+  split_octets,  // int16, for 4-bit weights: as two int8 arrays h and l, x = 256 h + l, each in octets
+  split,         // int16, for 8-bit weights: h and l in order (a weight dword holds 4 consecutive weights)
 };
+
+// The int16 levels of x: 127 * 257, the largest whose every value v = 256 h + l
+// has both h and l within [-127, 127] (l the signed low byte, h = (v - l) / 256), so w . x is two
+// vpdpbusd sums of u8 weights and signed bytes with no correction term. It costs the int16 x 0.4% of
+// its 32767 levels.
+constexpr float kSplitLevels = 32639.0f;
 
 // A block of 32 values quantized: q = round-to-nearest-even(x * levels / max|x|) (std::nearbyint's
 // rounding, as the NumPy scheme of the tests), the scale d = max|x| / levels and the sum of q.
@@ -246,15 +250,11 @@ inline Block32 quantize_block(const float* xb, float levels) {
   return out;
 }
 
-// 32 int32 values (8 per vector) as int8 / int16, in order (packs saturate: the values fit anyway).
+// 32 int32 values (8 per vector) as int8, in order (packs saturate: the values fit anyway).
 inline __m256i pack_int8(const __m256i (&q)[4]) {
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
   // The packs interleave 128-bit lanes: 4-byte groups come as values 0, 8, 16, 24, 4, 12, 20, 28 (x4).
   return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-inline __m256i pack_int16(__m256i a, __m256i b) {
-  return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
 }
 
 // The memory of a quantized x, not zeroed (every element is written).
@@ -268,15 +268,13 @@ struct Buffer {
 // x [M, K] -> the quantized blocks, scales and sums of Int8Problem in `layout`. Rows are independent:
 // a prefill's rows are quantized on the thread pool.
 struct QuantizedX {
-  Buffer<int8_t> q;
-  Buffer<int16_t> q16;
-  Buffer<float> dx, dx_lanes, xsum;
+  Buffer<int8_t> q, low;
+  Buffer<float> dx, xsum;
 
   QuantizedX(const float* x, int M, int K, int group, XLayout layout)
-      : q(layout == XLayout::pairs ? static_cast<size_t>(M) * K : 0),
-        q16(layout == XLayout::pairs ? 0 : static_cast<size_t>(M) * K),
+      : q(static_cast<size_t>(M) * K),
+        low(layout == XLayout::octets ? 0 : static_cast<size_t>(M) * K),
         dx(static_cast<size_t>(M) * (K / 32)),
-        dx_lanes(layout == XLayout::int16 ? 0 : static_cast<size_t>(M) * (K / 64) * 8),
         xsum(static_cast<size_t>(M) * (K / group)) {
     pool().for_range(M, kRowsPerQuantizeTask,
                      [&](int m0, int m1) { for (int m = m0; m < m1; ++m) row(x, m, K, group, layout); });
@@ -288,18 +286,13 @@ struct QuantizedX {
 
   void row(const float* x, int m, int K, int group, XLayout layout) {
     const int blocks = K / 32, per_group = group / 32;
-    // int8 for 4-bit weights; int16 for 8-bit ones (and the opt-in int16 activations)
-    const float levels = layout == XLayout::pairs ? 127.0f : 32767.0f;
+    const float levels = layout == XLayout::octets ? 127.0f : kSplitLevels;
     const size_t at_row = static_cast<size_t>(m) * K;
     float group_sum = 0.0f;  // the sum of x^ = dx * qx over the current weight group, block by block
     for (int b = 0; b < blocks; ++b) {
       const Block32 block = quantize_block(x + at_row + static_cast<size_t>(b) * 32, levels);
       dx.get()[static_cast<size_t>(m) * blocks + b] = block.d;
-      store(block, at_row, b, layout);
-      if (dx_lanes.get() != nullptr) {  // each block pair's scales over the 4 lanes of its VNNI sums
-        float* out = dx_lanes.get() + (static_cast<size_t>(m) * (K / 64) + b / 2) * 8 + (b % 2) * 4;
-        for (int i = 0; i < 4; ++i) out[i] = block.d;
-      }
+      store(block, at_row + static_cast<size_t>(b) * 32, layout);
       group_sum += block.d * static_cast<float>(block.sum);
       if ((b + 1) % per_group == 0) {  // the bias term's sums of x^ per weight group
         xsum.get()[static_cast<size_t>(m) * (K / group) + b / per_group] = group_sum;
@@ -308,36 +301,27 @@ struct QuantizedX {
     }
   }
 
-  // Block b's values where `layout` puts them (the row starting at element at_row).
-  void store(const Block32& block, size_t at_row, int b, XLayout layout) {
-    const size_t k = at_row + static_cast<size_t>(b) * 32;
-    switch (layout) {
-      case XLayout::int16:
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16.get() + k), pack_int16(block.q[0], block.q[1]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16.get() + k + 16), pack_int16(block.q[2], block.q[3]));
-        break;
-      case XLayout::wide4: {
-        alignas(32) int32_t v[32];
-        for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(v + 8 * j), block.q[j]);
-        for (int i = 0; i < 32; ++i) {
-          // Vector (parity, half of the pair index) holds 8 values of block A, then the same 8 of B.
-          const int at = (b % 2) * 32 + i;
-          q16.get()[at_row + static_cast<size_t>(b / 2) * 64 + (at % 4) * 16 + at / 4] = static_cast<int16_t>(v[i]);
-        }
-        break;
-      }
-      case XLayout::pairs: {
-        // Even values then odd ones (within each 128-bit lane, then the lanes' halves gathered).
-        const __m256i split = _mm256_shuffle_epi8(
-            pack_int8(block.q), _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8,
-                                                 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
-        const __m256i parts = _mm256_permute4x64_epi64(split, 0xD8);  // evens 0-31, then odds
-        const size_t evens = at_row + static_cast<size_t>(b / 2) * 64 + (b % 2) * 16;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.get() + evens), _mm256_castsi256_si128(parts));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.get() + evens + 32), _mm256_extracti128_si256(parts, 1));
-        break;
-      }
+  // Each 8 bytes as their even ones, then their odd ones.
+  static __m256i to_octets(__m256i bytes) {
+    return _mm256_shuffle_epi8(bytes, _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4,
+                                                       6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+  }
+
+  // A block's values where `layout` puts them (k: the index of its first value in the row-major x).
+  void store(const Block32& block, size_t k, XLayout layout) {
+    if (layout == XLayout::octets) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.get() + k), to_octets(pack_int8(block.q)));
+      return;
     }
+    __m256i high[4], low_bytes[4];
+    for (int i = 0; i < 4; ++i) {
+      low_bytes[i] = _mm256_srai_epi32(_mm256_slli_epi32(block.q[i], 24), 24);  // the low byte, signed
+      high[i] = _mm256_srai_epi32(_mm256_sub_epi32(block.q[i], low_bytes[i]), 8);
+    }
+    __m256i h = pack_int8(high), l = pack_int8(low_bytes);
+    if (layout == XLayout::split_octets) h = to_octets(h), l = to_octets(l);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.get() + k), h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(low.get() + k), l);
   }
 };
 
@@ -348,12 +332,12 @@ bool fits_int8(int K, int group, int bits) {
 
 template <int BITS>
 void run_int8(const float* x, const AffineView& w, int M, int K, float* out, Int8Features features, bool x16) {
-  const bool wide = BITS == 8 || x16;
-  const XLayout layout = BITS == 8 ? XLayout::int16 : x16 ? XLayout::wide4 : XLayout::pairs;
+  const XLayout layout = BITS == 8 ? XLayout::split : x16 ? XLayout::split_octets : XLayout::octets;
   const QuantizedX xq(x, M, K, w.group, layout);
-  const Int8Problem ip{xq.q.get(), xq.q16.get(), xq.dx.get(), xq.dx_lanes.get(), xq.xsum.get(), w.w,
-                       w.scales, w.biases, out, M, w.rows, K, w.group, BITS, BITS == 4 && wide};
-  pool().for_range(w.rows, 8, [&](int n0, int n1) { features(ip, n0, n1); });
+  const Int8Problem ip{xq.q.get(), xq.low.get(), xq.dx.get(), xq.xsum.get(), w.w, w.scales, w.biases, out,
+                       M, w.rows, K, w.group, BITS, layout != XLayout::octets};
+  // Ranges of whole 16-feature vectors for the 512-bit kernel.
+  pool().for_range(w.rows, 16, [&](int n0, int n1) { features(ip, n0, n1); });
 }
 
 // Float32 activations: the fused matvec kernel for a few rows, dequantized tiles through the BLAS for more.
@@ -419,16 +403,23 @@ class AffineQMV : public mx::UnaryPrimitive {
 void set_activations(const std::string& kind) {
   if (kind == "float32") {
     g_int8.store(nullptr);
-  } else if (kind == "int8" || kind == "int16") {
-    g_int8.store(best_int8());
-  } else if (kind == "int8-avx2") {
-    g_int8.store(int8_avx2::features);
-  } else if (kind == "int8-256") {
-    g_int8.store(best_int8_256());
-  } else {
-    throw std::invalid_argument("activations must be float32, int8, int8-256, int8-avx2 or int16, not " + kind);
+    g_x16.store(false);
+    return;
   }
-  g_x16.store(kind == "int16");
+  const bool x16 = kind.rfind("int16", 0) == 0;
+  const std::string build = kind.rfind("int8", 0) == 0 ? kind.substr(4) : x16 ? kind.substr(5) : "?";
+  Int8Features features = nullptr;
+  if (build.empty()) {
+    features = best_int8();
+  } else if (build == "-256") {
+    features = best_int8_256();
+  } else if (build == "-avx2") {
+    features = int8_avx2::features;
+  } else {
+    throw std::invalid_argument("activations must be float32 or int8/int16 with -256 or -avx2 or neither, not " + kind);
+  }
+  g_int8.store(features);
+  g_x16.store(x16);
 }
 
 std::string activations() {

@@ -24,11 +24,13 @@ mlx::core::array affine_qmv(
 void check_affine(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases, int K,
                   int group_size, int bits);
 
-// What products multiply: "int8" quantizes x per block of 32 and uses integer dot products for any
-// number of rows (qmv_int8.cpp; the default, AVX-VNNI where the CPU has it), "int8-avx2" the same
-// without VNNI, "float32" unpacks the weights to float (exact; the BLAS for 8 rows and more). Products
-// the int8 kernel does not fit (K not a multiple of 64) stay float32. Throws std::invalid_argument for
-// anything else. activations() names the one in use: "float32", "int8-avx2" or "int8-vnni".
+// What products multiply: "int8" quantizes x per block of 32 to int8 for 4-bit weights (int16 for 8-bit
+// ones) and uses integer dot products for any number of rows (qmv_int8.cpp; 512-bit vectors where the
+// CPU has AVX-512 VNNI, else AVX-VNNI where it has that), "int16" the same with int16 x for 4-bit weights
+// too; either with "-256" in 256-bit vectors, with "-avx2" without VNNI. "float32" unpacks the weights to
+// float (exact; the BLAS for 8 rows and more). Products the integer kernels do not fit (K not a multiple
+// of 64) stay float32. Throws std::invalid_argument for anything else. activations() names the one in
+// use: "float32", "int16", "int8-avx512", "int8-vnni" or "int8-avx2".
 void set_activations(const std::string& kind);
 std::string activations();
 
