@@ -1,34 +1,39 @@
-// Products of MLX affine 4/8-bit weights with activations quantized to int8, for every row count.
+// Products of MLX affine 4/8-bit weights with activations quantized to int8 or int16, for every row count.
 //
 // The float kernel (quantized_matvec.cpp) unpacks every weight to a float and FMAs it: about five
 // instructions per eight weights, which on these CPUs is slower than memory delivers the weights
 // (4.5 G weights/s per core measured, where 10 GB/s of 4-bit words would be ~20 G). As llama.cpp
-// does (Q8 activations for its Q4/Q8 weights), x is quantized per block of 32 values to int8 with
-// one float scale, and each block's dot product is an exact integer sum of u8 x s8 products: one
-// VNNI `vpdpbusd` (or `vpmaddubsw` + `vpmaddwd` without VNNI) per 32 weight-activation pairs, then
-// one float multiply-add per two blocks. Per output feature n, weight group g and x block b:
+// does (Q8 activations for its Q4/Q8 weights), x is quantized per block of 32 values with one float
+// scale, and each block's dot product is an exact integer sum of u8 x s8 products (VNNI `vpdpbusd`).
+// Per output feature n, weight group g and x block b:
 //   y_n = sum_b s_{n,g(b)} * dx_b * (q_n,b . qx_b) + sum_g b_{n,g} * sum_{b in g} dx_b * sum(qx_b),
 // which is exactly w . x^ (x^ = dx * qx, the quantized x), as llama.cpp's Q4_1 x Q8_1 is. The bias
 // term must come from x^ too: the codes q are unsigned (0..15, 0..255), so with the exact sums of x
 // the rounding error of x^ would meet uncentred weights q * s instead of w (SmolLM2, teacher-forced
 // against float32 activations: mean KL 0.0186 -> 0.0041, top-1 89.8% -> 96.8% with x^'s sums).
 //
-// 8-bit weights (a model's more precise layers, such as SmolLM2's Q8_0 output head) meet x quantized
-// to int16 instead: int8 x would add ~100 times their own rounding error, and the head, the last and
-// most sensitive product, decides the tokens. Measured on SmolLM2 (400 teacher-forced decode steps
-// against float32 activations; int8 x in the 4-bit layers), head with int8 x: mean KL 0.0041, top-1
-// 96.8%; with float32 x: 0.0034, 97.2%, but the float kernel took the head from 3.0 to 7.7-9.3 ms a
-// token (a batch-1 step is ~20 ms on the 2-vCPU VM); with int16 x: 0.0034, 97.2% at 2.7 ms, since
-// vpmaddwd on widened weights costs no more than the sign tricks u8 x s8 needs without VNNI.
+// x is int8 (127 levels) or int16 (127 * 257 levels, held as two signed bytes h, l with x = 256 h + l,
+// so each is a vpdpbusd operand and q . x = 256 (q . h) + q . l, exact). 8-bit weights (a model's more
+// precise layers, such as SmolLM2's Q8_0 output head) always meet int16 x: int8 x would add ~100 times
+// their own rounding error, and the head, the last and most sensitive product, decides the tokens.
+// 4-bit weights meet int8 x, or int16 x with the "int16" activations (twice the integer work; on
+// SmolLM2 the same top token as float32 activations at every position measured).
 //
-// The opt-in "int16" activations give the 4-bit weights int16 x as well (tile4x16): on SmolLM2, mean
-// KL 0.0000 and top-1 100% against float32 activations, for ~8-12% slower decode than int8 x.
+// One output feature a vector lane: 8 features a 256-bit vector (16 in qmv_int8_avx512.cpp). A block's
+// 16 (8-bit: 32) weight bytes of each feature are transposed so that lane f of operand j holds feature
+// f's dword j, and one vpdpbusd against a broadcast x dword adds four products to every feature's sum.
+// So a block's dot products come out whole, one integer per lane, and are converted, scaled and added
+// by one instruction each for all the lanes; no horizontal sums. The transposition is done once per
+// block for all the rows of the call, which is what makes a batch cheap: per row and block, 8 vpdpbusd
+// (int16: 16) and four float operations for 8 or 16 features.
 //
-// The same kernel serves decode (a few rows) and prefill (hundreds): rows are taken in blocks of
-// kRowBlock whose int8 x stays in L2 while a thread's feature tiles sweep across it, and every row's
-// outputs come out of the same operations in the same order however many rows the call has. So a
-// prompt's last position gets the same logits whether it was prefilled in one chunk, in several, after
-// a prefix-cache hit or beside other requests, and prefill needs no BLAS.
+// The float arithmetic is the same in every lane, build and vector width, and in features_one_by_one
+// (qmv_int8_parts.h), which takes features that do not fill a vector: per block the exact integer dot
+// product is converted and multiply-added with s * dx, in block order, each group's bias term after its
+// blocks. So a product is the same bits on every CPU these kernels run on, and a row's outputs do not
+// depend on the other rows: the same kernel serves decode (a few rows) and prefill (hundreds; rows in
+// blocks of kRowBlock whose x stays in L2), and a prompt's last position gets the same logits whether
+// it was prefilled in one chunk, in several, after a prefix-cache hit or beside other requests.
 //
 // This file is compiled twice (CMakeLists.txt): with MLX_INFER_VNNI and -mavxvnni into namespace
 // int8_vnni, and for plain AVX2 into int8_avx2; quantized_matvec.cpp picks one at run time.
@@ -129,9 +134,13 @@ struct Block8<4> {
 #endif
   }
 
+  template <bool X16>
   __m256i dot(const Int8Problem& p, size_t x_at) const {
-    if (!p.x16) return dot_bytes(p.xq + x_at);
-    return _mm256_add_epi32(_mm256_slli_epi32(dot_bytes(p.xq + x_at), 8), dot_bytes(p.xl + x_at));
+    if constexpr (X16) {
+      return _mm256_add_epi32(_mm256_slli_epi32(dot_bytes(p.xq + x_at), 8), dot_bytes(p.xl + x_at));
+    } else {
+      return dot_bytes(p.xq + x_at);
+    }
   }
 };
 
@@ -146,6 +155,7 @@ struct Block8<8> {
     dwords8(base, row_bytes, static_cast<size_t>(b) * 32 + 16, w + 4);
   }
 
+  template <bool X16>  // always int16 x
   __m256i dot(const Int8Problem& p, size_t x_at) const {
     __m256i high = _mm256_setzero_si256(), low = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
@@ -156,9 +166,23 @@ struct Block8<8> {
   }
 };
 
+// Columns g0..g0 + 3 of a tile's 8 rows of `groups` floats (its scales or biases), one row a lane:
+// out[j][f] = rows[f][g0 + j]. The last columns of a row that has fewer than 4 left one by one.
+inline void columns8(const float* rows, int groups, int g0, float (*out)[8]) {
+  if (g0 + 4 <= groups) {
+    __m256i r[4];
+    dwords8(reinterpret_cast<const uint8_t*>(rows), groups * sizeof(float), g0 * sizeof(float), r);
+    for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(out[j]), r[j]);
+    return;
+  }
+  for (int j = 0; g0 + j < groups; ++j) {
+    for (int f = 0; f < 8; ++f) out[j][f] = rows[static_cast<size_t>(f) * groups + g0 + j];
+  }
+}
+
 // Features [n0, n0 + 8) for rows [m0, m1), one feature a lane: features_one_by_one's operations. The
 // block's weights are arranged once for all the rows; each row's running totals wait in `totals`.
-template <int BITS>
+template <int BITS, bool X16>
 void lanes8(const Int8Problem& p, int n0, int m0, int m1) {
   const int groups = p.K / p.group, bpg = p.group / 32, blocks = p.K / 32;
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
@@ -166,35 +190,37 @@ void lanes8(const Int8Problem& p, int n0, int m0, int m1) {
   const TileRows<8> ahead(p, n0, row_bytes, BITS * 4);
   alignas(32) float totals[kRowBlock][8];
   for (int m = m0; m < m1; ++m) _mm256_store_ps(totals[m - m0], _mm256_setzero_ps());
-  const __m256i feature_at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(groups));
   const float* scales = p.scales + static_cast<size_t>(n0) * groups;
   const float* biases = p.biases + static_cast<size_t>(n0) * groups;
+  alignas(64) float scale_columns[4][8], bias_columns[4][8];
   for (int g = 0; g < groups; ++g) {
-    const __m256 s = _mm256_i32gather_ps(scales + g, feature_at, 4);
+    if (g % 4 == 0) {
+      columns8(scales, groups, g, scale_columns);
+      columns8(biases, groups, g, bias_columns);
+    }
+    const __m256 s = _mm256_load_ps(scale_columns[g % 4]), bias = _mm256_load_ps(bias_columns[g % 4]);
     for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
       ahead.prefetch(b);
       const Block8<BITS> block(base, row_bytes, b);
+      const bool group_ends = b == (g + 1) * bpg - 1;
       for (int m = m0; m < m1; ++m) {
-        const __m256i dot = block.dot(p, static_cast<size_t>(m) * p.K + static_cast<size_t>(b) * 32);
+        const __m256i dot = block.template dot<X16>(p, static_cast<size_t>(m) * p.K + static_cast<size_t>(b) * 32);
         const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(p.dx[static_cast<size_t>(m) * blocks + b]));
-        _mm256_store_ps(totals[m - m0], _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sd, _mm256_load_ps(totals[m - m0])));
+        __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sd, _mm256_load_ps(totals[m - m0]));
+        if (group_ends) total = _mm256_fmadd_ps(bias, _mm256_set1_ps(p.xsum[static_cast<size_t>(m) * groups + g]), total);
+        _mm256_store_ps(totals[m - m0], total);
       }
-    }
-    const __m256 bias = _mm256_i32gather_ps(biases + g, feature_at, 4);
-    for (int m = m0; m < m1; ++m) {
-      const __m256 xsum = _mm256_set1_ps(p.xsum[static_cast<size_t>(m) * groups + g]);
-      _mm256_store_ps(totals[m - m0], _mm256_fmadd_ps(bias, xsum, _mm256_load_ps(totals[m - m0])));
     }
   }
   for (int m = m0; m < m1; ++m) _mm256_storeu_ps(p.out + static_cast<size_t>(m) * p.N + n0, _mm256_load_ps(totals[m - m0]));
 }
 
-template <int BITS>
+template <int BITS, bool X16>
 void lane_features(const Int8Problem& p, int n0, int n1) {
   const int n_end = n0 + (n1 - n0) / 8 * 8;
   for (int m0 = 0; m0 < p.M; m0 += kRowBlock) {
     const int m1 = std::min(p.M, m0 + kRowBlock);
-    for (int n = n0; n < n_end; n += 8) lanes8<BITS>(p, n, m0, m1);
+    for (int n = n0; n < n_end; n += 8) lanes8<BITS, X16>(p, n, m0, m1);
   }
   features_one_by_one(p, n_end, n1);
 }
@@ -203,9 +229,11 @@ void lane_features(const Int8Problem& p, int n0, int n1) {
 
 void features(const Int8Problem& p, int n0, int n1) {
   if (p.bits == 8) {
-    lane_features<8>(p, n0, n1);
+    lane_features<8, true>(p, n0, n1);
+  } else if (p.x16) {
+    lane_features<4, true>(p, n0, n1);
   } else {
-    lane_features<4>(p, n0, n1);
+    lane_features<4, false>(p, n0, n1);
   }
 }
 

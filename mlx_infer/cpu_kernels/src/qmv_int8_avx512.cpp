@@ -80,9 +80,13 @@ struct Block16<4> {
     return _mm512_add_epi32(even, odd);
   }
 
+  template <bool X16>
   __m512i dot(const Int8Problem& p, size_t x_at) const {
-    if (!p.x16) return dot_bytes(p.xq + x_at);
-    return _mm512_add_epi32(_mm512_slli_epi32(dot_bytes(p.xq + x_at), 8), dot_bytes(p.xl + x_at));
+    if constexpr (X16) {
+      return _mm512_add_epi32(_mm512_slli_epi32(dot_bytes(p.xq + x_at), 8), dot_bytes(p.xl + x_at));
+    } else {
+      return dot_bytes(p.xq + x_at);
+    }
   }
 };
 
@@ -97,6 +101,7 @@ struct Block16<8> {
     dwords16(base, row_bytes, static_cast<size_t>(b) * 32 + 16, w + 4);
   }
 
+  template <bool X16>  // always int16 x
   __m512i dot(const Int8Problem& p, size_t x_at) const {
     __m512i high = _mm512_setzero_si512(), low = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
@@ -107,8 +112,22 @@ struct Block16<8> {
   }
 };
 
+// Columns g0..g0 + 3 of a tile's 16 rows of `groups` floats (its scales or biases), one row a lane:
+// out[j][f] = rows[f][g0 + j]. The last columns of a row that has fewer than 4 left one by one.
+inline void columns16(const float* rows, int groups, int g0, float (*out)[16]) {
+  if (g0 + 4 <= groups) {
+    __m512i r[4];
+    dwords16(reinterpret_cast<const uint8_t*>(rows), groups * sizeof(float), g0 * sizeof(float), r);
+    for (int j = 0; j < 4; ++j) _mm512_store_si512(reinterpret_cast<__m512i*>(out[j]), r[j]);
+    return;
+  }
+  for (int j = 0; g0 + j < groups; ++j) {
+    for (int f = 0; f < 16; ++f) out[j][f] = rows[static_cast<size_t>(f) * groups + g0 + j];
+  }
+}
+
 // Features [n0, n0 + 16) for rows [m0, m1), one feature a lane (qmv_int8.cpp's lanes8 in 512 bits).
-template <int BITS>
+template <int BITS, bool X16>
 void lanes16(const Int8Problem& p, int n0, int m0, int m1) {
   const int groups = p.K / p.group, bpg = p.group / 32, blocks = p.K / 32;
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
@@ -116,36 +135,37 @@ void lanes16(const Int8Problem& p, int n0, int m0, int m1) {
   const TileRows<16> ahead(p, n0, row_bytes, BITS * 4);
   alignas(64) float totals[kRowBlock][16];
   for (int m = m0; m < m1; ++m) _mm512_store_ps(totals[m - m0], _mm512_setzero_ps());
-  const __m512i feature_at = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(groups));
   const float* scales = p.scales + static_cast<size_t>(n0) * groups;
   const float* biases = p.biases + static_cast<size_t>(n0) * groups;
+  alignas(64) float scale_columns[4][16], bias_columns[4][16];
   for (int g = 0; g < groups; ++g) {
-    const __m512 s = _mm512_i32gather_ps(feature_at, scales + g, 4);
+    if (g % 4 == 0) {
+      columns16(scales, groups, g, scale_columns);
+      columns16(biases, groups, g, bias_columns);
+    }
+    const __m512 s = _mm512_load_ps(scale_columns[g % 4]), bias = _mm512_load_ps(bias_columns[g % 4]);
     for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
       ahead.prefetch(b);
       const Block16<BITS> block(base, row_bytes, b);
+      const bool group_ends = b == (g + 1) * bpg - 1;
       for (int m = m0; m < m1; ++m) {
-        const __m512i dot = block.dot(p, static_cast<size_t>(m) * p.K + static_cast<size_t>(b) * 32);
+        const __m512i dot = block.template dot<X16>(p, static_cast<size_t>(m) * p.K + static_cast<size_t>(b) * 32);
         const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(p.dx[static_cast<size_t>(m) * blocks + b]));
-        _mm512_store_ps(totals[m - m0], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, _mm512_load_ps(totals[m - m0])));
+        __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, _mm512_load_ps(totals[m - m0]));
+        if (group_ends) total = _mm512_fmadd_ps(bias, _mm512_set1_ps(p.xsum[static_cast<size_t>(m) * groups + g]), total);
+        _mm512_store_ps(totals[m - m0], total);
       }
-    }
-    const __m512 bias = _mm512_i32gather_ps(feature_at, biases + g, 4);
-    for (int m = m0; m < m1; ++m) {
-      const __m512 xsum = _mm512_set1_ps(p.xsum[static_cast<size_t>(m) * groups + g]);
-      _mm512_store_ps(totals[m - m0], _mm512_fmadd_ps(bias, xsum, _mm512_load_ps(totals[m - m0])));
     }
   }
   for (int m = m0; m < m1; ++m) _mm512_storeu_ps(p.out + static_cast<size_t>(m) * p.N + n0, _mm512_load_ps(totals[m - m0]));
 }
 
-template <int BITS>
+template <int BITS, bool X16>
 void lane_features(const Int8Problem& p, int n0, int n1) {
   const int n_end = n0 + (n1 - n0) / 16 * 16;
   for (int m0 = 0; m0 < p.M; m0 += kRowBlock) {
     const int m1 = std::min(p.M, m0 + kRowBlock);
-    for (int n = n0; n < n_end; n += 16) lanes16<BITS>(p, n, m0, m1);
+    for (int n = n0; n < n_end; n += 16) lanes16<BITS, X16>(p, n, m0, m1);
   }
   if (n_end < n1) int8_avx2::features(p, n_end, n1);
 }
@@ -154,9 +174,11 @@ void lane_features(const Int8Problem& p, int n0, int n1) {
 
 void features(const Int8Problem& p, int n0, int n1) {
   if (p.bits == 8) {
-    lane_features<8>(p, n0, n1);
+    lane_features<8, true>(p, n0, n1);
+  } else if (p.x16) {
+    lane_features<4, true>(p, n0, n1);
   } else {
-    lane_features<4>(p, n0, n1);
+    lane_features<4, false>(p, n0, n1);
   }
 }
 
