@@ -187,7 +187,7 @@ void lanes8(const Int8Problem& p, int n0, int m0, int m1) {
   const int groups = p.K / p.group, bpg = p.group / 32, blocks = p.K / 32;
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const uint8_t* base = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0) * row_bytes;
-  const TileRows<8> ahead(p, n0, row_bytes, BITS * 4);
+  const TilePrefetch<8> ahead(p, n0, row_bytes, BITS * 4);
   alignas(32) float totals[kRowBlock][8];
   for (int m = m0; m < m1; ++m) _mm256_store_ps(totals[m - m0], _mm256_setzero_ps());
   const float* scales = p.scales + static_cast<size_t>(n0) * groups;

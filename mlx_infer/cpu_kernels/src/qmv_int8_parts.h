@@ -14,36 +14,31 @@
 namespace mlx_infer {
 namespace {
 
-// How far ahead (in tiles of the same product) the weights, scales and biases are prefetched. The
-// hardware prefetchers alone left these small products (a few hundred KB each, in three streams)
-// waiting on memory: on the 2-vCPU AMD EPYC VM, SmolLM2's 120 layer products and 8-bit head called
-// in turn, as in a decode step (115 MB), went from 12.7-15.3 to 7.4-10.2 ms (medians of 30, two
-// runs each); 4 tiles ahead was no better than 2.
-constexpr int kPrefetchTiles = 2;
+// How far ahead (in output features of the same product) the weights, scales and biases are prefetched.
+// The hardware prefetchers alone left these small products (a few hundred KB each, in three streams)
+// waiting on memory: on the 2-vCPU AMD EPYC VM, SmolLM2's 120 layer products and 8-bit head called in
+// turn, as in a decode step (115 MB), went from 12.7-15.3 to 7.4-10.2 ms (medians of 30, two runs each)
+// with two tiles of 2-4 features ahead. 16 is one tile of the 512-bit kernel: two (24 KB of weights for K = 1536)
+// had its lines evicted from L1 before use, and a single-row 576 x 1536 product took 67 us instead of
+// 40 (one thread, Sapphire Rapids VM).
+constexpr int kPrefetchFeatures = 16;
 
 // Rows taken together: their int8 x (kRowBlock * K bytes, 36-96 KB for SmolLM2) stays in L2 while the
 // caller's features sweep across it; a decode step's few rows are one block.
 constexpr int kRowBlock = 64;
 
-// The weight and scale rows of an NB-feature output tile and where its weight prefetches point; both
-// builds' tiles add their accumulators. Constructing it prefetches the scales and biases of the tile
-// kPrefetchTiles ahead; prefetch(i) the weights that tile's step i will read, `step_bytes` of each row
-// a step (beyond the end of the arrays is harmless: no faults).
+// Prefetches, while an NB-feature tile is computed, the tile kPrefetchFeatures ahead: its scales and
+// biases when constructed, and with prefetch(i) the weights step i of this tile's steps would read of
+// it, `step_bytes` of each row a step (beyond the end of the arrays is harmless: no faults).
 template <int NB>
-struct TileRows {
-  const uint8_t* wr[NB];
-  const float* sr[NB];
-  const char* ahead;  // the first weight byte of the tile kPrefetchTiles ahead
+struct TilePrefetch {
+  const char* ahead;  // the first weight byte of the tile kPrefetchFeatures ahead
   int step_bytes;
 
-  TileRows(const Int8Problem& p, int n0, size_t row_bytes, int step) : step_bytes(step) {
+  TilePrefetch(const Int8Problem& p, int n0, size_t row_bytes, int step) : step_bytes(step) {
     const int groups = p.K / p.group;
-    for (int r = 0; r < NB; ++r) {
-      wr[r] = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0 + r) * row_bytes;
-      sr[r] = p.scales + static_cast<size_t>(n0 + r) * groups;
-    }
-    ahead = reinterpret_cast<const char*>(wr[0]) + kPrefetchTiles * NB * row_bytes;
-    const size_t at = static_cast<size_t>(n0 + kPrefetchTiles * NB) * groups;
+    ahead = reinterpret_cast<const char*>(p.w) + static_cast<size_t>(n0 + kPrefetchFeatures) * row_bytes;
+    const size_t at = static_cast<size_t>(n0 + kPrefetchFeatures) * groups;
     for (size_t b = 0; b < NB * groups * sizeof(float); b += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(p.scales + at) + b, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(p.biases + at) + b, _MM_HINT_T0);
