@@ -17,7 +17,8 @@ import mlx_infer  # noqa: F401  (binds the optimized BLAS before anything import
 from mlx_infer.models import model_module
 
 # Exact oracles (transformers logits, float32 products, token equality) need float32 activations;
-# the default int8 ones (cpu_kernels' docstring) have tests of their own, which switch them on.
+# the default int16 ones and the int8 option (cpu_kernels' docstring) have tests of their own, which switch
+# them on.
 os.environ.setdefault("MLX_INFER_CPU_ACTIVATIONS", "float32")
 
 TINY_LLAMA_CONFIG = dict(

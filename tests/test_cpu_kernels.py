@@ -257,10 +257,10 @@ def test_activation_kinds_are_checked(native, monkeypatch: pytest.MonkeyPatch):
         native.set_activations("int4")
     monkeypatch.setenv(cpu_kernels.ACTIVATIONS_ENV_VAR, "bogus")
     cpu_kernels._apply_activations_env()  # a warning, then the default
-    assert cpu_kernels.activations().startswith("int8")
-    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_ENV_VAR, "int16")
-    cpu_kernels._apply_activations_env()
     assert cpu_kernels.activations() == "int16"
+    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_ENV_VAR, "int8")
+    cpu_kernels._apply_activations_env()
+    assert cpu_kernels.activations().startswith("int8")
     monkeypatch.setenv(cpu_kernels.ACTIVATIONS_ENV_VAR, "float32")
     cpu_kernels._apply_activations_env()
     assert cpu_kernels.activations() == "float32"
@@ -292,12 +292,17 @@ def test_cpu_activations_flag_of_generate_serve_and_launch(native, capsys, monke
 
 
 @pytest.mark.slow
-def test_generate_with_int16_activations_answers_the_readme_prompt_as_float32_does(smollm2_path, capsys):
-    """The README's France prompt, whose first token's margin (0.08 nats) int8 activations overturn
-    ("L'Étoile..."), gets float32's answer with ``--cpu-activations int16``."""
+def test_generate_on_the_default_activations_answers_the_readme_prompt_as_float32_does(
+        smollm2_path, capsys, monkeypatch: pytest.MonkeyPatch):
+    """The README's France prompt, whose first token's margin is 0.08 nats on the exact path ("The" over
+    "L") and which int8 activations can overturn ("L'Étoile...", as llama.cpp answers), gets float32's
+    answer on the activations a user's process starts with (int16)."""
+    monkeypatch.delenv(cpu_kernels.ACTIVATIONS_ENV_VAR, raising=False)
+    cpu_kernels._apply_activations_env()
     argv = ["generate", "-m", str(smollm2_path), "-p", "What is the capital of France?", "--max-tokens", "8"]
     try:
-        assert cli.main([*argv, "--cpu-activations", "int16"]) == 0
+        assert cpu_kernels.activations() == "int16"
+        assert cli.main(argv) == 0
     finally:
         cpu_kernels.set_activations("float32")
     assert "The capital of France is Paris" in capsys.readouterr().out

@@ -3,7 +3,7 @@
 Multi-rank runs go through ``python -m mlx_infer.distributed.launch`` (ring backend, 127.0.0.1, or network
 namespaces reached through an ssh stand-in) and compare against a single process: sharded greedy tokens
 must equal the unsharded ones, and every architecture's sharded logits must equal its unsharded logits.
-SmolLM2's pipeline runs on the default path users run (int8 activations, native block ops on every rank)
+SmolLM2's pipeline runs on the default path users run (int16 activations, native block ops on every rank)
 as well as on conftest's exact float32 one: the same kernels on every rank, so the same tokens and the same
 log-probabilities, bit for bit.
 """
@@ -46,8 +46,8 @@ PY = sys.executable
 TESTS = Path(__file__).parent
 # faulthandler: a worker killed by a signal prints its Python stack (what it was doing) to stderr.
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
-# The default path (int8 activations in the native products) and the exact one, for worker subprocesses.
-ACTIVATION_ENVS = {kind: {**ENV, cpu_kernels.ACTIVATIONS_ENV_VAR: kind} for kind in ("int8", "float32")}
+# The default path (int16 activations in the native products) and the exact one, for worker subprocesses.
+ACTIVATION_ENVS = {kind: {**ENV, cpu_kernels.ACTIVATIONS_ENV_VAR: kind} for kind in ("int16", "float32")}
 # A tiny Llama whose heads (and KV heads, and MLP columns) divide by 2 and by 3.
 TINY_TP = dict(
     hidden_size=96, num_attention_heads=6, num_key_value_heads=6, intermediate_size=192, num_hidden_layers=3
@@ -727,7 +727,7 @@ def test_pipeline_with_int8_kv_equals_one_process(tiny_tp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("ranks", "activations"), [(2, "int8"), (3, "int8"), (2, "float32")])
+@pytest.mark.parametrize(("ranks", "activations"), [(2, "int16"), (3, "int16"), (2, "float32")])
 def test_pipeline_on_smollm2_computes_what_one_process_computes(
     smollm2_path: Path, smol_reference, ranks: int, activations: str
 ):
@@ -838,9 +838,9 @@ def test_tensor_parallel_across_namespaces(netns, tiny_tp):
 def test_pipeline_across_namespaces(netns, smollm2_path: Path, smol_reference):
     tokens = launched_tokens(
         netns["hosts"], "pipeline", smollm2_path, FRANCE, 12, False, "--ssh", netns["ssh"],
-        env=ACTIVATION_ENVS["int8"],
+        env=ACTIVATION_ENVS["int16"],
     )
-    assert tokens == smol_reference("int8")["tokens"]
+    assert tokens == smol_reference("int16")["tokens"]
 
 
 @pytest.mark.slow
@@ -848,7 +848,7 @@ def test_distributed_serve_answers_concurrent_requests_like_one_process(smollm2_
     """`launch --hosts 127.0.0.1,127.0.0.1 -- serve`: rank 0 serves and schedules, rank 1 runs its layers;
     concurrent greedy chats equal the same conversations decoded by one process's engine.
 
-    On the default int8 activations (on both sides), whose rows do not depend on the batch: the served
+    On the default int16 activations (on both sides), whose rows do not depend on the batch: the served
     requests arrive at their own times and are batched differently from the local engine's, and the
     float32 path the rest of the suite pins changes kernels with the row count (a near tie then flips)."""
     import asyncio
@@ -861,7 +861,7 @@ def test_distributed_serve_answers_concurrent_requests_like_one_process(smollm2_
     from mlx_infer.loading import load
     from mlx_infer.sampling import SamplingParams
 
-    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_ENV_VAR, "int8")  # the servers' ranks inherit it
+    monkeypatch.setenv(cpu_kernels.ACTIVATIONS_ENV_VAR, "int16")  # the servers' ranks inherit it
 
     questions = ["What is the capital of France?", "Name a color.", "What is 2+2?", "Say hello."]
     server = LiveServer(smollm2_path, "--kv-memory", "0.3", launch_hosts="127.0.0.1,127.0.0.1")
@@ -894,7 +894,7 @@ def test_distributed_serve_answers_concurrent_requests_like_one_process(smollm2_
         for q in questions
     ]
     text = {i: "" for i in ids}
-    cpu_kernels.set_activations("int8")
+    cpu_kernels.set_activations("int16")
     try:
         while engine.has_unfinished():
             for out in engine.step():

@@ -153,7 +153,7 @@ def _decode_logits(
 
 
 def test_smollm2_int8_activations_stay_on_the_float32_tokens(smollm2_path):
-    """The default int8 decode matvecs against float32 ones on the float32 greedy continuation:
+    """The int8 option's decode matvecs against float32 ones on the float32 greedy continuation:
     nearly the same next-token choice at every step, and small divergence of the distributions."""
     model, tokenizer = _plain_load(smollm2_path)
     fuse_projections(model)

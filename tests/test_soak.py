@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from server_helpers import LiveServer
 
+from mlx_infer import cpu_kernels
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import soak  # noqa: E402
 
@@ -19,9 +21,9 @@ ROUNDS, CONCURRENCY, HOSTILE = 3, 16, 7
 
 
 def test_short_soak(smollm2_path: Path, monkeypatch: pytest.MonkeyPatch):
-    # The path users run (conftest pins float32 for the exact oracles): int8 activations, whose answers
-    # must not depend on what else is in the batch either.
-    monkeypatch.setenv("MLX_INFER_CPU_ACTIVATIONS", "int8")
+    # The path users run (conftest pins float32 for the exact oracles): the default activations, whose
+    # answers must not depend on what else is in the batch either.
+    monkeypatch.setenv("MLX_INFER_CPU_ACTIVATIONS", cpu_kernels.DEFAULT_ACTIVATIONS)
     server = LiveServer(smollm2_path, "--kv-memory", "0.3", "--max-num-seqs", str(CONCURRENCY))
     try:
         argv = ["--rounds", str(ROUNDS), "--concurrency", str(CONCURRENCY), "--hostile", str(HOSTILE)]

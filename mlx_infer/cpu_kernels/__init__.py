@@ -9,20 +9,19 @@ lie. They are MLX primitives, so they sit in the lazy graph like any op.
 :func:`available` says whether they can be used here (built on first use, see ``build.py``); callers
 fall back to MLX ops when not, and ``MLX_INFER_CPU_KERNELS=off`` forces that.
 
-Products quantize their activations per 32 values (as llama.cpp does for its Q4/Q8 weights): to int8
-for 4-bit weights, to int16 for 8-bit ones (the output head, where int8 cost accuracy and int16 costs
-no time), so the inner loop is integer multiply-adds (AVX-VNNI where the CPU has it) over weights
-prefetched ahead, and each product is exactly ``w . x^`` for the quantized ``x^``. The same kernel
-serves every row count, decode to prefill, so a row's result is the same bits whatever else the
-product holds: a request's answer does not depend on the batch, the prefix cache or prefill chunking
-(attention's key chunks are fixed per query for the same reason), and prefill needs no BLAS. On
-SmolLM2 against float32 activations (``benchmarks/bench_quality.py --chunk 256 --compare llama.cpp``,
-the same 508 positions for both): mean KL 0.0027, top-1 97.2%; llama.cpp's 8-bit activations on the
-same weights 0.0042, 96.5%.
-``MLX_INFER_CPU_ACTIVATIONS=int16`` (or :func:`set_activations`, or ``--cpu-activations``) quantizes
-x to int16 for the 4-bit weights too, with the same row invariance: on SmolLM2 mean KL ~0 and top-1
-100% against float32, for slower decode (see README). ``float32`` keeps them float32, exact to float32
-rounding (dequantized tiles through the BLAS for 8 rows and more).
+Products quantize their activations per 32 values (as llama.cpp does for its Q4/Q8 weights), by
+default to int16 (held as two signed bytes, so the inner loop is VNNI integer multiply-adds, AVX-VNNI or
+AVX-512 VNNI where the CPU has them, over weights prefetched ahead), and each product is exactly
+``w . x^`` for the quantized ``x^``. The same kernel serves every row count, decode to prefill, so a
+row's result is the same bits whatever else the product holds: a request's answer does not depend on
+the batch, the prefix cache or prefill chunking (attention's key chunks are fixed per query for the
+same reason), and prefill needs no BLAS. On SmolLM2 against float32 activations
+(``benchmarks/bench_quality.py --chunk 256``, 508 positions) int16 activations give mean KL 0.0000 and
+the same top token at every position. ``MLX_INFER_CPU_ACTIVATIONS=int8`` (or :func:`set_activations`,
+or ``--cpu-activations``) quantizes x to int8 for the 4-bit weights (8-bit ones, such as an output
+head, keep int16 x): half the integer work, at mean KL 0.0028 and top-1 97.6% (llama.cpp's 8-bit
+activations on the same weights: 0.0046, 96.7%), with the same row invariance. ``float32`` keeps them
+float32, exact to float32 rounding (dequantized tiles through the BLAS for 8 rows and more).
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ ACTIVATIONS_ENV_VAR = "MLX_INFER_CPU_ACTIVATIONS"
 # int16: int16 x for the 4-bit weights too (8-bit ones always); -256: the integer kernel in 256-bit
 # vectors (VNNI where the CPU has it) even where AVX-512 VNNI would be chosen; -avx2: without VNNI.
 ACTIVATIONS = ("int8", "int8-256", "int8-avx2", "int16", "int16-256", "int16-avx2", "float32")
+DEFAULT_ACTIVATIONS = "int16"
 # Pools the kernels read and write (src/kv_format.h): int8 ones hold each head's row and its scale.
 KV_POOL_DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int8)
 
@@ -71,11 +71,12 @@ def available() -> bool:
 
 
 def _apply_activations_env() -> None:
-    requested = os.environ.get(ACTIVATIONS_ENV_VAR, "").strip().lower() or "int8"
+    requested = os.environ.get(ACTIVATIONS_ENV_VAR, "").strip().lower() or DEFAULT_ACTIVATIONS
     if requested not in ACTIVATIONS:
         known = "|".join(ACTIVATIONS)
-        log.warning("%s=%s is not one of %s; using int8", ACTIVATIONS_ENV_VAR, requested, known)
-        requested = "int8"
+        log.warning("%s=%s is not one of %s; using %s",
+                    ACTIVATIONS_ENV_VAR, requested, known, DEFAULT_ACTIVATIONS)
+        requested = DEFAULT_ACTIVATIONS
     set_activations(requested)
 
 
@@ -89,8 +90,8 @@ def set_activations(kind: str) -> None:
 
 
 def activations() -> str:
-    """The activations in use: ``"int8-avx512"``, ``"int8-vnni"``, ``"int8-avx2"``, ``"int16"`` or
-    ``"float32"`` (also where the kernels are unavailable)."""
+    """The activations in use: ``"int16"`` (the default), ``"int8-avx512"``, ``"int8-vnni"``,
+    ``"int8-avx2"`` or ``"float32"`` (also where the kernels are unavailable)."""
     return _native.activations() if available() else "float32"
 
 
