@@ -36,7 +36,7 @@ from measure import Result, mean, std  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from mlx_infer import blas  # noqa: E402
+from mlx_infer import blas, cpu_kernels  # noqa: E402
 from mlx_infer.engine.speculative import METHODS, SpeculativeConfig  # noqa: E402
 from mlx_infer.loading import load  # noqa: E402
 from mlx_infer.plan.planner import KV_CACHE_DTYPES  # noqa: E402
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = [{**vars(r), "acceptance": r.acceptance} for r in spec_results]
             Path(args.json).write_text(json.dumps({"speculative": rows}, indent=2))
         return 0 if all(r.identical for r in spec_results) else 1
-    results = run_mlx_infer.run(lm, args.p, args.n, args.r, args.b, kv_dtypes=args.kv_cache_dtype)
+    results = run_mlx_infer.run(lm, args.p, args.n, args.r, args.b, kv_dtypes=args.kv_cache_dtype,
+                                activations=args.cpu_activations)
     skipped: list[str] = []
     for peer in args.compare:
         for kv_dtype in args.kv_cache_dtype if peer == "llama.cpp" else ["auto"]:
@@ -119,6 +120,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", type=_kv_list, default=["auto"],
                         help="KV cache dtypes to run, e.g. float16,int8 (default auto); llama.cpp runs the "
                         "same (-ctk/-ctv f16, bf16, q8_0 for int8; it has no float32 cache)")
+    parser.add_argument("--cpu-activations", type=_activations_list, default=[None],
+                        help="CPU activation kinds to run, e.g. int16,int8 (default: the process's, "
+                        f"${cpu_kernels.ACTIVATIONS_ENV_VAR} or {cpu_kernels.DEFAULT_ACTIVATIONS})")
     parser.add_argument("--json", help="also write the results to this file")
     spec = SpeculativeConfig()
     parser.add_argument("--speculative", choices=METHODS, default=None,
@@ -144,6 +148,14 @@ def _kv_list(text: str) -> list[str]:
     unknown = [x for x in names if x not in KV_CACHE_DTYPES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"KV cache dtypes are {', '.join(KV_CACHE_DTYPES)}")
+    return names
+
+
+def _activations_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in cpu_kernels.ACTIVATIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"CPU activations are {', '.join(cpu_kernels.ACTIVATIONS)}")
     return names
 
 
@@ -219,19 +231,17 @@ SAME_KV = {"f16": "float16", "f32": "float32", "bf16": "bfloat16", "q8_0": "int8
 
 
 def _print_ratios(console: Console, results: list[Result]) -> None:
-    ours = {(r.batch, r.kv): r for r in results if r.engine == "mlx-infer"}
+    ours = [r for r in results if r.engine == "mlx-infer"]
     for peer in (r for r in results if r.engine != "mlx-infer"):
-        # llama.cpp against the same KV type; mlx-lm (its own bfloat16 cache) against our first one
-        mine = ours.get((peer.batch, SAME_KV.get(peer.kv, ""))) or next(
-            (r for (batch, _), r in ours.items() if batch == peer.batch), None
-        )
-        if mine is None:
-            continue
-        console.print(
-            f"mlx-infer / {peer.engine} ({peer.weights}, KV {peer.kv}) at batch {peer.batch}: "
-            f"prefill {mean(mine.prefill) / mean(peer.prefill):.2f}×, "
-            f"decode {mean(mine.decode) / mean(peer.decode):.2f}×"
-        )
+        # llama.cpp against the same KV type; mlx-lm (its own bfloat16 cache) against our first one;
+        # each of our activation kinds (the weights column) in turn
+        same = [r for r in ours if r.batch == peer.batch and r.kv == SAME_KV.get(peer.kv, "")]
+        for mine in same or [r for r in ours if r.batch == peer.batch][:1]:
+            console.print(
+                f"mlx-infer ({mine.weights}) / {peer.engine} ({peer.weights}, KV {peer.kv}) at batch "
+                f"{peer.batch}: prefill {mean(mine.prefill) / mean(peer.prefill):.2f}×, "
+                f"decode {mean(mine.decode) / mean(peer.decode):.2f}×"
+            )
 
 
 def _bound(r: Result, bandwidth: float) -> float:

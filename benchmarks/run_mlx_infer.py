@@ -19,7 +19,7 @@ import numpy as np
 from measure import Result
 from mlx.utils import tree_flatten
 
-from mlx_infer import blas
+from mlx_infer import blas, cpu_kernels
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.engine.runner import dtype_name, kv_bytes_per_token
 from mlx_infer.engine.scheduler import SchedulerConfig
@@ -61,11 +61,31 @@ def weights_label(model: nn.Module) -> str:
 
 def run(
     lm: LoadedModel, prompt_len: int, gen_len: int, repeats: int, batches: list[int], seed: int = 0,
-    kv_dtypes: tuple[str, ...] = ("auto",),
+    kv_dtypes: tuple[str, ...] = ("auto",), activations: tuple[str | None, ...] = (None,),
 ) -> list[Result]:
-    """Each KV cache dtype (``--kv-cache-dtype`` values) at each batch size."""
+    """Each CPU activation kind (``--cpu-activations`` values; None: the process's) with each KV cache
+    dtype (``--kv-cache-dtype`` values) at each batch size."""
+    results = []
+    initial = cpu_kernels.activations() if cpu_kernels.applies() else None
+    try:
+        for kind in activations:
+            if kind is not None:
+                cpu_kernels.set_activations(kind)
+            results += _run_kind(lm, prompt_len, gen_len, repeats, batches, seed, kv_dtypes)
+    finally:
+        if initial is not None and any(activations):
+            cpu_kernels.set_activations(initial.split("-")[0])  # "int8-avx512": the kind that chose it
+    return results
+
+
+def _run_kind(
+    lm: LoadedModel, prompt_len: int, gen_len: int, repeats: int, batches: list[int], seed: int,
+    kv_dtypes: tuple[str, ...],
+) -> list[Result]:
     weight_bytes = weight_bytes_per_step(lm.model)
     label = weights_label(lm.model)
+    if cpu_kernels.applies() and label.startswith("quantized"):
+        label += f", {cpu_kernels.activations()} x"
     rng = np.random.default_rng(seed)
     results = []
     for kv_dtype, b in ((kv, b) for kv in kv_dtypes for b in batches):

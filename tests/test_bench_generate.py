@@ -26,14 +26,19 @@ def test_bench_generate_smoke(smollm2_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "-m", str(smollm2_path), "-p", "16", "-n", "4", "-r", "2", "-b", "1,2",
-         "--kv-cache-dtype", "float16,int8", "--profile", "--json", str(out)],
+         "--kv-cache-dtype", "float16,int8", "--cpu-activations", "int16,int8", "--profile",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "decode bound" in proc.stdout and "MLX ops per decode step" in proc.stdout
     data = json.loads(out.read_text())
     assert data["machine"]["read_bandwidth_bytes_per_s"] > 1e8
-    rows = {(r["batch"], r["kv"]): r for r in data["results"] if r["engine"] == "mlx-infer"}
+    ours = [r for r in data["results"] if r["engine"] == "mlx-infer"]
+    # each activation kind named in the weights column, its rows in the same order as the other's
+    kinds = [r["weights"].split(", ")[-1] for r in ours]
+    assert kinds[:4] == ["int16 x"] * 4 and all(k.startswith("int8") and k.endswith(" x") for k in kinds[4:])
+    rows = {(r["batch"], r["kv"]): r for r in ours[:4]}
     assert sorted(rows) == [(1, "float16"), (1, "int8"), (2, "float16"), (2, "int8")]
     # int8 rows: 64 values and a float32 scale per KV head, against 128 bytes in float16
     assert rows[1, "int8"]["kv_bytes_per_token"] / rows[1, "float16"]["kv_bytes_per_token"] == 68 / 128
