@@ -19,7 +19,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_infer.engine.runner import activation_dtype
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.pages import allocate_pools, drop_blocks
@@ -31,10 +30,10 @@ class _DraftSequence:
 
 
 class DraftProposer:
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int):
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, kv_dtype: mx.Dtype):
         self.model = model
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.cache = allocate_pools(model, num_blocks, block_size, activation_dtype(model))
+        self.cache = allocate_pools(model, num_blocks, block_size, kv_dtype)
         self.sequences: dict[str, _DraftSequence] = {}
 
     def propose(self, requests: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:

@@ -173,7 +173,8 @@ class Engine:
         self.sequence_limit = min(self.max_context, self.pool_tokens)  # most tokens one sequence holds
         self.kv_dtype = dtype
         # Tests may put a proposer of their own in its place.
-        self.proposer = _make_proposer(self.config.speculative, draft_model, num_blocks, bs)
+        self.proposer = _make_proposer(self.config.speculative, draft_model, num_blocks, bs,
+                                       self.config.kv_cache_dtype)
         idle_release = self.config.kv_idle_release
         log.info(describe_pool(self.kv.pool, bs, self.kv_block_bytes, dtype_name(dtype), idle_release))
         if window is not None:
@@ -577,16 +578,20 @@ def hybrid_state(model: nn.Module, config: EngineConfig) -> tuple[int, int]:
 
 
 def _make_proposer(
-    config: SpeculativeConfig, draft_model: nn.Module | None, num_blocks: int, block_size: int
+    config: SpeculativeConfig, draft_model: nn.Module | None, num_blocks: int, block_size: int,
+    kv_cache_dtype: str,
 ) -> Proposer | None:
     """The configured proposer (None: speculation off); a draft model gets a pool as large as the
-    target's (in blocks: its sequences are as long), resident only where written (kv/pages.py)."""
+    target's (in blocks: its sequences are as long), resident only where written (kv/pages.py), of the
+    dtype ``--kv-cache-dtype`` gives the target: a draft equal to the target then computes what the
+    target's verification does, and a float16 default does not cost the draft twice the memory."""
     if config.method == "ngram":
         return NgramProposer(config.ngram_max, config.ngram_min)
     if config.method == "draft":
         if draft_model is None:
             raise InvalidRequest("--speculative draft needs --draft-model")
-        return DraftProposer(draft_model, num_blocks, block_size)
+        kv_dtype = kv_pool_dtype(kv_cache_dtype, activation_dtype(draft_model))
+        return DraftProposer(draft_model, num_blocks, block_size, kv_dtype)
     return None
 
 
