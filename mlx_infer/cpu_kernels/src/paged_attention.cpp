@@ -8,10 +8,15 @@
 // only on the token's own visible keys, so its output is the same bits whatever else the step holds
 // and however the work is shared: with enough tokens to keep the threads busy each token is one task
 // (its chunks in turn), with fewer (decoding a few sequences) each chunk is one.
+//
+// The passes over a KV head's rows (scores, weighted values) run in 512-bit vectors on CPUs with AVX-512
+// (paged_attention_avx512.cpp), in 256-bit ones here otherwise: the same sums in the same order, so the
+// same bits, which set_attention_vectors lets a test check.
 
 #include "paged_attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -19,6 +24,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "attention_avx512.h"
 #include "kv_format.h"
 #include "simd.h"
 #include "strided.h"
@@ -130,6 +136,45 @@ void value_heads(const uint8_t* const* v, const float* const* w, int n, int Dv, 
   for (; d < Dv; d += 8) weigh_values<K, RB, 1>(v, w, n, d, scale_at, out);
 }
 
+// Whether the CPU (and the compiler that built this) has the AVX-512 of paged_attention_avx512.cpp.
+bool has_avx512() {
+#ifdef MLX_INFER_HAVE_AVX512
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+// The vector width of the passes (bits), the widest this CPU has unless set_attention_vectors chose.
+std::atomic<int> g_vector_bits{has_avx512() ? 512 : 256};
+
+// Scores of `count` (1-3) query rows against the n key rows of one KV head (score_heads), in 512-bit
+// vectors when `wide`: the same bits either way.
+template <KVType K>
+void score_rows(bool wide, const float* const* q, int count, const uint8_t* const* rows, int n, int D, float scale,
+                float* const* s) {
+#ifdef MLX_INFER_HAVE_AVX512
+  if (wide) return attention_avx512::score_heads<K>(q, count, rows, n, D, scale, s);
+#endif
+  if (count == 3) score_heads<K, 3>(q, rows, n, D, scale, s);
+  if (count == 2) score_heads<K, 2>(q, rows, n, D, scale, s);
+  if (count == 1) score_heads<K, 1>(q, rows, n, D, scale, s);
+}
+
+// The weighted sums of the n value rows of one KV head for `count` (1-3) query rows (value_heads), in
+// 512-bit vectors when `wide`: the same bits either way.
+template <KVType K>
+void value_rows(bool wide, const uint8_t* const* v, const float* const* w, int count, int n, int Dv, int scale_at,
+                float* const* out) {
+#ifdef MLX_INFER_HAVE_AVX512
+  if (wide) return attention_avx512::value_heads<K>(v, w, count, n, Dv, scale_at, out);
+#endif
+  if (count == 3) value_heads<K, 3>(v, w, n, Dv, scale_at, out);
+  if (count == 2) value_heads<K, 2>(v, w, n, Dv, scale_at, out);
+  if (count == 1) value_heads<K, 1>(v, w, n, Dv, scale_at, out);
+}
+
 // The largest of x[0..n), n > 0, eight lanes at a time: a max is exact in any order, and the scalar
 // loop's chain of dependent maxima cost a tenth of a decode step's attention.
 inline float max_of(const float* x, int n) {
@@ -178,6 +223,7 @@ void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const in
   const int seq = p.token_seq[t0];
   const int rep = p.H / p.n_kv;
   const int keys = *std::max_element(n, n + g);
+  const bool wide = g_vector_bits.load(std::memory_order_relaxed) == 512;
   const size_t head_bytes = kv_head_bytes(K, p.D), v_head_bytes = kv_head_bytes(K, p.Dv_row);
   const size_t slot_bytes = static_cast<size_t>(p.n_kv) * head_bytes;  // one slot: every KV head
   const size_t v_slot_bytes = static_cast<size_t>(p.n_kv) * v_head_bytes;
@@ -216,9 +262,7 @@ void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const in
         qs[r] = p.q + static_cast<size_t>(t0 + j) * p.q_stride + static_cast<size_t>(h) * p.D;
         ss[r] = score_row(j, h);
       }
-      if (count == 3) score_heads<K, 3>(qs, head_rows, keys, p.D, p.scale, ss);
-      if (count == 2) score_heads<K, 2>(qs, head_rows, keys, p.D, p.scale, ss);
-      if (count == 1) score_heads<K, 1>(qs, head_rows, keys, p.D, p.scale, ss);
+      score_rows<K>(wide, qs, count, head_rows, keys, p.D, p.scale, ss);
     });
   }
   for (int i = 0; i < keys; ++i) {
@@ -263,9 +307,7 @@ void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const in
         ws[r] = score_row(j, h);
         outs[r] = at[j] + static_cast<size_t>(h) * p.Dv;
       }
-      if (count == 3) value_heads<K, 3>(head_rows, ws, keys, p.Dv, p.Dv_row, outs);
-      if (count == 2) value_heads<K, 2>(head_rows, ws, keys, p.Dv, p.Dv_row, outs);
-      if (count == 1) value_heads<K, 1>(head_rows, ws, keys, p.Dv, p.Dv_row, outs);
+      value_rows<K>(wide, head_rows, ws, count, keys, p.Dv, p.Dv_row, outs);
     });
   }
 }
@@ -404,6 +446,15 @@ void attend_by_chunk(const AttentionArgs& p, ThreadPool& threads) {
 }
 
 }  // namespace
+
+void set_attention_vectors(int bits) {
+  if (bits != 256 && !(bits == 512 && has_avx512())) {
+    throw std::invalid_argument("attention vectors must be 256 bits, or 512 where the CPU has AVX-512");
+  }
+  g_vector_bits.store(bits);
+}
+
+int attention_vectors() { return g_vector_bits.load(); }
 
 void attend_all(const AttentionArgs& args) {
   AttentionArgs p = args;
