@@ -4,21 +4,23 @@
 
 #include <cstdint>
 
+#include "fetch_ahead.h"
 #include "kv_format.h"
 
 namespace mlx_infer {
 namespace attention_avx512 {
 
-// s[r][i] = (q_r . k_i) * k_i's row scale * scale for count (1-3) query rows q and the n key rows.
+// s[r][i] = (q_r . k_i) * k_i's row scale * scale for count (1-3) query rows q and the n key rows, fetching
+// `ahead` as they go.
 template <KVType K>
 void score_heads(const float* const* q, int count, const uint8_t* const* rows, int n, int D, float scale,
-                 float* const* s);
+                 float* const* s, Ahead& ahead);
 
 // out[r][0..Dv) = sum_i w[r][i] * v_i[0..Dv) (int8 rows times their scale, found at scale_at) for count
-// (1-3) query rows.
+// (1-3) query rows, fetching `ahead` as they go.
 template <KVType K>
 void value_heads(const uint8_t* const* v, const float* const* w, int count, int n, int Dv, int scale_at,
-                 float* const* out);
+                 float* const* out, Ahead& ahead);
 
 }  // namespace attention_avx512
 }  // namespace mlx_infer

@@ -121,7 +121,8 @@ inline __m512 sum16(const __m512 (&z)[4]) {
 // Scores of keys k[0..n) (1 <= n <= 16) against RB query rows: s[r][i] = (q_r . k_i) * row scale * scale.
 // Four keys a step; a last step short of four repeats its last key, whose extra scores are not stored.
 template <KVType K, int RB>
-void score16(const float* const* q, const uint8_t* const* k, int n, int D, float scale, float* const* s) {
+void score16(const float* const* q, const uint8_t* const* k, int n, int D, float scale, float* const* s,
+             Ahead& ahead) {
   __m512 z[RB][4];
   for (int g = 0; g < 4; ++g) {
     if (4 * g >= n) {
@@ -132,6 +133,7 @@ void score16(const float* const* q, const uint8_t* const* k, int n, int D, float
     for (int i = 0; i < 4; ++i) keys[i] = k[std::min(4 * g + i, n - 1)];
     __m512 acc[4][RB];
     dot4<K, RB>(q, keys, D, acc);
+    fetch_ahead(ahead, kScoreStepLines);
     for (int r = 0; r < RB; ++r) z[r][g] = fold4(acc[0][r], acc[1][r], acc[2][r], acc[3][r]);
   }
   __m512 factor = _mm512_set1_ps(1.0f);
@@ -149,11 +151,12 @@ void score16(const float* const* q, const uint8_t* const* k, int n, int D, float
 }
 
 template <KVType K, int RB>
-void score_rows(const float* const* q, const uint8_t* const* rows, int n, int D, float scale, float* const* s) {
+void score_rows(const float* const* q, const uint8_t* const* rows, int n, int D, float scale, float* const* s,
+                Ahead& ahead) {
   for (int i = 0; i < n; i += 16) {
     float* at[RB];
     for (int r = 0; r < RB; ++r) at[r] = s[r] + i;
-    score16<K, RB>(q, rows + i, std::min(16, n - i), D, scale, at);
+    score16<K, RB>(q, rows + i, std::min(16, n - i), D, scale, at, ahead);
   }
 }
 
@@ -161,7 +164,7 @@ void score_rows(const float* const* q, const uint8_t* const* rows, int n, int D,
 // rows' last eight values).
 template <KVType K, int RB, int DB, bool Low8 = false>
 inline void weigh_values(const uint8_t* const* v, const float* const* w, int n, int d, int scale_at,
-                         float* const* out) {
+                         float* const* out, Ahead& ahead) {
   __m512 acc[RB][DB];
   for (int r = 0; r < RB; ++r)
     for (int b = 0; b < DB; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -173,40 +176,44 @@ inline void weigh_values(const uint8_t* const* v, const float* const* w, int n, 
       const __m512 wv = _mm512_set1_ps(w[r][i] * row);
       for (int b = 0; b < DB; ++b) acc[r][b] = _mm512_fmadd_ps(vv[b], wv, acc[r][b]);
     }
+    fetch_ahead(ahead, kValueStepLines);
   }
   for (int r = 0; r < RB; ++r)
     for (int b = 0; b < DB; ++b) _mm512_mask_storeu_ps(out[r] + d + 16 * b, Low8 ? 0xff : 0xffff, acc[r][b]);
 }
 
 template <KVType K, int RB>
-void value_rows(const uint8_t* const* v, const float* const* w, int n, int Dv, int scale_at, float* const* out) {
+void value_rows(const uint8_t* const* v, const float* const* w, int n, int Dv, int scale_at, float* const* out,
+                Ahead& ahead) {
   int d = 0;
-  for (; d + 64 <= Dv; d += 64) weigh_values<K, RB, 4>(v, w, n, d, scale_at, out);
-  for (; d + 16 <= Dv; d += 16) weigh_values<K, RB, 1>(v, w, n, d, scale_at, out);
-  if (d < Dv) weigh_values<K, RB, 1, true>(v, w, n, d, scale_at, out);
+  for (; d + 64 <= Dv; d += 64) weigh_values<K, RB, 4>(v, w, n, d, scale_at, out, ahead);
+  for (; d + 16 <= Dv; d += 16) weigh_values<K, RB, 1>(v, w, n, d, scale_at, out, ahead);
+  if (d < Dv) weigh_values<K, RB, 1, true>(v, w, n, d, scale_at, out, ahead);
 }
 
 }  // namespace
 
 template <KVType K>
 void score_heads(const float* const* q, int count, const uint8_t* const* rows, int n, int D, float scale,
-                 float* const* s) {
-  if (count == 3) score_rows<K, 3>(q, rows, n, D, scale, s);
-  if (count == 2) score_rows<K, 2>(q, rows, n, D, scale, s);
-  if (count == 1) score_rows<K, 1>(q, rows, n, D, scale, s);
+                 float* const* s, Ahead& ahead) {
+  if (count == 3) score_rows<K, 3>(q, rows, n, D, scale, s, ahead);
+  if (count == 2) score_rows<K, 2>(q, rows, n, D, scale, s, ahead);
+  if (count == 1) score_rows<K, 1>(q, rows, n, D, scale, s, ahead);
 }
 
 template <KVType K>
 void value_heads(const uint8_t* const* v, const float* const* w, int count, int n, int Dv, int scale_at,
-                 float* const* out) {
-  if (count == 3) value_rows<K, 3>(v, w, n, Dv, scale_at, out);
-  if (count == 2) value_rows<K, 2>(v, w, n, Dv, scale_at, out);
-  if (count == 1) value_rows<K, 1>(v, w, n, Dv, scale_at, out);
+                 float* const* out, Ahead& ahead) {
+  if (count == 3) value_rows<K, 3>(v, w, n, Dv, scale_at, out, ahead);
+  if (count == 2) value_rows<K, 2>(v, w, n, Dv, scale_at, out, ahead);
+  if (count == 1) value_rows<K, 1>(v, w, n, Dv, scale_at, out, ahead);
 }
 
 #define MLX_INFER_ATTENTION_PASSES(K)                                                                           \
-  template void score_heads<K>(const float* const*, int, const uint8_t* const*, int, int, float, float* const*); \
-  template void value_heads<K>(const uint8_t* const*, const float* const*, int, int, int, int, float* const*);
+  template void score_heads<K>(const float* const*, int, const uint8_t* const*, int, int, float, float* const*, \
+                               Ahead&);                                                                       \
+  template void value_heads<K>(const uint8_t* const*, const float* const*, int, int, int, int, float* const*,   \
+                               Ahead&);
 MLX_INFER_ATTENTION_PASSES(KVType::f32)
 MLX_INFER_ATTENTION_PASSES(KVType::f16)
 MLX_INFER_ATTENTION_PASSES(KVType::bf16)
