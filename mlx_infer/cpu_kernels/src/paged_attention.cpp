@@ -394,15 +394,28 @@ Ahead rows_to_fetch(const AttentionArgs& p, int seq, int first, int n, std::vect
   return {runs.data(), static_cast<int>(runs.size())};
 }
 
-// Chunk c of a group: each token's own keys of it, its partial result at at[j]. Chunk c + 1's rows are
-// fetched meanwhile; `fetched`: chunk c's were, during chunk c - 1 just before.
-void attend_chunk(const AttentionArgs& p, const Group& group, int c, bool fetched, Scratch& scratch,
-                  float* const* at) {
+// Chunk c of a group (group null: no chunk), as a task names the one it computes next.
+struct ChunkRef {
+  const Group* group = nullptr;
+  int c = 0;
+};
+
+// The rows of chunk `next` to fetch.
+Ahead rows_of_chunk(const AttentionArgs& p, ChunkRef next, std::vector<Ahead::Run>& runs) {
+  if (next.group == nullptr) return {};
+  int n[kGroupTokens];
+  const int keys = keys_of_chunk(p, *next.group, next.c, n);
+  return rows_to_fetch(p, p.token_seq[next.group->t0], next.group->lo + next.c * kChunkKeys, keys, runs);
+}
+
+// Chunk c of a group: each token's own keys of it, its partial result at at[j]. The rows of the chunk
+// the task computes next are fetched meanwhile; `fetched`: chunk c's were, by the chunk just before.
+void attend_chunk(const AttentionArgs& p, const Group& group, int c, bool fetched, ChunkRef next,
+                  Scratch& scratch, float* const* at) {
   const int first_key = group.lo + c * kChunkKeys;
-  int n[kGroupTokens], next[kGroupTokens];
+  int n[kGroupTokens];
   keys_of_chunk(p, group, c, n);
-  const int next_keys = keys_of_chunk(p, group, c + 1, next);
-  Ahead ahead = rows_to_fetch(p, p.token_seq[group.t0], first_key + kChunkKeys, next_keys, scratch.ahead);
+  Ahead ahead = rows_of_chunk(p, next, scratch.ahead);
   switch (p.kv_type) {
     case KVType::f32:
       attend_group<KVType::f32>(p, group.t0, group.g, first_key, n, fetched, ahead, scratch, at);
@@ -451,15 +464,16 @@ std::vector<int> first_chunks(const AttentionArgs& p, int t0, int t1) {
 }
 
 // Chunk c of a group, its tokens' partial results in `partial` (laid out by `first`, from the group's
-// first token): a token without a chunk c gets no place (attend_group skips it). `fetched`: as attend_chunk's.
-void attend_group_chunk(const AttentionArgs& p, const Group& group, int c, bool fetched, const int* first,
-                        float* partial, Scratch& scratch) {
+// first token): a token without a chunk c gets no place (attend_group skips it). `fetched`, `next`: as
+// attend_chunk's.
+void attend_group_chunk(const AttentionArgs& p, const Group& group, int c, bool fetched, ChunkRef next,
+                        const int* first, float* partial, Scratch& scratch) {
   float* at[kGroupTokens];
   for (int j = 0; j < group.g; ++j) {
     const bool has = first[j] + c < first[j + 1];
     at[j] = has ? partial + static_cast<size_t>(first[j] + c) * partial_size(p) : nullptr;
   }
-  attend_chunk(p, group, c, fetched, scratch, at);
+  attend_chunk(p, group, c, fetched, next, scratch, at);
 }
 
 // Each group one task: its chunks in turn into the task's own buffer, then its tokens merged.
@@ -473,7 +487,10 @@ void attend_by_group(const AttentionArgs& p, ThreadPool& threads) {
       const std::vector<int> first = first_chunks(p, group.t0, group.t0 + group.g);
       partial.resize(static_cast<size_t>(first.back()) * partial_size(p));
       for (int c = 0; c < group.chunks; ++c) {
-        attend_group_chunk(p, group, c, c > 0, first.data(), partial.data(), scratch);
+        const ChunkRef next = c + 1 < group.chunks ? ChunkRef{&group, c + 1}
+                              : i + 1 < end        ? ChunkRef{&groups[i + 1], 0}
+                                                   : ChunkRef{};
+        attend_group_chunk(p, group, c, i > begin || c > 0, next, first.data(), partial.data(), scratch);
       }
       for (int j = 0; j < group.g; ++j) {
         merge(p, group.t0 + j, partial.data() + static_cast<size_t>(first[j]) * partial_size(p), first[j + 1] - first[j]);
@@ -491,11 +508,15 @@ void attend_by_chunk(const AttentionArgs& p, ThreadPool& threads) {
   std::vector<float> partial(static_cast<size_t>(first[p.T]) * partial_size(p));
   threads.for_range(items.back(), 1, [&](int begin, int end) {
     Scratch scratch;
-    for (int item = begin; item < end; ++item) {
+    auto chunk = [&](int item) {
       const size_t i = std::upper_bound(items.begin(), items.end(), item) - items.begin() - 1;
-      const Group& group = groups[i];
-      const int c = item - items[i];
-      attend_group_chunk(p, group, c, c > 0 && item > begin, first.data() + group.t0, partial.data(), scratch);
+      return ChunkRef{&groups[i], item - items[i]};
+    };
+    for (int item = begin; item < end; ++item) {
+      const ChunkRef at = chunk(item);
+      const ChunkRef next = item + 1 < end ? chunk(item + 1) : ChunkRef{};
+      attend_group_chunk(p, *at.group, at.c, item > begin, next, first.data() + at.group->t0, partial.data(),
+                         scratch);
     }
   });
   for (int t = 0; t < p.T; ++t) {
