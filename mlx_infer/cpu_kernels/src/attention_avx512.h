@@ -22,5 +22,8 @@ template <KVType K>
 void value_heads(const uint8_t* const* v, const float* const* w, int count, int n, int Dv, int scale_at,
                  float* const* out, Ahead& ahead);
 
+// row[0..n) = exp(row[i] - m), returning their sum, as paged_attention.cpp's exp_row computes them.
+float exp_row(float* row, int n, float m);
+
 }  // namespace attention_avx512
 }  // namespace mlx_infer

@@ -184,6 +184,33 @@ void value_rows(bool wide, const uint8_t* const* v, const float* const* w, int c
   if (count == 1) value_heads<K, 1>(v, w, n, Dv, scale_at, out, ahead);
 }
 
+// row[0..n) = exp(row[i] - m), returning their sum: eight values at a time, each lane's sum added as
+// hsum adds them, then the last n % 8 one by one.
+float exp_row(float* row, int n, float m) {
+  const __m256 vmax = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), vmax));
+    _mm256_storeu_ps(row + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = hsum(total);
+  for (; i < n; ++i) {
+    row[i] = std::exp(row[i] - m);
+    sum += row[i];
+  }
+  return sum;
+}
+
+// exp_row in 512-bit vectors when `wide`: the same bits either way.
+float exponentiate(bool wide, float* row, int n, float m) {
+#ifdef MLX_INFER_HAVE_AVX512
+  if (wide) return attention_avx512::exp_row(row, n, m);
+#endif
+  return exp_row(row, n, m);
+}
+
 // The largest of x[0..n), n > 0, eight lanes at a time: a max is exact in any order, and the scalar
 // loop's chain of dependent maxima cost a tenth of a decode step's attention.
 inline float max_of(const float* x, int n) {
@@ -295,22 +322,9 @@ void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const in
         for (int i = 0; i < mine; ++i) row[i] = std::tanh(row[i] / p.softcap) * p.softcap;
       }
       const float m = max_of(row, mine);
-      const __m256 vmax = _mm256_set1_ps(m);
-      __m256 vtotal = _mm256_setzero_ps();
-      int i = 0;
-      for (; i + 8 <= mine; i += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), vmax));
-        _mm256_storeu_ps(row + i, e);
-        vtotal = _mm256_add_ps(vtotal, e);
-      }
-      float sum = hsum(vtotal);
-      for (; i < mine; ++i) {
-        row[i] = std::exp(row[i] - m);
-        sum += row[i];
-      }
+      total[h] = exponentiate(wide, row, mine, m);
       std::fill(row + mine, row + keys, 0.0f);  // keys this token does not see
       max_score[h] = m;
-      total[h] = sum;
     }
   }
   for (int kv = 0; kv < p.n_kv; ++kv) {

@@ -9,13 +9,17 @@
 // 256-bit kernel reduces four keys a row in 128-bit steps. A query row is one vector of 16 values.
 // Values: each output lane is the same chain of multiply-adds over the keys as in 256 bits, a vector
 // covering 16 of a row's values, so a 64-value row takes one pass over the keys instead of four.
+// The softmax's exponentials: exp8's operations lane for lane, 16 lanes at a time, whose halves are
+// added to the 256-bit kernel's eight running sums in turn.
 //
 // Only KVType is taken from kv_format.h: its inline helpers compiled here with AVX-512 could be the copy
-// the 256-bit code links to, so this file has its own loads.
+// the 256-bit code links to, so this file has its own loads (simd.h's helpers, hsum here, are each
+// file's own).
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -191,7 +195,48 @@ void value_rows(const uint8_t* const* v, const float* const* w, int n, int Dv, i
   if (d < Dv) weigh_values<K, RB, 1, true>(v, w, n, d, scale_at, out, ahead);
 }
 
+// exp8 (simd.h) of 16 floats: the same operations lane for lane, so the same bits.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
+}
+
 }  // namespace
+
+float exp_row(float* row, int n, float m) {
+  const __m512 vmax = _mm512_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i), vmax));
+    _mm512_storeu_ps(row + i, e);
+    total = _mm256_add_ps(_mm256_add_ps(total, _mm512_castps512_ps256(e)), _mm512_extractf32x8_ps(e, 1));
+  }
+  if (i + 8 <= n) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(0xff, row + i), vmax));
+    _mm512_mask_storeu_ps(row + i, 0xff, e);
+    total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+    i += 8;
+  }
+  float sum = hsum(total);
+  for (; i < n; ++i) {
+    row[i] = std::exp(row[i] - m);
+    sum += row[i];
+  }
+  return sum;
+}
 
 template <KVType K>
 void score_heads(const float* const* q, int count, const uint8_t* const* rows, int n, int D, float scale,
