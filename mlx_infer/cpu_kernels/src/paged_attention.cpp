@@ -276,12 +276,16 @@ void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const in
   const uint8_t** krows = scratch.rows.data();
   const uint8_t** vrows = krows + keys;
   const uint8_t** head_rows = vrows + keys;
-  for (int i = 0; i < keys; ++i) {
-    const size_t slot = slot_of(p, table, first_key + i);
-    krows[i] = p.keys + slot * slot_bytes;
-    vrows[i] = p.values + slot * v_slot_bytes;
-    if (fetched) continue;
-    for (size_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(krows[i]) + b, _MM_HINT_T0);
+  for (int i = 0; i < keys;) {  // a block at a time, its slots consecutive: a division a block, not a key
+    const int j = first_key + i;
+    size_t slot = slot_of(p, table, j);
+    for (const int end = std::min(keys, i + p.block_size - j % p.block_size); i < end; ++i, ++slot) {
+      krows[i] = p.keys + slot * slot_bytes;
+      vrows[i] = p.values + slot * v_slot_bytes;
+      if (fetched) continue;
+      const char* row = reinterpret_cast<const char*>(krows[i]);
+      for (size_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
   }
   // The query rows of KV head kv: (token j, head kv * rep + r) for the tokens taking part.
   std::vector<int>& tokens = scratch.tokens;
