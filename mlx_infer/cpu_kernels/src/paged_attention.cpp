@@ -9,10 +9,11 @@
 // and however the work is shared: with enough tokens to keep the threads busy each token is one task
 // (its chunks in turn), with fewer (decoding a few sequences) each chunk is one.
 //
-// The passes over a KV head's rows (scores, weighted values) run in 512-bit vectors on CPUs with AVX-512
-// (paged_attention_avx512.cpp), in 256-bit ones here otherwise: the same sums in the same order, so the
-// same bits, which set_attention_vectors lets a test check. As they go they fetch the next chunk's K/V
-// rows into L2 (fetch_ahead.h), so a token's chunks after its first find their rows there.
+// The passes over a KV head's rows (scores, weighted values) and the softmax's exponentials run in
+// 512-bit vectors on CPUs with AVX-512 (paged_attention_avx512.cpp), in 256-bit ones here otherwise: the
+// same operations in the same order, so the same bits, which set_attention_vectors lets a test check.
+// As they go the passes fetch the K/V rows of the chunk their task computes next into L2
+// (fetch_ahead.h), so only a task's first chunk waits for its own.
 
 #include "paged_attention.h"
 
