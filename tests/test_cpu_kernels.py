@@ -458,7 +458,8 @@ def test_paged_attention_vector_widths_give_the_same_bits(native, dtype, n_heads
     if native.attention_vectors() != 512:
         pytest.skip("this CPU has no AVX-512")
     shapes = [(0, 1), (14, 1), (17, 1), (63, 1), (130, 1), (299, 1), (20, 9)]
-    tables, keys, values, q = _attention_step(shapes, n_heads, n_kv, head_dim, np.random.default_rng(head_dim))
+    rng = np.random.default_rng(head_dim)
+    tables, keys, values, q = _attention_step(shapes, n_heads, n_kv, head_dim, rng)
     keys, values = pool_rows(keys, dtype), pool_rows(values, dtype)
     if value_dim:
         values = keys  # the latent rows serve as both
