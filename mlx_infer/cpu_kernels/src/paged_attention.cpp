@@ -149,6 +149,7 @@ void value_heads(const uint8_t* const* v, const float* const* w, int n, int Dv, 
 // Whether the CPU (and the compiler that built this) has the AVX-512 of paged_attention_avx512.cpp.
 bool has_avx512() {
 #ifdef MLX_INFER_HAVE_AVX512
+  __builtin_cpu_init();  // called from a static initializer, which may run before libgcc's
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 #else
