@@ -16,6 +16,7 @@ from mlx_infer.cpu_kernels import build
 from mlx_infer.distributed import launch
 from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
+from mlx_infer.interface.kv import pool_rows
 from mlx_infer.loading import load
 from mlx_infer.sampling import SamplingParams
 
@@ -458,6 +459,35 @@ def test_paged_attention_sinks_take_weight_from_the_keys(native):
     high = np.array(cpu_kernels.paged_attention(q, keys, values, meta, 0.2, sinks=mx.array([40.0, 0.0])))
     np.testing.assert_array_equal(low, plain)
     assert np.abs(high[:, 0]).max() < 1e-6 and np.abs(high[:, 1] - plain[:, 1]).max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.int8])
+@pytest.mark.parametrize("n_heads,n_kv,head_dim,value_dim", [(9, 3, 64, 0), (4, 2, 72, 0), (2, 1, 80, 0),
+                                                              (8, 8, 128, 0), (4, 1, 96, 40)])
+def test_paged_attention_vector_widths_give_the_same_bits(native, dtype, n_heads, n_kv, head_dim, value_dim):
+    """The 512-bit passes (where this CPU has AVX-512) and the 256-bit ones compute every output bit for
+    bit alike: head dims with 8 values past a multiple of 16, 1-3 query rows a KV head, decodes whose
+    last chunk holds 1-15 keys, a prefill group, and MLA's values as the first value_dim of the rows."""
+    if native.attention_vectors() != 512:
+        pytest.skip("this CPU has no AVX-512")
+    shapes = [(0, 1), (14, 1), (17, 1), (63, 1), (130, 1), (299, 1), (20, 9)]
+    rng = np.random.default_rng(head_dim)
+    tables, keys, values, q = _attention_step(shapes, n_heads, n_kv, head_dim, rng)
+    keys, values = pool_rows(keys, dtype), pool_rows(values, dtype)
+    if value_dim:
+        values = keys  # the latent rows serve as both
+    meta = build_metadata([SequenceSlice(table, c, n) for table, (c, n) in zip(tables, shapes)], 16)
+    outs = {}
+    for bits in (512, 256):
+        native.set_attention_vectors(bits)
+        try:
+            outs[bits] = np.array(cpu_kernels.paged_attention(q, keys, values, meta, head_dim**-0.5,
+                                                              value_dim=value_dim))
+        finally:
+            native.set_attention_vectors(512)
+    np.testing.assert_array_equal(outs[512], outs[256])
+    with pytest.raises(ValueError, match="256 bits"):
+        native.set_attention_vectors(128)
 
 
 @pytest.mark.parametrize("window", [None, 100])

@@ -31,6 +31,8 @@ NB_MODULE(_cpu_kernels, m) {
         "lengths"_a.none() = nb::none());
   m.def("rms_norm", &mlx_infer::rms_norm, "x"_a, "weight"_a, "eps"_a, "offset"_a);
   m.def("rope", &mlx_infer::rope, "x"_a, "cos"_a, "sin"_a, "dims"_a);
+  m.def("set_attention_vectors", &mlx_infer::set_attention_vectors, "bits"_a);
+  m.def("attention_vectors", &mlx_infer::attention_vectors);
   m.def("paged_attention", &mlx_infer::paged_attention, "q"_a, "key_pool"_a, "value_pool"_a, "block_tables"_a,
         "context_lens"_a, "positions"_a, "token_seq"_a, "block_size"_a, "scale"_a, "window"_a, "softcap"_a,
         "sinks"_a.none() = nb::none(), "value_dim"_a = 0);

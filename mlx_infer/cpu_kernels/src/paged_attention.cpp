@@ -8,17 +8,27 @@
 // only on the token's own visible keys, so its output is the same bits whatever else the step holds
 // and however the work is shared: with enough tokens to keep the threads busy each token is one task
 // (its chunks in turn), with fewer (decoding a few sequences) each chunk is one.
+//
+// The passes over a KV head's rows (scores, weighted values) and the softmax's exponentials run in
+// 512-bit vectors on CPUs with AVX-512 (paged_attention_avx512.cpp), in 256-bit ones here otherwise: the
+// same operations in the same order, so the same bits, which set_attention_vectors lets a test check.
+// As they go the passes fetch the K/V rows of the chunk their task computes next into L2
+// (fetch_ahead.h), so only a task's first chunk waits for its own.
 
 #include "paged_attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "attention_avx512.h"
+#include "fetch_ahead.h"
 #include "kv_format.h"
 #include "simd.h"
 #include "strided.h"
@@ -96,9 +106,13 @@ inline void score_keys(const float* const* q, const uint8_t* const* k, int D, fl
 
 // Scores of the n keys `rows` (each at this KV head's row) against RB query rows: four keys a step.
 template <KVType K, int RB>
-void score_heads(const float* const* q, const uint8_t* const* rows, int n, int D, float scale, float* const* s) {
+void score_heads(const float* const* q, const uint8_t* const* rows, int n, int D, float scale, float* const* s,
+                 Ahead& ahead) {
   int i = 0;
-  for (; i + 4 <= n; i += 4) score_keys<K, 4, RB>(q, rows + i, D, scale, s, i);
+  for (; i + 4 <= n; i += 4) {
+    score_keys<K, 4, RB>(q, rows + i, D, scale, s, i);
+    fetch_ahead(ahead, kScoreStepLines);
+  }
   for (; i < n; ++i) score_keys<K, 1, RB>(q, rows + i, D, scale, s, i);
 }
 
@@ -106,7 +120,7 @@ void score_heads(const float* const* q, const uint8_t* const* rows, int n, int D
 // over all n keys, each value vector converted once for every row.
 template <KVType K, int RB, int DB>
 inline void weigh_values(const uint8_t* const* v, const float* const* w, int n, int d, int scale_at,
-                         float* const* out) {
+                         float* const* out, Ahead& ahead) {
   __m256 acc[RB][DB];
   for (int r = 0; r < RB; ++r)
     for (int b = 0; b < DB; ++b) acc[r][b] = _mm256_setzero_ps();
@@ -118,16 +132,101 @@ inline void weigh_values(const uint8_t* const* v, const float* const* w, int n, 
       const __m256 wv = _mm256_set1_ps(w[r][i] * row);
       for (int b = 0; b < DB; ++b) acc[r][b] = _mm256_fmadd_ps(vv[b], wv, acc[r][b]);
     }
+    fetch_ahead(ahead, kValueStepLines);
   }
   for (int r = 0; r < RB; ++r)
     for (int b = 0; b < DB; ++b) _mm256_storeu_ps(out[r] + d + 8 * b, acc[r][b]);
 }
 
 template <KVType K, int RB>
-void value_heads(const uint8_t* const* v, const float* const* w, int n, int Dv, int scale_at, float* const* out) {
+void value_heads(const uint8_t* const* v, const float* const* w, int n, int Dv, int scale_at, float* const* out,
+                 Ahead& ahead) {
   int d = 0;
-  for (; d + 16 <= Dv; d += 16) weigh_values<K, RB, 2>(v, w, n, d, scale_at, out);
-  for (; d < Dv; d += 8) weigh_values<K, RB, 1>(v, w, n, d, scale_at, out);
+  for (; d + 16 <= Dv; d += 16) weigh_values<K, RB, 2>(v, w, n, d, scale_at, out, ahead);
+  for (; d < Dv; d += 8) weigh_values<K, RB, 1>(v, w, n, d, scale_at, out, ahead);
+}
+
+// Whether the CPU (and the compiler that built this) has the AVX-512 of paged_attention_avx512.cpp.
+bool has_avx512() {
+#ifdef MLX_INFER_HAVE_AVX512
+  __builtin_cpu_init();  // called from a static initializer, which may run before libgcc's
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+// The vector width of the passes (bits), the widest this CPU has unless set_attention_vectors chose.
+std::atomic<int> g_vector_bits{has_avx512() ? 512 : 256};
+
+// Scores of `count` (1-3) query rows against the n key rows of one KV head (score_heads), in 512-bit
+// vectors when `wide`: the same bits either way.
+template <KVType K>
+void score_rows(bool wide, const float* const* q, int count, const uint8_t* const* rows, int n, int D, float scale,
+                float* const* s, Ahead& ahead) {
+#ifdef MLX_INFER_HAVE_AVX512
+  if (wide) return attention_avx512::score_heads<K>(q, count, rows, n, D, scale, s, ahead);
+#endif
+  if (count == 3) score_heads<K, 3>(q, rows, n, D, scale, s, ahead);
+  if (count == 2) score_heads<K, 2>(q, rows, n, D, scale, s, ahead);
+  if (count == 1) score_heads<K, 1>(q, rows, n, D, scale, s, ahead);
+}
+
+// The weighted sums of the n value rows of one KV head for `count` (1-3) query rows (value_heads), in
+// 512-bit vectors when `wide`: the same bits either way.
+template <KVType K>
+void value_rows(bool wide, const uint8_t* const* v, const float* const* w, int count, int n, int Dv, int scale_at,
+                float* const* out, Ahead& ahead) {
+#ifdef MLX_INFER_HAVE_AVX512
+  if (wide) return attention_avx512::value_heads<K>(v, w, count, n, Dv, scale_at, out, ahead);
+#endif
+  if (count == 3) value_heads<K, 3>(v, w, n, Dv, scale_at, out, ahead);
+  if (count == 2) value_heads<K, 2>(v, w, n, Dv, scale_at, out, ahead);
+  if (count == 1) value_heads<K, 1>(v, w, n, Dv, scale_at, out, ahead);
+}
+
+// row[0..n) = exp(row[i] - m), returning their sum: eight values at a time, each lane's sum added as
+// hsum adds them, then the last n % 8 one by one.
+float exp_row(float* row, int n, float m) {
+  const __m256 vmax = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), vmax));
+    _mm256_storeu_ps(row + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = hsum(total);
+  for (; i < n; ++i) {
+    row[i] = std::exp(row[i] - m);
+    sum += row[i];
+  }
+  return sum;
+}
+
+// exp_row in 512-bit vectors when `wide`: the same bits either way.
+float exponentiate(bool wide, float* row, int n, float m) {
+#ifdef MLX_INFER_HAVE_AVX512
+  if (wide) return attention_avx512::exp_row(row, n, m);
+#endif
+  return exp_row(row, n, m);
+}
+
+// The largest of x[0..n), n > 0, eight lanes at a time: a max is exact in any order, and the scalar
+// loop's chain of dependent maxima cost a tenth of a decode step's attention.
+inline float max_of(const float* x, int n) {
+  int i = 0;
+  float m = x[0];
+  if (n >= 8) {
+    __m256 v = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
 }
 
 // Each worker's scratch for attend_group: scores [tokens, H, keys], the chunk's row pointers and the
@@ -136,7 +235,13 @@ struct Scratch {
   std::vector<float> scores;
   std::vector<const uint8_t*> rows;
   std::vector<int> tokens;
+  std::vector<Ahead::Run> ahead;  // the next chunk's rows, fetched during this one
 };
+
+// Where key j of the sequence whose block table is `table` lies in the pools.
+size_t slot_of(const AttentionArgs& p, const int32_t* table, int j) {
+  return static_cast<size_t>(table[j / p.block_size]) * p.block_size + j % p.block_size;
+}
 
 // Query rows of one KV head, taken three at a time (the registers of score_keys' 4 x 3 sums and
 // weigh_values' 3 x 2 outputs): f(count, first) over [0, rows).
@@ -147,21 +252,23 @@ void in_threes(int rows, F&& f) {
 
 // One chunk of keys for a group of g tokens of one sequence that share their first visible key: token
 // j sees the chunk's first n[j] keys (0: none, it takes no part). The keys' slots are looked up once
-// through the block table and prefetched (the blocks are scattered, which the hardware prefetcher does
-// not follow), and each K/V row is read from memory once for the whole group: a verification's k + 1
-// tokens, or a prefill's, attend over the same keys. Per KV head, the GQA query heads of every token
-// share each K/V row conversion (score_keys, weigh_values).
+// through the block table; the passes fetch `ahead` (the next chunk's rows) into L2 as they go, and
+// unless this chunk's rows were so `fetched` they are prefetched here (the blocks are scattered, which
+// the hardware prefetcher does not follow). Each K/V row is read from memory once for the whole group:
+// a verification's k + 1 tokens, or a prefill's, attend over the same keys. Per KV head, the GQA query
+// heads of every token share each K/V row conversion (score_keys, weigh_values).
 // A token's results are the same bits as if it were alone: its scores are computed key by key in a
 // fixed order, its softmax runs over its own n[j] keys, and the keys past them weigh 0 in the values.
 // Writes, at at[j], out[h] = sum_i exp(s_hi - max_h) v_i (unnormalized), max_h, and total_h =
 // sum_i exp(s_hi - max_h). K is the pools' row type: half and int8 rows are converted as they are read,
 // int8 scales applied to the dot product and the softmax weight.
 template <KVType K>
-void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const int* n, Scratch& scratch,
-                  float* const* at) {
+void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const int* n, bool fetched, Ahead& ahead,
+                  Scratch& scratch, float* const* at) {
   const int seq = p.token_seq[t0];
   const int rep = p.H / p.n_kv;
   const int keys = *std::max_element(n, n + g);
+  const bool wide = g_vector_bits.load(std::memory_order_relaxed) == 512;
   const size_t head_bytes = kv_head_bytes(K, p.D), v_head_bytes = kv_head_bytes(K, p.Dv_row);
   const size_t slot_bytes = static_cast<size_t>(p.n_kv) * head_bytes;  // one slot: every KV head
   const size_t v_slot_bytes = static_cast<size_t>(p.n_kv) * v_head_bytes;
@@ -171,12 +278,16 @@ void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const in
   const uint8_t** krows = scratch.rows.data();
   const uint8_t** vrows = krows + keys;
   const uint8_t** head_rows = vrows + keys;
-  for (int i = 0; i < keys; ++i) {
+  for (int i = 0; i < keys;) {  // a block at a time, its slots consecutive: a division a block, not a key
     const int j = first_key + i;
-    const size_t slot = static_cast<size_t>(table[j / p.block_size]) * p.block_size + j % p.block_size;
-    krows[i] = p.keys + slot * slot_bytes;
-    vrows[i] = p.values + slot * v_slot_bytes;
-    for (size_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(krows[i]) + b, _MM_HINT_T0);
+    size_t slot = slot_of(p, table, j);
+    for (const int end = std::min(keys, i + p.block_size - j % p.block_size); i < end; ++i, ++slot) {
+      krows[i] = p.keys + slot * slot_bytes;
+      vrows[i] = p.values + slot * v_slot_bytes;
+      if (fetched) continue;
+      const char* row = reinterpret_cast<const char*>(krows[i]);
+      for (size_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
   }
   // The query rows of KV head kv: (token j, head kv * rep + r) for the tokens taking part.
   std::vector<int>& tokens = scratch.tokens;
@@ -200,12 +311,10 @@ void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const in
         qs[r] = p.q + static_cast<size_t>(t0 + j) * p.q_stride + static_cast<size_t>(h) * p.D;
         ss[r] = score_row(j, h);
       }
-      if (count == 3) score_heads<K, 3>(qs, head_rows, keys, p.D, p.scale, ss);
-      if (count == 2) score_heads<K, 2>(qs, head_rows, keys, p.D, p.scale, ss);
-      if (count == 1) score_heads<K, 1>(qs, head_rows, keys, p.D, p.scale, ss);
+      score_rows<K>(wide, qs, count, head_rows, keys, p.D, p.scale, ss, ahead);
     });
   }
-  for (int i = 0; i < keys; ++i) {
+  for (int i = 0; i < keys && !fetched; ++i) {
     for (size_t b = 0; b < v_slot_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vrows[i]) + b, _MM_HINT_T0);
   }
   const size_t out_size = static_cast<size_t>(p.H) * p.Dv;
@@ -218,23 +327,10 @@ void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const in
       if (p.softcap > 0.0f) {
         for (int i = 0; i < mine; ++i) row[i] = std::tanh(row[i] / p.softcap) * p.softcap;
       }
-      const float m = *std::max_element(row, row + mine);
-      const __m256 vmax = _mm256_set1_ps(m);
-      __m256 vtotal = _mm256_setzero_ps();
-      int i = 0;
-      for (; i + 8 <= mine; i += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), vmax));
-        _mm256_storeu_ps(row + i, e);
-        vtotal = _mm256_add_ps(vtotal, e);
-      }
-      float sum = hsum(vtotal);
-      for (; i < mine; ++i) {
-        row[i] = std::exp(row[i] - m);
-        sum += row[i];
-      }
+      const float m = max_of(row, mine);
+      total[h] = exponentiate(wide, row, mine, m);
       std::fill(row + mine, row + keys, 0.0f);  // keys this token does not see
       max_score[h] = m;
-      total[h] = sum;
     }
   }
   for (int kv = 0; kv < p.n_kv; ++kv) {
@@ -247,11 +343,10 @@ void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const in
         ws[r] = score_row(j, h);
         outs[r] = at[j] + static_cast<size_t>(h) * p.Dv;
       }
-      if (count == 3) value_heads<K, 3>(head_rows, ws, keys, p.Dv, p.Dv_row, outs);
-      if (count == 2) value_heads<K, 2>(head_rows, ws, keys, p.Dv, p.Dv_row, outs);
-      if (count == 1) value_heads<K, 1>(head_rows, ws, keys, p.Dv, p.Dv_row, outs);
+      value_rows<K>(wide, head_rows, ws, count, keys, p.Dv, p.Dv_row, outs, ahead);
     });
   }
+  fetch_ahead(ahead, std::numeric_limits<int>::max());  // what the steps left (a chunk of few keys)
 }
 
 // Keys a chunk: boundaries at multiples of this from the first visible key. Small enough that a
@@ -290,19 +385,70 @@ std::vector<Group> groups_of(const AttentionArgs& p) {
   return groups;
 }
 
-// Chunk c of a group: each token's own keys of it, its partial result at at[j].
-void attend_chunk(const AttentionArgs& p, const Group& group, int c, Scratch& scratch, float* const* at) {
+// How many of chunk c's keys each token of a group sees (n[j]), and the most of them.
+int keys_of_chunk(const AttentionArgs& p, const Group& group, int c, int* n) {
   const int first_key = group.lo + c * kChunkKeys;
-  int n[kGroupTokens];
   for (int j = 0; j < group.g; ++j) {
     const KeyRange keys = visible(p, group.t0 + j);
     n[j] = std::max(0, std::min(keys.hi, first_key + kChunkKeys - 1) - first_key + 1);
   }
+  return *std::max_element(n, n + group.g);
+}
+
+// The K rows, then the V rows (every KV head's) of the sequence's keys [first, first + n) as runs of
+// memory to fetch: a block's slots are contiguous in each pool.
+Ahead rows_to_fetch(const AttentionArgs& p, int seq, int first, int n, std::vector<Ahead::Run>& runs) {
+  const int32_t* table = p.block_tables + static_cast<size_t>(seq) * p.max_blocks;
+  const std::pair<const uint8_t*, size_t> pools[] = {{p.keys, p.n_kv * kv_head_bytes(p.kv_type, p.D)},
+                                                      {p.values, p.n_kv * kv_head_bytes(p.kv_type, p.Dv_row)}};
+  runs.clear();
+  for (const auto& [pool, slot_bytes] : pools) {
+    for (int j = first; j < first + n;) {
+      const int count = std::min(first + n - j, p.block_size - j % p.block_size);
+      const char* begin = reinterpret_cast<const char*>(pool + slot_of(p, table, j) * slot_bytes);
+      const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63});
+      runs.push_back({line, begin + count * slot_bytes});
+      j += count;
+    }
+  }
+  return {runs.data(), static_cast<int>(runs.size())};
+}
+
+// Chunk c of a group (group null: no chunk), as a task names the one it computes next.
+struct ChunkRef {
+  const Group* group = nullptr;
+  int c = 0;
+};
+
+// The rows of chunk `next` to fetch.
+Ahead rows_of_chunk(const AttentionArgs& p, ChunkRef next, std::vector<Ahead::Run>& runs) {
+  if (next.group == nullptr) return {};
+  int n[kGroupTokens];
+  const int keys = keys_of_chunk(p, *next.group, next.c, n);
+  return rows_to_fetch(p, p.token_seq[next.group->t0], next.group->lo + next.c * kChunkKeys, keys, runs);
+}
+
+// Chunk c of a group: each token's own keys of it, its partial result at at[j]. The rows of the chunk
+// the task computes next are fetched meanwhile; `fetched`: chunk c's were, by the chunk just before.
+void attend_chunk(const AttentionArgs& p, const Group& group, int c, bool fetched, ChunkRef next,
+                  Scratch& scratch, float* const* at) {
+  const int first_key = group.lo + c * kChunkKeys;
+  int n[kGroupTokens];
+  keys_of_chunk(p, group, c, n);
+  Ahead ahead = rows_of_chunk(p, next, scratch.ahead);
   switch (p.kv_type) {
-    case KVType::f32: attend_group<KVType::f32>(p, group.t0, group.g, first_key, n, scratch, at); break;
-    case KVType::f16: attend_group<KVType::f16>(p, group.t0, group.g, first_key, n, scratch, at); break;
-    case KVType::bf16: attend_group<KVType::bf16>(p, group.t0, group.g, first_key, n, scratch, at); break;
-    case KVType::i8: attend_group<KVType::i8>(p, group.t0, group.g, first_key, n, scratch, at); break;
+    case KVType::f32:
+      attend_group<KVType::f32>(p, group.t0, group.g, first_key, n, fetched, ahead, scratch, at);
+      break;
+    case KVType::f16:
+      attend_group<KVType::f16>(p, group.t0, group.g, first_key, n, fetched, ahead, scratch, at);
+      break;
+    case KVType::bf16:
+      attend_group<KVType::bf16>(p, group.t0, group.g, first_key, n, fetched, ahead, scratch, at);
+      break;
+    case KVType::i8:
+      attend_group<KVType::i8>(p, group.t0, group.g, first_key, n, fetched, ahead, scratch, at);
+      break;
   }
 }
 
@@ -338,15 +484,16 @@ std::vector<int> first_chunks(const AttentionArgs& p, int t0, int t1) {
 }
 
 // Chunk c of a group, its tokens' partial results in `partial` (laid out by `first`, from the group's
-// first token): a token without a chunk c gets no place (attend_group skips it).
-void attend_group_chunk(const AttentionArgs& p, const Group& group, int c, const int* first, float* partial,
-                        Scratch& scratch) {
+// first token): a token without a chunk c gets no place (attend_group skips it). `fetched`, `next`: as
+// attend_chunk's.
+void attend_group_chunk(const AttentionArgs& p, const Group& group, int c, bool fetched, ChunkRef next,
+                        const int* first, float* partial, Scratch& scratch) {
   float* at[kGroupTokens];
   for (int j = 0; j < group.g; ++j) {
     const bool has = first[j] + c < first[j + 1];
     at[j] = has ? partial + static_cast<size_t>(first[j] + c) * partial_size(p) : nullptr;
   }
-  attend_chunk(p, group, c, scratch, at);
+  attend_chunk(p, group, c, fetched, next, scratch, at);
 }
 
 // Each group one task: its chunks in turn into the task's own buffer, then its tokens merged.
@@ -359,7 +506,12 @@ void attend_by_group(const AttentionArgs& p, ThreadPool& threads) {
       const Group& group = groups[i];
       const std::vector<int> first = first_chunks(p, group.t0, group.t0 + group.g);
       partial.resize(static_cast<size_t>(first.back()) * partial_size(p));
-      for (int c = 0; c < group.chunks; ++c) attend_group_chunk(p, group, c, first.data(), partial.data(), scratch);
+      for (int c = 0; c < group.chunks; ++c) {
+        const ChunkRef next = c + 1 < group.chunks ? ChunkRef{&group, c + 1}
+                              : i + 1 < end        ? ChunkRef{&groups[i + 1], 0}
+                                                   : ChunkRef{};
+        attend_group_chunk(p, group, c, i > begin || c > 0, next, first.data(), partial.data(), scratch);
+      }
       for (int j = 0; j < group.g; ++j) {
         merge(p, group.t0 + j, partial.data() + static_cast<size_t>(first[j]) * partial_size(p), first[j + 1] - first[j]);
       }
@@ -376,10 +528,15 @@ void attend_by_chunk(const AttentionArgs& p, ThreadPool& threads) {
   std::vector<float> partial(static_cast<size_t>(first[p.T]) * partial_size(p));
   threads.for_range(items.back(), 1, [&](int begin, int end) {
     Scratch scratch;
-    for (int item = begin; item < end; ++item) {
+    auto chunk = [&](int item) {
       const size_t i = std::upper_bound(items.begin(), items.end(), item) - items.begin() - 1;
-      const Group& group = groups[i];
-      attend_group_chunk(p, group, item - items[i], first.data() + group.t0, partial.data(), scratch);
+      return ChunkRef{&groups[i], item - items[i]};
+    };
+    for (int item = begin; item < end; ++item) {
+      const ChunkRef at = chunk(item);
+      const ChunkRef next = item + 1 < end ? chunk(item + 1) : ChunkRef{};
+      attend_group_chunk(p, *at.group, at.c, item > begin, next, first.data() + at.group->t0, partial.data(),
+                         scratch);
     }
   });
   for (int t = 0; t < p.T; ++t) {
@@ -388,6 +545,15 @@ void attend_by_chunk(const AttentionArgs& p, ThreadPool& threads) {
 }
 
 }  // namespace
+
+void set_attention_vectors(int bits) {
+  if (bits != 256 && !(bits == 512 && has_avx512())) {
+    throw std::invalid_argument("attention vectors must be 256 bits, or 512 where the CPU has AVX-512");
+  }
+  g_vector_bits.store(bits);
+}
+
+int attention_vectors() { return g_vector_bits.load(); }
 
 void attend_all(const AttentionArgs& args) {
   AttentionArgs p = args;

@@ -30,6 +30,11 @@ struct AttentionArgs {
   int Dv = 0, Dv_row = 0;
 };
 
+// The vector width (bits) of attention's passes over the K/V rows: 512 where the CPU has AVX-512, else
+// 256; both give the same bits, and set_attention_vectors(256) lets a test compare them.
+void set_attention_vectors(int bits);
+int attention_vectors();
+
 // The kernel behind paged_attention (same semantics, below), split over the thread pool.
 void attend_all(const AttentionArgs& args);
 
