@@ -1,9 +1,9 @@
 // Products of activations with MLX affine 4/8-bit weights on the CPU, for decode and prefill.
 //
-// With int8 activations (the default) every product, whatever its row count, goes to the integer
-// kernel of qmv_int8.cpp after x is quantized here (QuantizedX; to int16 for 8-bit weights): the same
-// arithmetic for each row of a decode step, a batch or a prefill chunk, and no BLAS needed. The opt-in
-// int16 activations quantize x to int16 for the 4-bit weights too, through the same kernel.
+// With integer activations every product, whatever its row count, goes to the integer kernel of
+// qmv_int8.cpp after x is quantized here (QuantizedX): to int16 (the default "int16"; 8-bit weights
+// always) or, with "int8", to int8 for 4-bit weights. The same arithmetic for each row of a decode step,
+// a batch or a prefill chunk, and no BLAS needed.
 //
 // With float32 activations (exact to float32 rounding) the kernel reads the packed 4- or 8-bit words
 // directly and never writes a dequantized matrix. Per group of `group_size` weights:
