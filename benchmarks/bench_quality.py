@@ -68,8 +68,8 @@ class Option:
 EXACT = Option("exact (float32 activations and KV)")
 OPTIONS = (
     Option("int16 activations (default --cpu-activations)", activations="int16"),
-    Option("int16 activations, AVX2 kernel", activations="int16-avx2"),
     Option("int8 activations (--cpu-activations int8)", activations="int8"),
+    Option("int8 activations, AVX2 kernel", activations="int8-avx2"),
     Option("float16 KV (default --kv-cache-dtype on CPU)", kv_cache_dtype="float16"),
     Option("bfloat16 KV (--kv-cache-dtype bfloat16)", kv_cache_dtype="bfloat16"),
     Option("int8 KV (--kv-cache-dtype int8)", kv_cache_dtype="int8"),

@@ -74,7 +74,9 @@ def run(
             results += _run_kind(lm, prompt_len, gen_len, repeats, batches, seed, kv_dtypes)
     finally:
         if initial is not None and any(activations):
-            cpu_kernels.set_activations(initial.split("-")[0])  # "int8-avx512": the kind that chose it
+            # activations() names the build ("int8-avx512"); a kind that is not one was chosen by "int8"
+            kind = initial if initial in cpu_kernels.ACTIVATIONS else initial.split("-")[0]
+            cpu_kernels.set_activations(kind)
     return results
 
 

@@ -123,8 +123,8 @@ struct Block8<4> {
     }
     return _mm256_add_epi32(even, odd);
 #else
-    // 16-bit pair sums of u8 x s8 (each at most 2 * 15 * 127 in magnitude) added eight at a time:
-    // at most 30480, no saturation; then widened.
+    // 16-bit pair sums of u8 x s8 (each at most 2 * 15 * 128 in magnitude: an int16 x's low bytes reach
+    // -128) added eight at a time: at most 30720, no saturation; then widened.
     __m256i pairs = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(lo[j], x_dword(x, 2 * j)));

@@ -23,8 +23,8 @@ namespace {
 // 40 (one thread, Sapphire Rapids VM).
 constexpr int kPrefetchFeatures = 16;
 
-// Rows taken together: their int8 x (kRowBlock * K bytes, 36-96 KB for SmolLM2) stays in L2 while the
-// caller's features sweep across it; a decode step's few rows are one block.
+// Rows taken together: their quantized x (kRowBlock * K bytes, twice that as int16; 36-192 KB for SmolLM2)
+// stays in L2 while the caller's features sweep across it; a decode step's few rows are one block.
 constexpr int kRowBlock = 64;
 
 // Prefetches, while an NB-feature tile is computed, the tile kPrefetchFeatures ahead: its scales and

@@ -210,10 +210,10 @@ enum class XLayout {
   split,         // int16, for 8-bit weights: h and l in order (a weight dword holds 4 consecutive weights)
 };
 
-// The int16 levels of x: 127 * 257, the largest whose every value v = 256 h + l
-// has both h and l within [-127, 127] (l the signed low byte, h = (v - l) / 256), so w . x is two
-// vpdpbusd sums of u8 weights and signed bytes with no correction term. It costs the int16 x 0.4% of
-// its 32767 levels.
+// The int16 levels of x: 127 * 257, the largest whose every value v = 256 h + l keeps h within a
+// signed byte (l the signed low byte, in [-128, 127]; h = (v - l) / 256, in [-127, 127]: at 32640 h would
+// be 128), so w . x is two vpdpbusd sums of u8 weights and signed bytes with no correction term. It
+// costs the int16 x 0.4% of its 32767 levels.
 constexpr float kSplitLevels = 32639.0f;
 
 // A block of 32 values quantized: q = round-to-nearest-even(x * levels / max|x|) (std::nearbyint's
