@@ -46,12 +46,27 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
 
 
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
-    """An affine ``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied head) is ``dispatch.quantized_matmul``;
-    lookups stay MLX's."""
+    """An affine ``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied head) is ``dispatch.quantized_matmul``.
 
-    def __init__(self, layer: nn.QuantizedEmbedding):
+    Lookups dequantize the gathered rows as MLX's do, in ``lookup_dtype`` when given (the CPU policy's
+    float32, where the scales stay float16: the rows are computed from the widened scales, exactly), else
+    in the scales' dtype."""
+
+    def __init__(self, layer: nn.QuantizedEmbedding, lookup_dtype: mx.Dtype | None = None):
         _adopt(self, layer)
         self.num_embeddings, self.dims = layer.num_embeddings, layer.dims
+        self.lookup_dtype = lookup_dtype
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.lookup_dtype is None:
+            return super().__call__(x)
+        return mx.dequantize(
+            self["weight"][x],
+            scales=self["scales"][x].astype(self.lookup_dtype),
+            biases=self["biases"][x].astype(self.lookup_dtype),
+            group_size=self.group_size,
+            bits=self.bits,
+        )
 
     def as_linear(self, x: mx.array) -> mx.array:
         return dispatch.quantized_matmul(

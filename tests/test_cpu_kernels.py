@@ -161,6 +161,33 @@ def test_integer_builds_give_the_same_bits(native, bits: int, group: int, x_kind
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("kind", ["int16", "int8", "int16-256", "int8-avx2", "float32"])
+def test_float16_scales_give_the_bits_of_their_float32_widening(native, bits: int, group: int, kind: str):
+    """Scales and biases kept float16 (as GGUF Q4_1/Q8_0 and half-precision checkpoints hold them) are
+    widened as the kernels read them: every build gives the same bits as with the same values in float32.
+    45 features leave lanes to the 8-feature vectors and the one-by-one loop; K = 640 is 20 groups of 32
+    (two loads of 8 columns and a tail of 4) or 5 of 128 (a tail only)."""
+    rng = np.random.default_rng(bits + group)
+    k = 640
+    w, scales, biases = mx.quantize(mx.array(rng.standard_normal((45, k)).astype(np.float32)), group, bits)
+    scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+    x = mx.array(rng.standard_normal((100, k)).astype(np.float32))
+    cpu_kernels.set_activations(kind)
+    try:
+        for rows in (1, 3, 16, 100):
+            half = cpu_kernels.quantized_matmul(x[:rows], w, scales, biases, group, bits)
+            wide = cpu_kernels.quantized_matmul(
+                x[:rows], w, scales.astype(mx.float32), biases.astype(mx.float32), group, bits
+            )
+            np.testing.assert_array_equal(np.array(half), np.array(wide))
+        exact = np.array(x, dtype=np.float64) @ _np_dequantize(w, scales, biases, group, bits).T
+        np.testing.assert_allclose(np.array(half), exact, rtol=0, atol=0.05 * np.abs(exact).max())
+    finally:
+        cpu_kernels.set_activations("float32")
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 17, 100])
 def test_int16_activation_products_equal_their_numpy_scheme(int16_activations, group: int, rows: int):

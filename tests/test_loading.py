@@ -104,6 +104,27 @@ def _quantized_tiny(tmp_path: Path) -> tuple[Path, nn.Module]:
     return folder, model
 
 
+def test_float16_scales_stay_float16_for_the_cpu_kernels(tmp_path: Path):
+    """A half-precision checkpoint's float16 scales and biases are kept as they are (the kernels widen them
+    as they read them) while everything else is widened: the logits of MLX's own layers over the same
+    values in float32, and embedding lookups that come out float32."""
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+    model = make_tiny_llama(3)
+    model.set_dtype(mx.float16)
+    nn.quantize(model, group_size=32, bits=4)
+    config = {**TINY_LLAMA_CONFIG, "quantization": {"group_size": 32, "bits": 4}, "torch_dtype": "float16"}
+    folder = write_hf_folder(tmp_path / "q4-f16", dict(tree_flatten(model.parameters())), config)
+    loaded = load(str(folder))
+    assert "kept 4-bit for the native CPU kernels" in loaded.weight_policy
+    embed = loaded.model.model.embed_tokens
+    q = loaded.model.layers[0].self_attn.q_proj
+    assert embed.scales.dtype == q.scales.dtype == q.biases.dtype == mx.float16
+    assert loaded.model.layers[0].input_layernorm.weight.dtype == mx.float32
+    assert embed(mx.array([3, 5])).dtype == mx.float32
+    model.set_dtype(mx.float32)  # MLX's layers over the same values, computed in float32
+    np.testing.assert_allclose(all_logits(loaded.model), all_logits(model), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("keep_quantized", [None, True])
 def test_quantized_folder_kept_quantized_for_the_cpu_kernels(tmp_path: Path, keep_quantized: bool | None):
     """On the CPU backend with the native kernels, quantized layers stay quantized (by default too) and

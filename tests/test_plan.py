@@ -71,9 +71,9 @@ def test_smollm2_by_hand(smollm2_path: Path):
     layer = 2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576  # q, o; k, v; gate, up, down
     matrices, embedding, norms = 30 * layer, 49152 * 576, (2 * 30 + 1) * 576
     if cpu_kernels.applies():
-        # Kept 4/8-bit for the native CPU kernels, group 32, scales and biases widened to float32.
-        expected = matrices // 2 + 2 * 4 * matrices // 32 + embedding + 2 * 4 * embedding // 32 + 4 * norms
-        assert expected == 115_156_224
+        # Kept 4/8-bit for the native CPU kernels, group 32, with the GGUF's float16 scales and biases.
+        expected = matrices // 2 + 2 * 2 * matrices // 32 + embedding + 2 * 2 * embedding // 32 + 4 * norms
+        assert expected == 98_346_240
     else:  # dequantized to float32
         expected = 4 * (matrices + embedding + norms)
     assert plan.weights_bytes == expected

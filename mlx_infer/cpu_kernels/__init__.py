@@ -52,6 +52,8 @@ ACTIVATIONS_ENV_VAR = "MLX_INFER_CPU_ACTIVATIONS"
 ACTIVATIONS = ("int8", "int8-256", "int8-avx2", "int16", "int16-256", "int16-avx2", "float32")
 DEFAULT_ACTIVATIONS = "int16"
 # Pools the kernels read and write (src/kv_format.h): int8 ones hold each head's row and its scale.
+# The dtypes of scales and biases the affine kernels read as they are (policy.py keeps float16 ones).
+SCALE_DTYPES = (mx.float32, mx.float16)
 KV_POOL_DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int8)
 
 
@@ -106,15 +108,16 @@ def applies() -> bool:
 
 
 def supports_quantized(scales: mx.array, group_size: int, bits: int) -> bool:
-    """Whether :func:`quantized_matmul` computes an affine layer of these settings (float32 scales,
-    which the weight policy gives the layers it keeps quantized for these kernels)."""
-    return bits in (4, 8) and group_size % 8 == 0 and scales.dtype == mx.float32 and applies()
+    """Whether :func:`quantized_matmul` computes an affine layer of these settings (float32 or float16
+    scales, which the weight policy gives the layers it keeps quantized for these kernels)."""
+    return bits in (4, 8) and group_size % 8 == 0 and scales.dtype in SCALE_DTYPES and applies()
 
 
 def quantized_matmul(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
 ) -> mx.array:
-    """``x @ dequantize(w).T`` in float32 for MLX affine 4/8-bit ``w`` with float32 ``scales``/``biases``.
+    """``x @ dequantize(w).T`` in float32 for MLX affine 4/8-bit ``w`` with float32 or float16
+    ``scales``/``biases`` (both the same dtype; float16 ones are widened exactly as they are read).
 
     With int8 activations one integer kernel computes any number of rows, each row the same way; with
     float32 activations the fused matvec computes a few rows, tiles dequantized into the BLAS more.

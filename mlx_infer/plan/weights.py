@@ -6,10 +6,10 @@ evaluate the random initial parameters, so a 70B model costs no memory and a fra
 name every parameter the engine would hold and its shape, and the safetensors headers, when the shards
 are here, give each tensor's dtype (else the config's ``torch_dtype``). Then the load path's decisions
 are replayed on that table: how ``read_gguf`` reads each GGUF type, and what ``loading/policy.py`` does
-for this backend (keep 4/8-bit layers quantized for the native CPU kernels with float32 scales and
-every other float widened to float32; dequantize to float32 where the kernels do not cover a layer; on
-Metal keep quantized layers and re-quantize dequantized K-quants). ``--q-bits`` first replays what
-``mlx-infer convert`` would write.
+for this backend (keep 4/8-bit layers quantized for the native CPU kernels, their float16 scales and
+biases as they are, every other float widened to float32; dequantize to float32 where the kernels do
+not cover a layer; on Metal keep quantized layers and re-quantize dequantized K-quants). ``--q-bits``
+first replays what ``mlx-infer convert`` would write.
 """
 
 from __future__ import annotations
@@ -345,12 +345,15 @@ def held(
     def stays(t: Tensor) -> bool:
         return t.name in row_tables and not t.bits
 
+    def stays_for_kernels(t: Tensor) -> bool:  # policy._float16_group_params: read as they are
+        return stays(t) or (bool(t.bits) and not t.expert and t.mode == "affine" and t.dtype == "float16")
+
     # Quantized experts are no layer the policy converts: they keep their bits on every backend.
     bits = sorted({t.bits for t in tensors if t.bits and not t.expert})
     bits_text = "/".join(f"{b}-bit" for b in bits)
     if backend == "cpu":
-        if bits and keep_quantized is not False and _cpu_kernels_cover(tensors):
-            widened = [t if stays(t) else replace(t, dtype="float32") for t in tensors]
+        if bits and keep_quantized is not False and cpu_kernels_cover(tensors):
+            widened = [t if stays_for_kernels(t) else replace(t, dtype="float32") for t in tensors]
             return widened, f"kept {bits_text} for the native CPU kernels"
         if keep_quantized:
             return tensors, f"kept {bits_text} on the CPU backend" if bits else ""
@@ -377,7 +380,8 @@ def _dequantized(t: Tensor) -> Tensor:
     return t if t.expert else replace(t, bits=0, group_size=0)
 
 
-def _cpu_kernels_cover(tensors: list[Tensor]) -> bool:
+def cpu_kernels_cover(tensors: list[Tensor]) -> bool:
+    """Whether the CPU policy keeps these (quantized) tensors for the native kernels."""
     from mlx_infer import cpu_kernels
 
     # policy._cpu_kernels_cover: affine 4/8-bit with groups of a multiple of 8, kernels built here.

@@ -56,22 +56,24 @@ namespace int8_avx2 {
 
 namespace {
 
-// Dwords j = 0..3 of the 16 bytes at `at` in each of 8 weight rows (row_bytes apart, from `base`):
-// r[j] lane f holds row f's dword j. Rows 4L + a are loaded into 128-bit lane L of z[a], and a 4 x 4
-// transpose within each 128-bit lane puts them at lane 4L + a.
-inline void dwords8(const uint8_t* base, size_t row_bytes, size_t at, __m256i* r) {
+// Dwords j = 0..3 of 8 rows' 16 bytes, row(f) giving row f's: r[j] lane f holds row f's dword j. Rows
+// 4L + a are loaded into 128-bit lane L of z[a], and a 4 x 4 transpose within each 128-bit lane puts them
+// at lane 4L + a.
+template <class Row>
+inline void dwords8(Row row, __m256i* r) {
   __m256i z[4];
-  for (int a = 0; a < 4; ++a) {
-    const uint8_t* row = base + a * row_bytes + at;
-    z[a] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))),
-                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 4 * row_bytes)), 1);
-  }
+  for (int a = 0; a < 4; ++a) z[a] = _mm256_inserti128_si256(_mm256_castsi128_si256(row(a)), row(a + 4), 1);
   const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
   const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
   r[0] = _mm256_unpacklo_epi64(t0, t2);
   r[1] = _mm256_unpackhi_epi64(t0, t2);
   r[2] = _mm256_unpacklo_epi64(t1, t3);
   r[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// The 16 bytes at `at` in each of 8 weight rows, row_bytes apart from `base`.
+inline void dwords8(const uint8_t* base, size_t row_bytes, size_t at, __m256i* r) {
+  dwords8([&](int f) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + f * row_bytes + at)); }, r);
 }
 
 inline __m256i x_dword(const int8_t* x, int j) {
@@ -166,16 +168,41 @@ struct Block8<8> {
   }
 };
 
-// Columns g0..g0 + 3 of a tile's 8 rows of `groups` floats (its scales or biases), one row a lane:
-// out[j][f] = rows[f][g0 + j]. The last columns of a row that has fewer than 4 left one by one.
-inline void columns8(const float* rows, int groups, int g0, float (*out)[8]) {
-  if (g0 + 4 <= groups) {
+// Columns g0.. of 8 rows of `groups` scales or biases (rows first_row..first_row + 7), one row a lane, as
+// float32: out[j][f] = row f's column g0 + j for j < param_columns(params) (4 float32 columns or 8 float16
+// ones: 16 bytes of each row); columns past the rows' end are not written.
+inline int param_columns(const GroupParams& params) { return params.half ? 8 : 4; }
+
+inline void columns8(const GroupParams& params, size_t first_row, int groups, int g0, float (*out)[8]) {
+  const int left = groups - g0;
+  if (params.half) {
+    const uint16_t* rows = static_cast<const uint16_t*>(params.data) + first_row * groups + g0;
+    __m256i r[4];
+    dwords8([&](int f) {
+      const uint16_t* row = rows + static_cast<size_t>(f) * groups;
+      if (left >= 8) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+      alignas(16) uint16_t tail[8] = {};  // no reads past a row
+      std::memcpy(tail, row, static_cast<size_t>(left) * sizeof(uint16_t));
+      return _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+    }, r);
+    // Per 128-bit lane, each dword's low halves (columns 2j), then its high halves (2j + 1).
+    const __m256i halves = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(r[j], halves), _MM_SHUFFLE(3, 1, 2, 0));
+      _mm256_store_ps(out[2 * j], _mm256_cvtph_ps(_mm256_castsi256_si128(v)));
+      _mm256_store_ps(out[2 * j + 1], _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1)));
+    }
+    return;
+  }
+  const float* rows = static_cast<const float*>(params.data) + first_row * groups;
+  if (left >= 4) {
     __m256i r[4];
     dwords8(reinterpret_cast<const uint8_t*>(rows), groups * sizeof(float), g0 * sizeof(float), r);
     for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(out[j]), r[j]);
     return;
   }
-  for (int j = 0; g0 + j < groups; ++j) {
+  for (int j = 0; j < left; ++j) {
     for (int f = 0; f < 8; ++f) out[j][f] = rows[static_cast<size_t>(f) * groups + g0 + j];
   }
 }
@@ -190,15 +217,14 @@ void lanes8(const Int8Problem& p, int n0, int m0, int m1) {
   const TilePrefetch<8> ahead(p, n0, row_bytes, BITS * 4);
   alignas(32) float totals[kRowBlock][8];
   for (int m = m0; m < m1; ++m) _mm256_store_ps(totals[m - m0], _mm256_setzero_ps());
-  const float* scales = p.scales + static_cast<size_t>(n0) * groups;
-  const float* biases = p.biases + static_cast<size_t>(n0) * groups;
-  alignas(64) float scale_columns[4][8], bias_columns[4][8];
+  const int per_load = param_columns(p.scales);
+  alignas(64) float scale_columns[8][8], bias_columns[8][8];
   for (int g = 0; g < groups; ++g) {
-    if (g % 4 == 0) {
-      columns8(scales, groups, g, scale_columns);
-      columns8(biases, groups, g, bias_columns);
+    if (g % per_load == 0) {
+      columns8(p.scales, n0, groups, g, scale_columns);
+      columns8(p.biases, n0, groups, g, bias_columns);
     }
-    const __m256 s = _mm256_load_ps(scale_columns[g % 4]), bias = _mm256_load_ps(bias_columns[g % 4]);
+    const __m256 s = _mm256_load_ps(scale_columns[g % per_load]), bias = _mm256_load_ps(bias_columns[g % per_load]);
     for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
       ahead.prefetch(b);
       const Block8<BITS> block(base, row_bytes, b);

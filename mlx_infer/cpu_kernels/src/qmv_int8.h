@@ -1,10 +1,27 @@
 // The int8-activation product kernel (qmv_int8.cpp), shared by its two builds.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstddef>
 #include <cstdint>
 
 namespace mlx_infer {
+
+// An affine layer's per-group scales or biases, [N, groups] row-major: float32, or float16 as GGUF
+// Q4_0/Q4_1/Q8_0 and half-precision MLX checkpoints store them, kept so because a step reads them with
+// every weight group: at group 32, 2 bytes each against 4 is a sixth of a 4-bit layer's bytes. The
+// kernels widen them to float32 as they read them (exact), so the arithmetic is the same either way.
+struct GroupParams {
+  const void* data;
+  bool half;
+
+  size_t itemsize() const { return half ? 2 : 4; }
+  const uint8_t* bytes() const { return static_cast<const uint8_t*>(data); }
+  float at(size_t i) const {
+    return half ? _cvtsh_ss(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
+  }
+};
 
 // One product: M rows of x quantized by QuantizedX (quantized_matvec.cpp), N features of affine 4/8-bit
 // weights. x is quantized per block of 32 values with one float scale dx: to int8 for 4-bit weights,
@@ -16,8 +33,7 @@ struct Int8Problem {
   const float* dx;        // [M, K / 32] scale of each block of 32 values
   const float* xsum;      // [M, K / group] sum of the quantized x over each weight group: sum_b dx_b * sum(qx_b)
   const uint32_t* w;
-  const float* scales;
-  const float* biases;
+  GroupParams scales, biases;
   float* out;
   int M, N, K, group, bits;
   bool x16;  // x is int16 (xq and xl; always for 8-bit weights)

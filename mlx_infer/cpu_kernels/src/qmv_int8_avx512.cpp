@@ -25,17 +25,17 @@ namespace int8_avx512 {
 
 namespace {
 
-// Dwords j = 0..3 of the 16 bytes at `at` in each of 16 weight rows (row_bytes apart, from `base`):
-// r[j] lane f holds row f's dword j. Rows 4L + a are loaded into 128-bit lane L of z[a], and a 4 x 4
-// transpose within each 128-bit lane puts them at lane 4L + a (qmv_int8.cpp's dwords8 in 512 bits).
-inline void dwords16(const uint8_t* base, size_t row_bytes, size_t at, __m512i* r) {
+// Dwords j = 0..3 of 16 rows' 16 bytes, row(f) giving row f's: r[j] lane f holds row f's dword j. Rows
+// 4L + a are loaded into 128-bit lane L of z[a], and a 4 x 4 transpose within each 128-bit lane puts them
+// at lane 4L + a (qmv_int8.cpp's dwords8 in 512 bits).
+template <class Row>
+inline void dwords16(Row row, __m512i* r) {
   __m512i z[4];
   for (int a = 0; a < 4; ++a) {
-    const uint8_t* row = base + a * row_bytes + at;
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 4 * row_bytes)), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * row_bytes)), 2);
-    z[a] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 12 * row_bytes)), 3);
+    __m512i v = _mm512_castsi128_si512(row(a));
+    v = _mm512_inserti32x4(v, row(a + 4), 1);
+    v = _mm512_inserti32x4(v, row(a + 8), 2);
+    z[a] = _mm512_inserti32x4(v, row(a + 12), 3);
   }
   const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
   const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
@@ -43,6 +43,11 @@ inline void dwords16(const uint8_t* base, size_t row_bytes, size_t at, __m512i* 
   r[1] = _mm512_unpackhi_epi64(t0, t2);
   r[2] = _mm512_unpacklo_epi64(t1, t3);
   r[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// The 16 bytes at `at` in each of 16 weight rows, row_bytes apart from `base`.
+inline void dwords16(const uint8_t* base, size_t row_bytes, size_t at, __m512i* r) {
+  dwords16([&](int f) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + f * row_bytes + at)); }, r);
 }
 
 inline __m512i x_dword(const int8_t* x, int j) {
@@ -182,16 +187,32 @@ inline void row_dots(const Int8Problem& p, const uint8_t* base, size_t row_bytes
   }
 }
 
-// Columns g0..g0 + 3 of a tile's 16 rows of `groups` floats (its scales or biases), one row a lane:
-// out[j][f] = rows[f][g0 + j]. The last columns of a row that has fewer than 4 left one by one.
-inline void columns16(const float* rows, int groups, int g0, float (*out)[16]) {
-  if (g0 + 4 <= groups) {
+// Columns g0.. of 16 rows of `groups` scales or biases (rows first_row..first_row + 15), one row a lane, as
+// float32: out[j][f] = row f's column g0 + j for j < param_columns(params) (4 float32 columns or 8 float16
+// ones: 16 bytes of each row); columns past the rows' end are not written.
+inline int param_columns(const GroupParams& params) { return params.half ? 8 : 4; }
+
+inline void columns16(const GroupParams& params, size_t first_row, int groups, int g0, float (*out)[16]) {
+  const int left = groups - g0;
+  if (params.half) {
+    const uint16_t* rows = static_cast<const uint16_t*>(params.data) + first_row * groups + g0;
+    const __mmask8 mask = left >= 8 ? 0xFF : static_cast<__mmask8>((1u << left) - 1);  // no reads past a row
+    __m512i r[4];
+    dwords16([&](int f) { return _mm_maskz_loadu_epi16(mask, rows + static_cast<size_t>(f) * groups); }, r);
+    for (int j = 0; j < 4; ++j) {  // dword j of a row: its columns 2j (low half) and 2j + 1
+      _mm512_store_ps(out[2 * j], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(r[j])));
+      _mm512_store_ps(out[2 * j + 1], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(r[j], 16))));
+    }
+    return;
+  }
+  const float* rows = static_cast<const float*>(params.data) + first_row * groups;
+  if (left >= 4) {
     __m512i r[4];
     dwords16(reinterpret_cast<const uint8_t*>(rows), groups * sizeof(float), g0 * sizeof(float), r);
     for (int j = 0; j < 4; ++j) _mm512_store_si512(reinterpret_cast<__m512i*>(out[j]), r[j]);
     return;
   }
-  for (int j = 0; g0 + j < groups; ++j) {
+  for (int j = 0; j < left; ++j) {
     for (int f = 0; f < 16; ++f) out[j][f] = rows[static_cast<size_t>(f) * groups + g0 + j];
   }
 }
@@ -205,18 +226,17 @@ void lanes16(const Int8Problem& p, int n0, int m0, int m1) {
   const TilePrefetch<16> ahead(p, n0, row_bytes, BITS * 4);
   alignas(64) float totals[kRowBlock][16];
   for (int m = m0; m < m1; ++m) _mm512_store_ps(totals[m - m0], _mm512_setzero_ps());
-  const float* scales = p.scales + static_cast<size_t>(n0) * groups;
-  const float* biases = p.biases + static_cast<size_t>(n0) * groups;
-  alignas(64) float scale_columns[4][16], bias_columns[4][16];
+  const int per_load = param_columns(p.scales);
+  alignas(64) float scale_columns[8][16], bias_columns[8][16];
   constexpr int kSpanBlocks = BITS == 4 ? 4 : 2;  // the blocks of a row_dots span (64 bytes a weight row)
   const int span_end = blocks / kSpanBlocks * kSpanBlocks;
   __m512i span_dots[kSpanBlocks];
   for (int g = 0; g < groups; ++g) {
-    if (g % 4 == 0) {
-      columns16(scales, groups, g, scale_columns);
-      columns16(biases, groups, g, bias_columns);
+    if (g % per_load == 0) {
+      columns16(p.scales, n0, groups, g, scale_columns);
+      columns16(p.biases, n0, groups, g, bias_columns);
     }
-    const __m512 s = _mm512_load_ps(scale_columns[g % 4]), bias = _mm512_load_ps(bias_columns[g % 4]);
+    const __m512 s = _mm512_load_ps(scale_columns[g % per_load]), bias = _mm512_load_ps(bias_columns[g % per_load]);
     for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
       ahead.prefetch(b);
       const bool group_ends = b == (g + 1) * bpg - 1;

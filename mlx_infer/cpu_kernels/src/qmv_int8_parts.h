@@ -38,10 +38,10 @@ struct TilePrefetch {
   TilePrefetch(const Int8Problem& p, int n0, size_t row_bytes, int step) : step_bytes(step) {
     const int groups = p.K / p.group;
     ahead = reinterpret_cast<const char*>(p.w) + static_cast<size_t>(n0 + kPrefetchFeatures) * row_bytes;
-    const size_t at = static_cast<size_t>(n0 + kPrefetchFeatures) * groups;
-    for (size_t b = 0; b < NB * groups * sizeof(float); b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p.scales + at) + b, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p.biases + at) + b, _MM_HINT_T0);
+    const size_t at = static_cast<size_t>(n0 + kPrefetchFeatures) * groups * p.scales.itemsize();
+    for (size_t b = 0; b < NB * groups * p.scales.itemsize(); b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p.scales.bytes() + at + b), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p.biases.bytes() + at + b), _MM_HINT_T0);
     }
   }
 
@@ -86,12 +86,12 @@ inline void features_one_by_one(const Int8Problem& p, int n0, int n1) {
     for (int m = 0; m < p.M; ++m) {
       float total = 0.0f;
       for (int g = 0; g < groups; ++g) {
-        const float s = p.scales[static_cast<size_t>(n) * groups + g];
+        const float s = p.scales.at(static_cast<size_t>(n) * groups + g);
         for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
           const float sd = s * p.dx[static_cast<size_t>(m) * blocks + b];
           total = std::fma(static_cast<float>(block_dot(p, n, m, b)), sd, total);
         }
-        total = std::fma(p.biases[static_cast<size_t>(n) * groups + g], p.xsum[static_cast<size_t>(m) * groups + g], total);
+        total = std::fma(p.biases.at(static_cast<size_t>(n) * groups + g), p.xsum[static_cast<size_t>(m) * groups + g], total);
       }
       p.out[static_cast<size_t>(m) * p.N + n] = total;
     }

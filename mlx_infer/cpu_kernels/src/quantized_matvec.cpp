@@ -64,8 +64,7 @@ inline __m256 unpack8(const uint32_t* words, int k) {
 struct Problem {
   const float* x;
   const uint32_t* w;
-  const float* scales;
-  const float* biases;
+  GroupParams scales, biases;
   const float* xsum;  // [M, groups]
   float* out;
   int M, N, K, group, groups;
@@ -102,10 +101,11 @@ inline void tile(const Problem& p, int n0, int m0) {
     }
     for (int r = 0; r < NB; ++r) {
       const size_t at = static_cast<size_t>(n0 + r) * p.groups + g;
-      const __m256 s = _mm256_set1_ps(p.scales[at]);
+      const __m256 s = _mm256_set1_ps(p.scales.at(at));
+      const float bias = p.biases.at(at);
       for (int m = 0; m < MB; ++m) {
         total[r][m] = _mm256_fmadd_ps(acc[r][m], s, total[r][m]);
-        bias_part[r][m] += p.biases[at] * p.xsum[(m0 + m) * p.groups + g];
+        bias_part[r][m] += bias * p.xsum[(m0 + m) * p.groups + g];
       }
     }
   }
@@ -130,8 +130,8 @@ void dequantize_rows(const Problem& p, int n0, int n1, float* tile) {
     const uint32_t* wr = p.w + static_cast<size_t>(n) * words_per_row;
     float* row = tile + static_cast<size_t>(n - n0) * p.K;
     for (int g = 0; g < p.groups; ++g) {
-      const __m256 s = _mm256_set1_ps(p.scales[static_cast<size_t>(n) * p.groups + g]);
-      const __m256 b = _mm256_set1_ps(p.biases[static_cast<size_t>(n) * p.groups + g]);
+      const __m256 s = _mm256_set1_ps(p.scales.at(static_cast<size_t>(n) * p.groups + g));
+      const __m256 b = _mm256_set1_ps(p.biases.at(static_cast<size_t>(n) * p.groups + g));
       for (int k = g * p.group; k < (g + 1) * p.group; k += 8) {
         _mm256_storeu_ps(row + k, _mm256_fmadd_ps(unpack8<BITS>(wr, k), s, b));
       }
@@ -435,10 +435,11 @@ std::string activations() {
 
 AffineWeights::AffineWeights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                              int bits)
-    : w(w), scales(scales), biases(biases), rows(w.shape(0)), group(group_size), bits(bits) {}
+    : w(w), scales(scales), biases(biases), half(scales.dtype() == mx::float16), rows(w.shape(0)), group(group_size),
+      bits(bits) {}
 
 AffineView AffineWeights::view(Scratch& scratch) const {
-  return {w.rows(scratch.w), scales.rows(scratch.s), biases.rows(scratch.b), rows, group, bits};
+  return {w.rows(scratch.w), {scales.rows(scratch.s), half}, {biases.rows(scratch.b), half}, rows, group, bits};
 }
 
 void affine_product(const float* x, int M, int K, const AffineView& w, float* out) {
@@ -470,8 +471,8 @@ void affine_product(const float* x, int M, int K, const AffineView& w, float* ou
 void check_affine(const mx::array& w, const mx::array& scales, const mx::array& biases, int K, int group_size, int bits) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("affine kernels: bits must be 4 or 8");
   if (group_size % 8 != 0) throw std::invalid_argument("affine kernels: group_size must be a multiple of 8");
-  if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32) {
-    throw std::invalid_argument("affine kernels: scales and biases must be float32");
+  if ((scales.dtype() != mx::float32 && scales.dtype() != mx::float16) || biases.dtype() != scales.dtype()) {
+    throw std::invalid_argument("affine kernels: scales and biases must be both float32 or both float16");
   }
   if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("affine kernels: w must be 2-D uint32");
   if (K % group_size != 0 || w.shape(1) * (32 / bits) != K || scales.shape(0) != w.shape(0) ||

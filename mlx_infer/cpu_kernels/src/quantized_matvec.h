@@ -5,12 +5,14 @@
 #include <vector>
 
 #include "mlx/mlx.h"
+#include "qmv_int8.h"
 #include "strided.h"
 
 namespace mlx_infer {
 
 // x [M, K] float32 @ dequantize(w, scales, biases).T for MLX affine 4- or 8-bit weights
-// (w [N, K * bits / 32] uint32, scales/biases [N, K / group_size] float32) -> [M, N] float32.
+// (w [N, K * bits / 32] uint32, scales/biases [N, K / group_size] float32 or float16, the same dtype)
+// -> [M, N] float32.
 mlx::core::array affine_qmv(
     const mlx::core::array& x,
     const mlx::core::array& w,
@@ -37,8 +39,7 @@ std::string activations();
 // An affine layer's arrays as plain row-major memory (what affine_product reads).
 struct AffineView {
   const uint32_t* w;
-  const float* scales;
-  const float* biases;
+  GroupParams scales, biases;
   int rows;  // output features N
   int group;
   int bits;
@@ -49,14 +50,15 @@ struct AffineView {
 struct AffineWeights {
   struct Scratch {
     std::vector<uint32_t> w;
-    std::vector<float> s, b;
+    std::vector<uint8_t> s, b;
   };
   AffineWeights(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases,
                 int group_size, int bits);
   AffineView view(Scratch& scratch) const;
 
   Input<uint32_t> w;
-  Input<float> scales, biases;
+  RawInput scales, biases;
+  bool half;  // float16 scales and biases
   int rows, group, bits;
 };
 
