@@ -69,25 +69,34 @@ def main(argv: list[str] | None = None) -> int:
             rows = [{**vars(r), "acceptance": r.acceptance} for r in spec_results]
             Path(args.json).write_text(json.dumps({"speculative": rows}, indent=2))
         return 0 if all(r.identical for r in spec_results) else 1
-    results = run_mlx_infer.run(lm, args.p, args.n, args.r, args.b, kv_dtypes=args.kv_cache_dtype,
-                                activations=args.cpu_activations)
-    skipped: list[str] = []
-    for peer in args.compare:
-        for kv_dtype in args.kv_cache_dtype if peer == "llama.cpp" else ["auto"]:
-            try:
-                result, why = _run_peer(peer, lm, args, kv_dtype)
-            except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-                # A broken peer must not cost the figures already measured.
-                result, why = None, f"failed: {e}"
-            if result is not None:
-                results.append(result)
-            else:
-                skipped.append(f"{peer}: {why}")
+    # Rounds, not repetitions back to back: each round runs every engine and setting once, so that on a
+    # machine whose speed drifts by tens of percent within minutes (shared VMs) the engines compared see
+    # the same spells and their ratios hold; each row's samples are its rounds'.
+    results: list[Result] = []
+    skipped: dict[str, str] = {}  # peer (and KV type) -> why it was not run
+    for _ in range(args.r):
+        results = _merged(results, run_mlx_infer.run(
+            lm, args.p, args.n, 1, args.b, kv_dtypes=args.kv_cache_dtype, activations=args.cpu_activations
+        ))
+        for peer in args.compare:
+            for kv_dtype in args.kv_cache_dtype if peer == "llama.cpp" else ["auto"]:
+                if (peer, kv_dtype) in skipped:
+                    continue
+                try:
+                    result, why = _run_peer(peer, lm, args, kv_dtype)
+                except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                    # A broken peer must not cost the figures already measured.
+                    result, why = None, f"failed: {e}"
+                if result is not None:
+                    results = _merged(results, [result])
+                else:
+                    skipped[peer, kv_dtype] = f"{peer}: {why}"
     profiles = [run_mlx_infer.profile_ops(lm, b, args.p) for b in args.b] if args.profile else []
 
     _print_table(console, results, bandwidth)
     _print_ratios(console, results)
-    for line in skipped:
+    skipped_lines = list(dict.fromkeys(skipped.values()))
+    for line in skipped_lines:
         console.print(f"[yellow]skipped {line}[/yellow]")
     for prof in profiles:
         top = ", ".join(f"{name} {count}" for name, count in list(prof.by_op.items())[:8])
@@ -96,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({prof.ops_per_token:.0f} per generated token); most frequent: {top}"
         )
     if args.json:
-        _write_json(Path(args.json), args, results, profiles, bandwidth, skipped)
+        _write_json(Path(args.json), args, results, profiles, bandwidth, skipped_lines)
     return 0
 
 
@@ -107,7 +116,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("-m", "--model", required=True, help="GGUF file, HF/MLX folder or Hub repo id")
     parser.add_argument("-p", type=int, default=512, help="prompt tokens (default 512)")
     parser.add_argument("-n", type=int, default=128, help="generated tokens (default 128)")
-    parser.add_argument("-r", type=int, default=3, help="repetitions (default 3)")
+    parser.add_argument("-r", type=int, default=3,
+                        help="repetitions (default 3), as rounds: each runs every engine and setting once")
     parser.add_argument("-b", type=_int_list, default=[1, 4, 16], help="batch sizes (default 1,4,16)")
     parser.add_argument("--compare", type=_peer_list, default=[], help="peers: mlx-lm,llama.cpp")
     parser.add_argument("--llama-bench", help="path of llama-bench (default: on PATH)")
@@ -167,9 +177,24 @@ def _peer_list(text: str) -> list[str]:
     return names
 
 
+def _merged(results: list[Result], new: list[Result]) -> list[Result]:
+    """``results`` with ``new``'s samples added to the rows of the same engine, weights, KV type and batch
+    (a new row for any other)."""
+    rows = {(r.engine, r.weights, r.kv, r.batch): r for r in results}
+    for r in new:
+        row = rows.get((r.engine, r.weights, r.kv, r.batch))
+        if row is None:
+            rows[r.engine, r.weights, r.kv, r.batch] = r
+            results = [*results, r]
+        else:
+            row.prefill += r.prefill
+            row.decode += r.decode
+    return results
+
+
 def _run_peer(peer: str, lm, args: argparse.Namespace, kv_dtype: str) -> tuple[Result | None, str]:
-    """The peer's batch-1 result (llama.cpp: with ``kv_dtype``'s cache type), or None and why it was not
-    run."""
+    """One round of the peer at batch 1 (llama.cpp: with ``kv_dtype``'s cache type), or None and why it
+    was not run."""
     import mlx.core as mx
 
     from mlx_infer.engine.runner import kv_bytes_per_token
@@ -179,7 +204,7 @@ def _run_peer(peer: str, lm, args: argparse.Namespace, kv_dtype: str) -> tuple[R
             return None, "not installed (pip install mlx-lm)"
         folder = peers.export_mlx_checkpoint(lm, lm.source)
         kv = kv_bytes_per_token(lm.model, mx.bfloat16)
-        return peers.run_mlx_lm(folder, args.p, args.n, args.r, kv), ""
+        return peers.run_mlx_lm(folder, args.p, args.n, 1, kv), ""
     binary = peers.find_llama_bench(args.llama_bench)
     if binary is None:
         return None, "llama-bench not found (put it on PATH or pass --llama-bench PATH)"
@@ -187,7 +212,7 @@ def _run_peer(peer: str, lm, args: argparse.Namespace, kv_dtype: str) -> tuple[R
         return None, "llama.cpp needs a .gguf model"
     if kv_dtype not in peers.LLAMA_KV_TYPES:
         return None, f"llama-bench has no {kv_dtype} KV cache"
-    return peers.run_llama_bench(binary, lm.source, args.p, args.n, args.r, args.threads, kv_dtype), ""
+    return peers.run_llama_bench(binary, lm.source, args.p, args.n, 1, args.threads, kv_dtype), ""
 
 
 def _print_speculative(console: Console, results: list, spec: SpeculativeConfig) -> None:
