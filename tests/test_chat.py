@@ -121,6 +121,7 @@ def test_save_load_stats_multiline_and_failing_turns(smollm2_path, tmp_path):
 
         # Ctrl-C during an answer: the turn is dropped, the conversation kept.
         child.sendline("Write a long story about a dragon and a knight.")
+        child.expect_exact("a knight.")  # the terminal's echo of the line, not yet the answer
         child.expect(r"\w+ \w+ \w+")  # the answer has started
         child.sendintr()
         child.expect_exact("stopped; " + DROPPED)

@@ -165,13 +165,15 @@ def _gguf_metadata(path: Path, backend: str, keep_quantized: bool | None) -> Met
             "shape": t.shape,
             "matrix": len(t.shape) >= 2,
             "read_fraction": _gguf_read_fraction(t.name, tied, config),
+            "expert": "_exps." in t.name and len(t.shape) == 3,  # a stack of MoE experts
         }
         if exact and t.qtype in affine:
             tensors.append(Tensor(dtype="float16", bits=affine[t.qtype], group_size=32, **common))
         elif exact:
             tensors.append(Tensor(dtype="float32" if t.qtype == Q.F32 else "float16", **common))
         elif t.qtype == Q.MXFP4:  # gpt-oss's experts, read as MLX mxfp4 (loading/gguf_mxfp4.py)
-            tensors.append(Tensor(dtype="uint8", bits=4, group_size=32, mode="mxfp4", expert=True, **common))
+            common["expert"] = True
+            tensors.append(Tensor(dtype="uint8", bits=4, group_size=32, mode="mxfp4", **common))
         elif raw_blocks and t.qtype in BLOCK_KINDS and len(t.shape) == 2 and t.name not in decoded:
             tensors.append(Tensor(dtype="float32", gguf_bytes=t.nbytes, **common))
         else:
