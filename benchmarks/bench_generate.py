@@ -72,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     # Rounds, not repetitions back to back: each round runs every engine and setting once, so that on a
     # machine whose speed drifts by tens of percent within minutes (shared VMs) the engines compared see
     # the same spells and their ratios hold; each row's samples are its rounds'.
-    results: list[Result] = []
-    skipped: dict[str, str] = {}  # peer (and KV type) -> why it was not run
+    rows: dict[tuple, Result] = {}  # (engine, weights, KV, batch) -> its samples so far
+    skipped: dict[tuple[str, str], str] = {}  # (peer, KV type) -> why it was not run
     for _ in range(args.r):
-        results = _merged(results, run_mlx_infer.run(
+        _add_samples(rows, run_mlx_infer.run(
             lm, args.p, args.n, 1, args.b, kv_dtypes=args.kv_cache_dtype, activations=args.cpu_activations
         ))
         for peer in args.compare:
@@ -88,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                     # A broken peer must not cost the figures already measured.
                     result, why = None, f"failed: {e}"
                 if result is not None:
-                    results = _merged(results, [result])
+                    _add_samples(rows, [result])
                 else:
                     skipped[peer, kv_dtype] = f"{peer}: {why}"
+    results = list(rows.values())
     profiles = [run_mlx_infer.profile_ops(lm, b, args.p) for b in args.b] if args.profile else []
 
     _print_table(console, results, bandwidth)
@@ -177,19 +178,13 @@ def _peer_list(text: str) -> list[str]:
     return names
 
 
-def _merged(results: list[Result], new: list[Result]) -> list[Result]:
-    """``results`` with ``new``'s samples added to the rows of the same engine, weights, KV type and batch
-    (a new row for any other)."""
-    rows = {(r.engine, r.weights, r.kv, r.batch): r for r in results}
+def _add_samples(rows: dict[tuple, Result], new: list[Result]) -> None:
+    """``new``'s samples into the row of the same engine, weights, KV type and batch (a new row if none)."""
     for r in new:
-        row = rows.get((r.engine, r.weights, r.kv, r.batch))
-        if row is None:
-            rows[r.engine, r.weights, r.kv, r.batch] = r
-            results = [*results, r]
-        else:
+        row = rows.setdefault((r.engine, r.weights, r.kv, r.batch), r)
+        if row is not r:
             row.prefill += r.prefill
             row.decode += r.decode
-    return results
 
 
 def _run_peer(peer: str, lm, args: argparse.Namespace, kv_dtype: str) -> tuple[Result | None, str]:

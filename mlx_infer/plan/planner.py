@@ -26,14 +26,7 @@ from mlx_infer.errors import InvalidRequest
 from mlx_infer.interface.kv import KVSpec, window_of
 from mlx_infer.kv.memory import DEFAULT_FRACTION, MAX_DEFAULT_BYTES
 from mlx_infer.plan.bandwidth import memory_bandwidth
-from mlx_infer.plan.weights import (
-    FLOAT_BYTES,
-    Metadata,
-    convert_to_bits,
-    cpu_kernels_cover,
-    held,
-    read_metadata,
-)
+from mlx_infer.plan.weights import FLOAT_BYTES, Metadata, convert_to_bits, held, read_metadata
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 BUDGET_ENV = "MLX_INFER_MEMORY_BUDGET"  # overrides the device's memory, e.g. "8GiB" (tests, what-ifs)
@@ -173,10 +166,10 @@ def make_plan(
     backend = backend or backend_name()
     meta = read_metadata(spec, backend, keep_quantized)
     tensors = convert_to_bits(meta.tensors, q_bits) if q_bits else meta.tensors
-    tensors, how = held(tensors, backend, keep_quantized, getattr(meta.model, "row_tables", ()))
+    tensors, how, kernels = held(tensors, backend, keep_quantized, getattr(meta.model, "row_tables", ()))
     weights_bytes = sum(t.nbytes for t in tensors)
-    kernel_lookups = backend == "cpu" and keep_quantized is not False and cpu_kernels_cover(tensors)
-    compute_dtype = "float32" if kernel_lookups else _compute_dtype(tensors)
+    # With the CPU kernels embedding lookups come out float32 whatever the scales (policy.py).
+    compute_dtype = "float32" if kernels else _compute_dtype(tensors)
     kv_dtype = resolve_kv_dtype(kv_cache_dtype, backend, compute_dtype)
     n_layers = len(meta.model.layers)
     layout = meta.model.kv_layout()
@@ -252,8 +245,7 @@ def _max_context(meta: Metadata) -> int:
 
 
 def _compute_dtype(tensors: list) -> str:
-    """What the model computes in (runner.activation_dtype): its embedding's dtype, or its scales' (but
-    float32 where the CPU kernels compute: their embedding lookups widen float16 scales, policy.py)."""
+    """What the model computes in (runner.activation_dtype): its embedding's dtype, or its scales'."""
     for t in tensors:
         if t.name in ("model.embed_tokens.weight", "token_embd.weight"):
             return t.dtype

@@ -338,10 +338,11 @@ def convert_to_bits(tensors: Iterable[Tensor], bits: int) -> list[Tensor]:
 
 def held(
     tensors: Iterable[Tensor], backend: str, keep_quantized: bool | None, row_tables: Collection[str] = ()
-) -> tuple[list[Tensor], str]:
+) -> tuple[list[Tensor], str, bool]:
     """The tensors after ``loading/policy.py``'s ``apply_weight_policy`` on ``backend`` ("cpu" or
-    "metal"), and how (the policy's own words). ``row_tables``: the model's float tables that the CPU
-    policy keeps as stored (``CausalLM.row_tables``)."""
+    "metal"), how (the policy's own words), and whether the native CPU kernels compute the quantized
+    layers (their embedding lookups come out float32 whatever the scales). ``row_tables``: the model's
+    float tables that the CPU policy keeps as stored (``CausalLM.row_tables``)."""
     tensors = list(tensors)
 
     def stays(t: Tensor) -> bool:
@@ -354,17 +355,17 @@ def held(
     bits = sorted({t.bits for t in tensors if t.bits and not t.expert})
     bits_text = "/".join(f"{b}-bit" for b in bits)
     if backend == "cpu":
-        if bits and keep_quantized is not False and cpu_kernels_cover(tensors):
+        if bits and keep_quantized is not False and _cpu_kernels_cover(tensors):
             widened = [t if stays_for_kernels(t) else replace(t, dtype="float32") for t in tensors]
-            return widened, f"kept {bits_text} for the native CPU kernels"
+            return widened, f"kept {bits_text} for the native CPU kernels", True
         if keep_quantized:
-            return tensors, f"kept {bits_text} on the CPU backend" if bits else ""
+            return tensors, f"kept {bits_text} on the CPU backend" if bits else "", False
         half = "/".join(sorted({t.dtype for t in tensors if t.dtype in ("float16", "bfloat16")}))
         how = f"dequantized from {bits_text}" if bits else (f"from {half}" if half else "")
         widened = [t if stays(t) else replace(_dequantized(t), dtype="float32") for t in tensors]
-        return widened, f"{how} for the CPU backend" if how else ""
+        return widened, f"{how} for the CPU backend" if how else "", False
     if keep_quantized is False:
-        return [_dequantized(t) for t in tensors], f"dequantized from {bits_text}" if bits else ""
+        return [_dequantized(t) for t in tensors], f"dequantized from {bits_text}" if bits else "", False
     from mlx_infer.loading.policy import REQUANT_GROUP_SIZE
 
     out = []
@@ -374,7 +375,7 @@ def held(
             out.append(replace(t, dtype="bfloat16", bits=t.requantize, group_size=REQUANT_GROUP_SIZE))
         else:
             out.append(t)
-    return out, f"quantized {bits_text}" if bits else ""
+    return out, f"quantized {bits_text}" if bits else "", False
 
 
 def _dequantized(t: Tensor) -> Tensor:
@@ -382,8 +383,7 @@ def _dequantized(t: Tensor) -> Tensor:
     return t if t.expert else replace(t, bits=0, group_size=0)
 
 
-def cpu_kernels_cover(tensors: list[Tensor]) -> bool:
-    """Whether the CPU policy keeps these (quantized) tensors for the native kernels."""
+def _cpu_kernels_cover(tensors: list[Tensor]) -> bool:
     from mlx_infer import cpu_kernels
 
     # policy._cpu_kernels_cover: affine 4/8-bit with groups of a multiple of 8, kernels built here.

@@ -168,9 +168,6 @@ struct Block8<8> {
   }
 };
 
-// The columns of scales or biases columns8 takes at a time: 16 bytes of each row.
-inline int param_columns(const GroupParams& params) { return params.half ? 8 : 4; }
-
 // Columns g0.. of 8 rows of `groups` scales or biases (rows first_row..first_row + 7), one row a lane, as
 // float32: out[j][f] = row f's column g0 + j for j < param_columns(params) (4 float32 columns or 8 float16
 // ones: 16 bytes of each row); columns past the rows' end are not written.

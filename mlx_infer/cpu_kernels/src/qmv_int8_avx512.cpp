@@ -187,9 +187,6 @@ inline void row_dots(const Int8Problem& p, const uint8_t* base, size_t row_bytes
   }
 }
 
-// The columns of scales or biases columns16 takes at a time: 16 bytes of each row.
-inline int param_columns(const GroupParams& params) { return params.half ? 8 : 4; }
-
 // Columns g0.. of 16 rows of `groups` scales or biases (rows first_row..first_row + 15), one row a lane, as
 // float32: out[j][f] = row f's column g0 + j for j < param_columns(params) (4 float32 columns or 8 float16
 // ones: 16 bytes of each row); columns past the rows' end are not written.

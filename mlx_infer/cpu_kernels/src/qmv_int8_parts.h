@@ -14,6 +14,9 @@
 namespace mlx_infer {
 namespace {
 
+// The columns of scales or biases the vector kernels' columnsN widen from one 16-byte load of each row.
+inline int param_columns(const GroupParams& params) { return params.half ? 8 : 4; }
+
 // How far ahead (in output features of the same product) the weights, scales and biases are prefetched.
 // The hardware prefetchers alone left these small products (a few hundred KB each, in three streams)
 // waiting on memory: on the 2-vCPU AMD EPYC VM, SmolLM2's 120 layer products and 8-bit head called in
