@@ -188,6 +188,36 @@ def test_float16_scales_give_the_bits_of_their_float32_widening(native, bits: in
         cpu_kernels.set_activations("float32")
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.float32])
+def test_amx_tiles_give_the_bits_of_the_512_bit_kernel(native, bits: int, group: int, scale_dtype):
+    """Where the CPU and the OS give AMX tiles, a decode step's 12-16 rows take their dot products from
+    tile multiplies: int16 and int8 x give the same bits as the 512-bit vpdpbusd kernel at the row
+    counts around the tiles' (11 and 17 are not theirs). 45 features: two 16-feature tiles and a tail;
+    K = 576: 9 pairs of blocks, a group of 64 spanning a pair."""
+    cpu_kernels.set_activations("int8")
+    try:
+        if cpu_kernels.activations() != "int8-amx":
+            pytest.skip(f"no AMX tiles here (the int8 build is {cpu_kernels.activations()})")
+        rng = np.random.default_rng(bits + group)
+        k = 576
+        weight = mx.array(rng.standard_normal((45, k)).astype(np.float32))
+        w, scales, biases = mx.quantize(weight, group, bits)
+        scales, biases = scales.astype(scale_dtype), biases.astype(scale_dtype)
+        x = mx.array(rng.standard_normal((17, k)).astype(np.float32))
+        for tiles, vectors in (("int16", "int16-avx512"), ("int8", "int8-avx512")):
+            for rows in (11, 12, 13, 16, 17):
+                outs = []
+                for kind in (tiles, vectors):
+                    cpu_kernels.set_activations(kind)
+                    out = cpu_kernels.quantized_matmul(x[:rows], w, scales, biases, group, bits)
+                    outs.append(np.array(out))
+                np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"{tiles}, {rows} rows")
+    finally:
+        cpu_kernels.set_activations("float32")
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 17, 100])
 def test_int16_activation_products_equal_their_numpy_scheme(int16_activations, group: int, rows: int):

@@ -47,9 +47,14 @@ _reason = "not loaded yet"
 _step = StepMemo()
 
 ACTIVATIONS_ENV_VAR = "MLX_INFER_CPU_ACTIVATIONS"
-# int16: int16 x for the 4-bit weights too (8-bit ones always); -256: the integer kernel in 256-bit
-# vectors (VNNI where the CPU has it) even where AVX-512 VNNI would be chosen; -avx2: without VNNI.
-ACTIVATIONS = ("int8", "int8-256", "int8-avx2", "int16", "int16-256", "int16-avx2", "float32")
+# int16: int16 x for the 4-bit weights too (8-bit ones always); -avx512: the 512-bit kernel without AMX
+# tiles even where they would be used; -256: the integer kernel in 256-bit vectors (VNNI where the CPU
+# has it) even where AVX-512 VNNI would be chosen; -avx2: without VNNI. All give the same bits.
+ACTIVATIONS = (
+    "int8", "int8-avx512", "int8-256", "int8-avx2",
+    "int16", "int16-avx512", "int16-256", "int16-avx2",
+    "float32",
+)
 DEFAULT_ACTIVATIONS = "int16"
 # Pools the kernels read and write (src/kv_format.h): int8 ones hold each head's row and its scale.
 # The dtypes of scales and biases the affine kernels read as they are (policy.py keeps float16 ones).
@@ -92,8 +97,9 @@ def set_activations(kind: str) -> None:
 
 
 def activations() -> str:
-    """The activations in use: ``"int16"`` (the default), ``"int8-avx512"``, ``"int8-vnni"``,
-    ``"int8-avx2"`` or ``"float32"`` (also where the kernels are unavailable)."""
+    """The activations in use: ``"int16"`` (the default), ``"int8-amx"`` (512-bit vectors and AMX tiles),
+    ``"int8-avx512"``, ``"int8-vnni"``, ``"int8-avx2"`` or ``"float32"`` (also where the kernels are
+    unavailable)."""
     return _native.activations() if available() else "float32"
 
 

@@ -50,6 +50,9 @@ void features(const Int8Problem& p, int n0, int n1);
 // 512-bit vectors (qmv_int8_avx512.cpp): sixteen features a vector, each computed as the 256-bit builds do.
 namespace int8_avx512 {
 void features(const Int8Problem& p, int n0, int n1);
+// The same with AMX tile multiplies for 12-16 rows (MLX_INFER_HAVE_AMX builds; the caller checks that the
+// CPU has AMX and that the process may use it: amx_usable in quantized_matvec.cpp).
+void features_amx(const Int8Problem& p, int n0, int n1);
 }
 
 }  // namespace mlx_infer

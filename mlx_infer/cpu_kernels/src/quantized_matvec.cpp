@@ -16,7 +16,10 @@
 
 #include "quantized_matvec.h"
 
+#include <cpuid.h>
 #include <dlfcn.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -185,16 +188,39 @@ Int8Features best_int8_256() {
   return int8_avx2::features;
 }
 
-// The int8 build for this CPU: 512-bit vectors where it has AVX-512 with VNNI (and the compiler that
-// built this did), else the best 256-bit one.
-Int8Features best_int8() {
+#ifdef MLX_INFER_HAVE_AMX
+// Whether the CPU has AMX-INT8 (CPUID leaf 7: EDX bits 24 and 25, tiles and int8) and Linux lets this
+// process use the tile registers: they are off until asked for (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA), and a tile instruction without them is SIGILL, as it is in a VM that does not pass them on.
+bool amx_usable() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25))) {
+    return false;
+  }
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+}
+#endif
+
+// The 512-bit build, where the CPU has AVX-512 with VNNI (and the compiler that built this did).
+Int8Features best_int8_512() {
 #ifdef MLX_INFER_HAVE_AVX512
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
     return int8_avx512::features;
   }
 #endif
-  return best_int8_256();
+  return nullptr;
+}
+
+// The int8 build for this CPU: 512-bit vectors with AMX tiles, or without, else the best 256-bit one.
+Int8Features best_int8() {
+  const Int8Features wide = best_int8_512();
+#ifdef MLX_INFER_HAVE_AMX
+  static const bool amx = amx_usable();
+  if (wide != nullptr && amx) return int8_avx512::features_amx;
+#endif
+  return wide != nullptr ? wide : best_int8_256();
 }
 
 // nullptr: float32 activations.
@@ -411,12 +437,16 @@ void set_activations(const std::string& kind) {
   Int8Features features = nullptr;
   if (build.empty()) {
     features = best_int8();
+  } else if (build == "-avx512") {
+    const Int8Features wide = best_int8_512();
+    features = wide != nullptr ? wide : best_int8_256();
   } else if (build == "-256") {
     features = best_int8_256();
   } else if (build == "-avx2") {
     features = int8_avx2::features;
   } else {
-    throw std::invalid_argument("activations must be float32 or int8/int16 with -256 or -avx2 or neither, not " + kind);
+    throw std::invalid_argument("activations must be float32 or int8/int16 with -avx512, -256, -avx2 or none, not " +
+                                kind);
   }
   g_int8.store(features);
   g_x16.store(x16);
@@ -429,6 +459,9 @@ std::string activations() {
   if (features == int8_avx2::features) return "int8-avx2";
 #ifdef MLX_INFER_HAVE_AVX512
   if (features == int8_avx512::features) return "int8-avx512";
+#endif
+#ifdef MLX_INFER_HAVE_AMX
+  if (features == int8_avx512::features_amx) return "int8-amx";
 #endif
   return "int8-vnni";
 }
