@@ -22,6 +22,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "buffer.h"
 #include "kv_format.h"
 #include "norm_rope.h"
 #include "paged_attention.h"
@@ -92,10 +93,10 @@ class BlockQKV : public mx::UnaryPrimitive {
                       eps = eps_, qk_eps = qk_eps_, shape = shape_, dims = rope_dims_]() {
       std::vector<float> x_s, n_s, c_s, s_s, b_s, qn_s, kn_s;
       AffineWeights::Scratch w_s;
-      std::vector<float> normed(static_cast<size_t>(T) * Dm);
-      rms_norm_rows(x.rows(x_s), norm.rows(n_s), normed.data(), T, Dm, eps, false);
+      const Buffer<float> normed(static_cast<size_t>(T) * Dm);
+      rms_norm_rows(x.rows(x_s), norm.rows(n_s), normed.get(), T, Dm, eps, false);
       const int W = shape.width();
-      affine_product(normed.data(), T, Dm, w.view(w_s), op);
+      affine_product(normed.get(), T, Dm, w.view(w_s), op);
       if (bias) {
         const float* b = bias->rows(b_s);
         for (int t = 0; t < T; ++t) {
@@ -170,22 +171,22 @@ class BlockOut : public mx::UnaryPrimitive {
       std::vector<float> x_s, n_s;
       AffineWeights::Scratch w_s;
       const size_t HD = static_cast<size_t>(attn.H) * attn.D;
-      std::vector<float> heads(T * HD);
-      attn.out = heads.data();
+      const Buffer<float> heads(T * HD);
+      attn.out = heads.get();
       attention.attend(attn);
       // h = x + o_proj(heads), written straight into the output, which then receives h + mlp(h).
-      std::vector<float> tmp(static_cast<size_t>(T) * std::max(Dm, 2 * I));
-      affine_product(heads.data(), T, static_cast<int>(HD), o.view(w_s), tmp.data());
+      const Buffer<float> tmp(static_cast<size_t>(T) * std::max(Dm, 2 * I));
+      affine_product(heads.get(), T, static_cast<int>(HD), o.view(w_s), tmp.get());
       const float* xp = x.rows(x_s);
       const size_t n = static_cast<size_t>(T) * Dm;
-      for (size_t i = 0; i < n; ++i) op[i] = xp[i] + tmp[i];
-      std::vector<float> normed(n);
-      rms_norm_rows(op, norm.rows(n_s), normed.data(), T, Dm, eps, false);
-      affine_product(normed.data(), T, Dm, gate_up.view(w_s), tmp.data());
-      std::vector<float> act(static_cast<size_t>(T) * I);
-      silu_gate(tmp.data(), T, I, act.data());
-      affine_product(act.data(), T, I, down.view(w_s), tmp.data());
-      for (size_t i = 0; i < n; ++i) op[i] += tmp[i];
+      for (size_t i = 0; i < n; ++i) op[i] = xp[i] + tmp.get()[i];
+      const Buffer<float> normed(n);
+      rms_norm_rows(op, norm.rows(n_s), normed.get(), T, Dm, eps, false);
+      affine_product(normed.get(), T, Dm, gate_up.view(w_s), tmp.get());
+      const Buffer<float> act(static_cast<size_t>(T) * I);
+      silu_gate(tmp.get(), T, I, act.get());
+      affine_product(act.get(), T, I, down.view(w_s), tmp.get());
+      for (size_t i = 0; i < n; ++i) op[i] += tmp.get()[i];
     });
   }
 

@@ -31,6 +31,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "buffer.h"
 #include "qmv_int8.h"
 #include "simd.h"
 #include "strided.h"
@@ -282,14 +283,6 @@ inline __m256i pack_int8(const __m256i (&q)[4]) {
   // The packs interleave 128-bit lanes: 4-byte groups come as values 0, 8, 16, 24, 4, 12, 20, 28 (x4).
   return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
-
-// The memory of a quantized x, not zeroed (every element is written).
-template <typename T>
-struct Buffer {
-  std::unique_ptr<T[]> data;
-  explicit Buffer(size_t n) : data(n ? new T[n] : nullptr) {}
-  T* get() const { return data.get(); }
-};
 
 // x [M, K] -> the quantized blocks, scales and sums of Int8Problem in `layout`. Rows are independent:
 // a prefill's rows are quantized on the thread pool.
