@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from mlx_infer import cpu_kernels
 from mlx_infer.constraints.spec import ConstraintSpec
 from mlx_infer.errors import InvalidRequest
 
@@ -150,7 +151,7 @@ def _truncate(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
 def _draw(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
     """Categorical draws at each row's temperature (greedy rows take the argmax)."""
     temps = [r.params.temperature for r in rows]
-    greedy = mx.argmax(logits, axis=-1)
+    greedy = cpu_kernels.argmax(logits)
     if all(t == 0.0 for t in temps):
         return greedy
     scaled = logits / _column([t if t > 0 else 1.0 for t in temps])
@@ -165,7 +166,7 @@ def _draw(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
         )
     else:
         noise = mx.random.gumbel(scaled.shape)
-    sampled = mx.argmax(scaled + noise, axis=-1)
+    sampled = cpu_kernels.argmax(scaled + noise)
     return mx.where(mx.array([t == 0.0 for t in temps]), greedy, sampled)
 
 

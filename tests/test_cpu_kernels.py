@@ -376,6 +376,26 @@ def test_bad_arguments_raise_one_clear_error(native):
         native.affine_qmv(mx.ones((1, 64)), w, s.astype(mx.float16), b, 32, 4)
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 8, 61, 49152])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_argmax_gives_mlx_argmax_indices(native, rows: int, vocab: int):
+    """Greedy sampling's native argmax answers as mx.argmax (and NumPy) do: the first of equal maxima
+    (integer-valued logits tie often; a tie between a lane's and the tail's values), the first NaN of a
+    row that has any, 0 for a row of -inf, the first +inf; rows alone, few (one thread) or many (the pool)."""
+    rng = np.random.default_rng(rows * 100_003 + vocab)
+    x = np.round(rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+    cases = [x, x.copy(), x.copy(), x.copy()]
+    cases[1][:, vocab // 2 :] = -np.inf
+    cases[1][-1] = -np.inf
+    cases[2][rng.random((rows, vocab)) < 0.05] = np.nan
+    cases[2][0, -1] = np.nan
+    cases[3][rng.random((rows, vocab)) < 0.05] = np.inf
+    for case in cases:
+        got = np.array(cpu_kernels.argmax(mx.array(case)))
+        np.testing.assert_array_equal(got, np.array(mx.argmax(mx.array(case), axis=-1)))
+        np.testing.assert_array_equal(got, np.argmax(case, axis=-1))
+
+
 @pytest.mark.parametrize("offset", [False, True])
 def test_rms_norm_equals_numpy(native, offset: bool):
     rng = np.random.default_rng(3)

@@ -162,6 +162,14 @@ def paged_attention(
     )
 
 
+def argmax(x: mx.array) -> mx.array:
+    """``mx.argmax(x, axis=-1)`` of a step's logits [rows, V]: the native kernel for float32 ones where it
+    applies (the same indices: first of equal maxima, first NaN), MLX's op otherwise."""
+    if x.dtype == mx.float32 and x.ndim == 2 and x.shape[1] > 0 and applies():
+        return _native.argmax_rows(x)
+    return mx.argmax(x, axis=-1)
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float, offset: bool = False) -> mx.array | None:
     """RMSNorm of float32 ``x`` as one op (``offset``: Gemma's ``1 + weight``); None where the kernel
     does not apply (other dtypes, kernels unavailable): the caller computes it with MLX ops."""

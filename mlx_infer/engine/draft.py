@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_infer import cpu_kernels
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.pages import allocate_pools, drop_blocks
@@ -98,7 +99,7 @@ class DraftProposer:
 
     def _argmax(self, inputs: mx.array, slices: list[SequenceSlice]) -> mx.array:
         meta = build_metadata(slices, self.kv.block_size)
-        return mx.argmax(self.model(inputs, self.cache, meta), axis=-1).astype(mx.int32)
+        return cpu_kernels.argmax(self.model(inputs, self.cache, meta)).astype(mx.int32)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
