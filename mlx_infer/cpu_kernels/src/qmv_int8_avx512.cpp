@@ -232,6 +232,20 @@ void configure_tiles(int rows) {
   _tile_loadconfig(&c);
 }
 
+// One byte plane of the configured rows of x (at `x`, `stride` bytes a row) into tile X, against both
+// blocks' weights (tiles 6 and 7): their int32 dot products via tiles C0 and C1 into out[0] and out[1].
+// A macro: GCC's tile intrinsics paste their tile numbers into the assembly as written.
+#define MLX_INFER_AMX_PLANE(C0, C1, X, x, stride, out) \
+  do {                                                  \
+    _tile_zero(C0);                                     \
+    _tile_zero(C1);                                     \
+    _tile_loadd(X, x, stride);                          \
+    _tile_dpbsud(C0, X, 6);                             \
+    _tile_dpbsud(C1, X, 7);                             \
+    _tile_stored(C0, (out)[0], 64);                     \
+    _tile_stored(C1, (out)[1], 64);                     \
+  } while (false)
+
 // The exact dot products of the configured rows from m0 with blocks b and b + 1 (K is a multiple of 64:
 // blocks come in pairs) of the 16 features at `base`: high[k][r] and low[k][r] for block b + k and row
 // m0 + r, lane f feature f.
@@ -245,23 +259,10 @@ void amx_pair(const Int8Problem& p, const uint8_t* base, size_t row_bytes, int b
   _tile_loadd(6, w_rows[0], 64);
   _tile_loadd(7, w_rows[1], 64);
   const size_t x_at = static_cast<size_t>(m0) * p.K + static_cast<size_t>(b) * 32;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_loadd(4, p.xq + x_at, p.K);
-  _tile_dpbsud(0, 4, 6);
-  _tile_dpbsud(1, 4, 7);
-  _tile_stored(0, high[0], 64);
-  _tile_stored(1, high[1], 64);
-  if constexpr (X16) {
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_loadd(5, p.xl + x_at, p.K);
-    _tile_dpbsud(2, 5, 6);
-    _tile_dpbsud(3, 5, 7);
-    _tile_stored(2, low[0], 64);
-    _tile_stored(3, low[1], 64);
-  }
+  MLX_INFER_AMX_PLANE(0, 1, 4, p.xq + x_at, p.K, high);
+  if constexpr (X16) MLX_INFER_AMX_PLANE(2, 3, 5, p.xl + x_at, p.K, low);
 }
+#undef MLX_INFER_AMX_PLANE
 #endif
 
 // Columns g0.. of 16 rows of `groups` scales or biases (rows first_row..first_row + 15), one row a lane, as
