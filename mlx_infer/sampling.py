@@ -184,14 +184,25 @@ def sample(logits: mx.array, rows: list[SamplerRow], allowed: mx.array | None = 
     result = SampleResult(tokens=tokens)
     want = [r.params.logprobs for r in rows if r.params.logprobs is not None]
     if want:
-        # Log-probabilities of the model's distribution (before penalties and truncation), as vLLM reports.
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        result.logprobs = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-        k = max(want)
-        if k > 0:
-            top_ids = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
-            top_lp = mx.take_along_axis(logprobs, top_ids, axis=-1)
-            order = mx.argsort(-top_lp, axis=-1)
-            result.top_ids = mx.take_along_axis(top_ids, order, axis=-1).astype(mx.int32)
-            result.top_logprobs = mx.take_along_axis(top_lp, order, axis=-1)
+        result.logprobs, result.top_ids, result.top_logprobs = _logprobs(logits, tokens, max(want))
     return result
+
+
+def _logprobs(
+    logits: mx.array, tokens: mx.array, k: int
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """Log-probabilities of the model's distribution (before penalties and truncation), as vLLM reports:
+    the chosen tokens' and, for ``k`` > 0, the top ``k`` ids and log-probabilities, descending."""
+    native = cpu_kernels.logprobs(logits, tokens, k)
+    if native is not None:
+        chosen, top_ids, top_lp = native
+        return (chosen, top_ids, top_lp) if k > 0 else (chosen, None, None)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    if k == 0:
+        return chosen, None, None
+    top_ids = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
+    top_lp = mx.take_along_axis(logprobs, top_ids, axis=-1)
+    order = mx.argsort(-top_lp, axis=-1)
+    top_ids = mx.take_along_axis(top_ids, order, axis=-1).astype(mx.int32)
+    return chosen, top_ids, mx.take_along_axis(top_lp, order, axis=-1)

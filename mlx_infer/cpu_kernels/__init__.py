@@ -170,6 +170,16 @@ def argmax(x: mx.array) -> mx.array:
     return mx.argmax(x, axis=-1)
 
 
+def logprobs(logits: mx.array, tokens: mx.array, k: int) -> tuple[mx.array, mx.array, mx.array] | None:
+    """The chosen tokens' log-probabilities [R] and the top ``k`` ids [R, k] (int32) and log-probabilities
+    [R, k] (descending; equal ones by the lower id) of float32 ``logits`` [R, V], in one op; None where
+    the kernel does not apply (MLX ops then)."""
+    if logits.dtype != mx.float32 or logits.ndim != 2 or not 0 <= k <= logits.shape[1] or not applies():
+        return None
+    chosen, top_ids, top_logprobs = _native.logprobs(logits, tokens, k)
+    return chosen, top_ids, top_logprobs
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float, offset: bool = False) -> mx.array | None:
     """RMSNorm of float32 ``x`` as one op (``offset``: Gemma's ``1 + weight``); None where the kernel
     does not apply (other dtypes, kernels unavailable): the caller computes it with MLX ops."""

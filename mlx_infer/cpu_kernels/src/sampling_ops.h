@@ -1,0 +1,19 @@
+#pragma once
+
+#include <vector>
+
+#include "mlx/mlx.h"
+
+namespace mlx_infer {
+
+// The index of each row's largest value of float32 x [R, V] as uint32 [R], as mx.argmax(x, axis=-1)
+// gives it: the first of equal maxima, the first NaN where a row has one, 0 for a row of -inf.
+mlx::core::array argmax_rows(const mlx::core::array& x);
+
+// The log-probabilities the sampler reports, from float32 logits [R, V] and the chosen tokens [R]
+// (int32): {chosen [R] float32, top_ids [R, k] int32, top_logprobs [R, k] float32}, log_softmax(x) =
+// x - (max + log(sum(exp(x - max)))), the top k in descending order (equal values: the lower id first;
+// NaNs are never among them), 0 <= k <= V.
+std::vector<mlx::core::array> logprobs(const mlx::core::array& logits, const mlx::core::array& tokens, int k);
+
+}  // namespace mlx_infer
