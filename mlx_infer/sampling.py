@@ -127,25 +127,31 @@ def _truncate(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
     top_p = [r.params.top_p for r in rows]
     min_p = [r.params.min_p for r in rows]
     if any(top_k) or any(p < 1.0 for p in top_p):
-        vocab = logits.shape[-1]
-        order = mx.argsort(-logits, axis=-1)
-        sorted_logits = mx.take_along_axis(logits, order, axis=-1)
-        keep = mx.ones(sorted_logits.shape, dtype=mx.bool_)
-        if any(top_k):
-            k = np.asarray([t if t > 0 else vocab for t in top_k], dtype=np.int32)[:, None]
-            keep = keep & (mx.arange(vocab)[None, :] < mx.array(k))
-        if any(p < 1.0 for p in top_p):
-            probs = mx.softmax(mx.where(keep, sorted_logits, -mx.inf), axis=-1)
-            # Keep a token when the mass before it is below top_p: the first token always stays.
-            mass_before = mx.cumsum(probs, axis=-1) - probs
-            keep = keep & (mass_before < _column(top_p))
-        inverse = mx.argsort(order, axis=-1)
-        logits = mx.where(mx.take_along_axis(keep, inverse, axis=-1), logits, -mx.inf)
+        native = cpu_kernels.truncate_top(logits, top_k, top_p)
+        logits = native if native is not None else _truncate_top(logits, top_k, top_p)
     if any(min_p):
         probs = mx.softmax(logits, axis=-1)
         threshold = _column(min_p) * probs.max(axis=-1, keepdims=True)
         logits = mx.where(probs >= threshold, logits, -mx.inf)
     return logits
+
+
+def _truncate_top(logits: mx.array, top_k: list[int], top_p: list[float]) -> mx.array:
+    """Top-k then top-p with MLX ops (cpu_kernels.truncate_top where the native kernels run): a full sort."""
+    vocab = logits.shape[-1]
+    order = mx.argsort(-logits, axis=-1)
+    sorted_logits = mx.take_along_axis(logits, order, axis=-1)
+    keep = mx.ones(sorted_logits.shape, dtype=mx.bool_)
+    if any(top_k):
+        k = np.asarray([t if t > 0 else vocab for t in top_k], dtype=np.int32)[:, None]
+        keep = keep & (mx.arange(vocab)[None, :] < mx.array(k))
+    if any(p < 1.0 for p in top_p):
+        probs = mx.softmax(mx.where(keep, sorted_logits, -mx.inf), axis=-1)
+        # Keep a token when the mass before it is below top_p: the first token always stays.
+        mass_before = mx.cumsum(probs, axis=-1) - probs
+        keep = keep & (mass_before < _column(top_p))
+    inverse = mx.argsort(order, axis=-1)
+    return mx.where(mx.take_along_axis(keep, inverse, axis=-1), logits, -mx.inf)
 
 
 def _draw(logits: mx.array, rows: list[SamplerRow]) -> mx.array:

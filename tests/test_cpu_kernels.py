@@ -430,6 +430,37 @@ def test_logprobs_of_nan_and_infinite_rows(native):
     assert not np.isfinite(values[1]).any()
 
 
+def _np_truncate_top(x: np.ndarray, k: int, p: float) -> np.ndarray:
+    """Top-k then top-p of one row in float64: rank by descending logit (equal ones by the lower id),
+    keep the first k, then those whose mass ranked before them (softmax over the k) is below p."""
+    order = np.argsort(-x, kind="stable")[: k or len(x)]
+    if p < 1.0:
+        probs = np.exp(x[order].astype(np.float64) - x[order[0]])
+        probs /= probs.sum()
+        order = order[(np.cumsum(probs) - probs) < p]
+    out = np.full_like(x, -np.inf)
+    out[order] = x[order]
+    return out
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 49152])
+def test_truncate_top_keeps_what_top_k_and_top_p_keep(native, vocab: int):
+    """Top-k and top-p as one native op, against float64 NumPy row by row: ties (integer-valued logits)
+    cut by the lower id first, top-p alone (found without sorting the whole row), top-k then top-p, and
+    a row's settings are its own: a row without top-p keeps every token beside rows with it (the MLX
+    ops, which ran top-p over the whole batch, cut such a row's float32 tail once its cumulative mass
+    rounded to 1)."""
+    rng = np.random.default_rng(vocab)
+    x = (rng.standard_normal((6, vocab)) * 3).astype(np.float32)
+    x[1] = np.round(x[1])
+    top_k = [0, 3, 0, 50, 1, 0]
+    top_p = [0.9, 1.0, 0.5, 0.8, 0.3, 1.0]
+    got = np.array(cpu_kernels.truncate_top(mx.array(x), top_k, top_p))
+    for row, (k, p) in enumerate(zip(top_k, top_p)):
+        np.testing.assert_array_equal(got[row], _np_truncate_top(x[row], k, p), err_msg=f"row {row}")
+    assert np.isfinite(got[5]).all()
+
+
 @pytest.mark.parametrize("offset", [False, True])
 def test_rms_norm_equals_numpy(native, offset: bool):
     rng = np.random.default_rng(3)

@@ -180,6 +180,14 @@ def logprobs(logits: mx.array, tokens: mx.array, k: int) -> tuple[mx.array, mx.a
     return chosen, top_ids, top_logprobs
 
 
+def truncate_top(logits: mx.array, top_k: list[int], top_p: list[float]) -> mx.array | None:
+    """Top-k then top-p of each row of float32 ``logits`` [R, V] (0 / 1.0: off), the cut ones -inf, in one
+    op; None where the kernel does not apply (MLX ops then)."""
+    if logits.dtype != mx.float32 or logits.ndim != 2 or not applies():
+        return None
+    return _native.truncate_top(logits, mx.array(top_k, dtype=mx.int32), mx.array(top_p, dtype=mx.float32))
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float, offset: bool = False) -> mx.array | None:
     """RMSNorm of float32 ``x`` as one op (``offset``: Gemma's ``1 + weight``); None where the kernel
     does not apply (other dtypes, kernels unavailable): the caller computes it with MLX ops."""

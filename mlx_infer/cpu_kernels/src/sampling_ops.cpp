@@ -10,9 +10,11 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -108,9 +110,8 @@ class ArgmaxRows : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
-// log(sum(exp(x - max))) + max over a row, exp8's exponentials eight at a time.
-float log_sum_exp(const float* x, int V) {
-  // The maximum ignores NaNs (a NaN makes the sum NaN below, as it makes MLX's logsumexp).
+// The largest value of a row, ignoring NaNs.
+float row_max(const float* x, int V) {
   __m256 vmax = _mm256_set1_ps(-INFINITY);
   int i = 0;
   for (; i + 8 <= V; i += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(x + i), vmax);
@@ -119,14 +120,25 @@ float log_sum_exp(const float* x, int V) {
   float m = lanes[0];
   for (int l = 1; l < 8; ++l) m = std::max(m, lanes[l]);
   for (; i < V; ++i) m = std::max(m, x[i]);
-  if (std::isinf(m)) return m;  // every logit -inf (or one +inf): as log(sum(exp)) would say
+  return m;
+}
+
+// sum(exp(x - m)) over a row, exp8's exponentials eight at a time (a NaN makes it NaN).
+float sum_exp(const float* x, int V, float m) {
   const __m256 vm = _mm256_set1_ps(m);
   __m256 total = _mm256_setzero_ps();
-  i = 0;
+  int i = 0;
   for (; i + 8 <= V; i += 8) total = _mm256_add_ps(total, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
   float sum = hsum(total);
   for (; i < V; ++i) sum += std::exp(x[i] - m);
-  return m + std::log(sum);
+  return sum;
+}
+
+// log(sum(exp(x - max))) + max over a row.
+float log_sum_exp(const float* x, int V) {
+  const float m = row_max(x, V);
+  if (std::isinf(m)) return m;  // every logit -inf (or one +inf): as log(sum(exp)) would say
+  return m + std::log(sum_exp(x, V, m));
 }
 
 // The k largest values of a row (k >= 1) into ids/values, descending, equal values by the lower id:
@@ -156,6 +168,92 @@ void top_k(const float* x, int V, int k, int32_t* ids, float* values) {
     values[j] = -INFINITY;
   }
 }
+
+// Top-k then top-p of one row (sampling.py's _truncate): out = x where kept, -inf elsewhere. Tokens
+// rank by descending logit, equal ones by the lower id; top-k keeps the first k (k = 0: all); top-p
+// (p < 1) keeps those whose probability mass ranked before them, under the softmax of the top-k ones,
+// is below p (so the first always stays). Only the tokens that can be kept are ranked: the top k, or
+// for top-p alone those above a logit cut lowered until they hold p of the mass.
+void truncate_row(const float* x, int V, int k, float p, float* out) {
+  std::vector<std::pair<float, int>> ranked;  // (logit, id), descending, ties by id
+  const auto by_rank = [](const std::pair<float, int>& a, const std::pair<float, int>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  const float m = row_max(x, V);
+  if (k > 0 && k < V) {
+    std::vector<int32_t> ids(k);
+    std::vector<float> values(k);
+    top_k(x, V, k, ids.data(), values.data());
+    for (int j = 0; j < k; ++j) ranked.emplace_back(values[j], ids[j]);
+  }
+  if (p < 1.0f) {
+    float total = 0.0f;  // the softmax's denominator over the tokens top-k keeps
+    if (ranked.empty()) {
+      total = sum_exp(x, V, m);
+      for (float cut = m - 8.0f;; cut -= 8.0f) {  // e^-8 of the top token's weight a step
+        ranked.clear();
+        float mass = 0.0f;
+        for (int i = 0; i < V; ++i) {
+          if (x[i] >= cut) {
+            ranked.emplace_back(x[i], i);
+            mass += std::exp(x[i] - m);
+          }
+        }
+        // A margin over p: the walk below sums in its own order, and must end within the candidates.
+        if (mass > 1.001f * p * total || static_cast<int>(ranked.size()) == V || !(cut > -INFINITY)) break;
+      }
+    } else {
+      for (const auto& [v, id] : ranked) total += std::exp(v - m);
+    }
+    std::sort(ranked.begin(), ranked.end(), by_rank);
+    float before = 0.0f;  // the mass ranked before the next token
+    size_t keep = 0;
+    for (; keep < ranked.size() && before < p; ++keep) before += std::exp(ranked[keep].first - m) / total;
+    ranked.resize(keep);
+  }
+  std::fill(out, out + V, -INFINITY);
+  if (ranked.empty()) {  // top-k of k >= V and no top-p: nothing is cut
+    std::copy(x, x + V, out);
+    return;
+  }
+  for (const auto& [v, id] : ranked) out[id] = v;
+}
+
+class TruncateTop : public mx::UnaryPrimitive {
+ public:
+  explicit TruncateTop(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int R = inputs[0].shape(0);
+    const int V = inputs[0].shape(1);
+    encoder.dispatch([x = Input<float>(inputs[0]), top_k = Input<int32_t>(inputs[1]), top_p = Input<float>(inputs[2]),
+                      op = out.data<float>(), R, V]() {
+      std::vector<float> x_s, p_s;
+      std::vector<int32_t> k_s;
+      const float* xp = x.rows(x_s);
+      const int32_t* kp = top_k.rows(k_s);
+      const float* pp = top_p.rows(p_s);
+      over_rows(R, [&](int r0, int r1) {
+        for (int r = r0; r < r1; ++r) {
+          const size_t at = static_cast<size_t>(r) * V;
+          truncate_row(xp + at, V, kp[r], pp[r], op + at);
+        }
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("TruncateTop is a CPU kernel");
+  }
+
+  const char* name() const override { return "NativeTruncateTop"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
 
 class LogProbs : public mx::Primitive {
  public:
@@ -217,6 +315,16 @@ std::vector<mx::array> logprobs(const mx::array& logits, const mx::array& tokens
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   return mx::array::make_arrays({{R}, {R, k}, {R, k}}, {mx::float32, mx::int32, mx::float32},
                                 std::make_shared<LogProbs>(s, k), {logits, mx::astype(tokens, mx::int32, s)});
+}
+
+mx::array truncate_top(const mx::array& logits, const mx::array& top_k, const mx::array& top_p) {
+  if (logits.dtype() != mx::float32 || logits.ndim() != 2 || top_k.ndim() != 1 || top_p.ndim() != 1 ||
+      top_k.shape(0) != logits.shape(0) || top_p.shape(0) != logits.shape(0)) {
+    throw std::invalid_argument("truncate_top: logits must be float32 [R, V], top_k and top_p [R]");
+  }
+  const mx::Stream s = mx::default_stream(mx::Device::cpu);
+  return mx::array(logits.shape(), mx::float32, std::make_shared<TruncateTop>(s),
+                   {logits, mx::astype(top_k, mx::int32, s), mx::astype(top_p, mx::float32, s)});
 }
 
 mx::array argmax_rows(const mx::array& x) {
