@@ -155,11 +155,15 @@ def _truncate_top(logits: mx.array, top_k: list[int], top_p: list[float]) -> mx.
 
 
 def _draw(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
-    """Categorical draws at each row's temperature (greedy rows take the argmax)."""
+    """Categorical draws at each row's temperature (greedy rows take the argmax): natively from one uniform a
+    row on the CPU (cpu_kernels.draw), by Gumbel-max with MLX ops elsewhere."""
     temps = [r.params.temperature for r in rows]
-    greedy = cpu_kernels.argmax(logits)
     if all(t == 0.0 for t in temps):
-        return greedy
+        return cpu_kernels.argmax(logits)
+    drawn = cpu_kernels.draw(logits, temps, _uniforms(rows))
+    if drawn is not None:
+        return drawn
+    greedy = cpu_kernels.argmax(logits)
     scaled = logits / _column([t if t > 0 else 1.0 for t in temps])
     if any(r.rng_key is not None for r in rows):
         # Seeded rows draw from their own key, so a request's output does not depend on its batch.
@@ -174,6 +178,16 @@ def _draw(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
         noise = mx.random.gumbel(scaled.shape)
     sampled = cpu_kernels.argmax(scaled + noise)
     return mx.where(mx.array([t == 0.0 for t in temps]), greedy, sampled)
+
+
+def _uniforms(rows: list[SamplerRow]) -> mx.array:
+    """One uniform in [0, 1) a row: a seeded row's from its own key, so that its draw does not depend on
+    its batch."""
+    shared = mx.random.uniform(shape=(len(rows),))
+    if all(r.rng_key is None for r in rows):
+        return shared
+    own = [mx.random.uniform(shape=(), key=r.rng_key) if r.rng_key is not None else None for r in rows]
+    return mx.stack([u if u is not None else shared[i] for i, u in enumerate(own)])
 
 
 def sample(logits: mx.array, rows: list[SamplerRow], allowed: mx.array | None = None) -> SampleResult:

@@ -430,6 +430,26 @@ def test_logprobs_of_nan_and_infinite_rows(native):
     assert not np.isfinite(values[1]).any()
 
 
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_draw_inverts_the_softmax_cdf_at_each_rows_uniform(native, temperature: float):
+    """Temperature sampling as one native op: each row's token is the inverse of softmax(x / t)'s CDF at
+    its uniform (float64 NumPy's, over a grid of 2000 uniforms: every token's share of the grid is its
+    probability), -inf logits (cut by top-k/top-p) are never drawn, and a row at t = 0 beside them
+    takes its argmax."""
+    rng = np.random.default_rng(int(temperature * 10))
+    x = (rng.standard_normal(61) * 2).astype(np.float32)
+    x[[3, 7, 60]] = -np.inf
+    uniforms = ((np.arange(2000) + 0.5) / 2000).astype(np.float32)
+    logits = np.tile(x, (len(uniforms) + 1, 1))
+    temps = [temperature] * len(uniforms) + [0.0]
+    got = np.array(cpu_kernels.draw(mx.array(logits), temps, mx.array(np.append(uniforms, 0.5))))
+    weights = np.exp((x.astype(np.float64) - x.max()) / temperature)
+    want = np.searchsorted(np.cumsum(weights) / weights.sum(), uniforms.astype(np.float64), side="right")
+    np.testing.assert_array_equal(got[:-1], want)
+    assert got[-1] == np.argmax(x)
+    assert not np.isin(got, [3, 7, 60]).any()
+
+
 def _np_truncate_top(x: np.ndarray, k: int, p: float) -> np.ndarray:
     """Top-k then top-p of one row in float64: rank by descending logit (equal ones by the lower id),
     keep the first k, then those whose mass ranked before them (softmax over the k) is below p."""

@@ -180,6 +180,15 @@ def logprobs(logits: mx.array, tokens: mx.array, k: int) -> tuple[mx.array, mx.a
     return chosen, top_ids, top_logprobs
 
 
+def draw(logits: mx.array, temperatures: list[float], uniforms: mx.array) -> mx.array | None:
+    """A token of each row of float32 ``logits`` [R, V] from softmax(logits / t) at its temperature (0: the
+    argmax), the inverse of its CDF at its uniform in [0, 1) ([R]); None where the kernel does not
+    apply (MLX ops then)."""
+    if logits.dtype != mx.float32 or logits.ndim != 2 or logits.shape[1] == 0 or not applies():
+        return None
+    return _native.draw_rows(logits, mx.array(temperatures, dtype=mx.float32), uniforms)
+
+
 def truncate_top(logits: mx.array, top_k: list[int], top_p: list[float]) -> mx.array | None:
     """Top-k then top-p of each row of float32 ``logits`` [R, V] (0 / 1.0: off), the cut ones -inf, in one
     op; None where the kernel does not apply (MLX ops then)."""

@@ -255,6 +255,66 @@ class TruncateTop : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
+// A draw from softmax(x / t) by inverting its CDF at u in [0, 1): the first token whose cumulative
+// weight exceeds u times the total (weights exp((x - max) / t), summed in double in id order; -inf
+// logits weigh 0). t = 0: the argmax. One uniform a row instead of a Gumbel noise per logit.
+uint32_t draw_row(const float* x, int V, float t, float u, std::vector<float>& weights) {
+  if (t == 0.0f) return argmax_row(x, V);
+  const float m = row_max(x, V);
+  weights.resize(V);
+  const __m256 vm = _mm256_set1_ps(m), inv = _mm256_set1_ps(1.0f / t);
+  int i = 0;
+  for (; i + 8 <= V; i += 8) {
+    _mm256_storeu_ps(weights.data() + i, exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm), inv)));
+  }
+  for (; i < V; ++i) weights[i] = std::exp((x[i] - m) / t);
+  double total = 0.0;
+  for (int j = 0; j < V; ++j) total += x[j] == -INFINITY ? 0.0 : weights[j];  // exp8 clamps: -inf is not 0
+  const double target = static_cast<double>(u) * total;
+  double acc = 0.0;
+  uint32_t last = 0;
+  for (int j = 0; j < V; ++j) {
+    if (x[j] == -INFINITY) continue;
+    acc += weights[j];
+    last = static_cast<uint32_t>(j);
+    if (acc > target) return last;
+  }
+  return last;  // u * total rounded up to the total: the last token that weighs anything
+}
+
+class DrawRows : public mx::UnaryPrimitive {
+ public:
+  explicit DrawRows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int R = inputs[0].shape(0);
+    const int V = inputs[0].shape(1);
+    encoder.dispatch([x = Input<float>(inputs[0]), temps = Input<float>(inputs[1]), uniforms = Input<float>(inputs[2]),
+                      op = out.data<uint32_t>(), R, V]() {
+      std::vector<float> x_s, t_s, u_s;
+      const float* xp = x.rows(x_s);
+      const float* tp = temps.rows(t_s);
+      const float* up = uniforms.rows(u_s);
+      over_rows(R, [&](int r0, int r1) {
+        std::vector<float> weights;
+        for (int r = r0; r < r1; ++r) op[r] = draw_row(xp + static_cast<size_t>(r) * V, V, tp[r], up[r], weights);
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("DrawRows is a CPU kernel");
+  }
+
+  const char* name() const override { return "NativeDrawRows"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
 class LogProbs : public mx::Primitive {
  public:
   LogProbs(mx::Stream stream, int k) : mx::Primitive(stream), k_(k) {}
@@ -325,6 +385,16 @@ mx::array truncate_top(const mx::array& logits, const mx::array& top_k, const mx
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   return mx::array(logits.shape(), mx::float32, std::make_shared<TruncateTop>(s),
                    {logits, mx::astype(top_k, mx::int32, s), mx::astype(top_p, mx::float32, s)});
+}
+
+mx::array draw_rows(const mx::array& logits, const mx::array& temperatures, const mx::array& uniforms) {
+  if (logits.dtype() != mx::float32 || logits.ndim() != 2 || temperatures.ndim() != 1 || uniforms.ndim() != 1 ||
+      temperatures.shape(0) != logits.shape(0) || uniforms.shape(0) != logits.shape(0) || logits.shape(1) == 0) {
+    throw std::invalid_argument("draw_rows: logits must be float32 [R, V > 0], temperatures and uniforms [R]");
+  }
+  const mx::Stream s = mx::default_stream(mx::Device::cpu);
+  return mx::array({logits.shape(0)}, mx::uint32, std::make_shared<DrawRows>(s),
+                   {logits, mx::astype(temperatures, mx::float32, s), mx::astype(uniforms, mx::float32, s)});
 }
 
 mx::array argmax_rows(const mx::array& x) {

@@ -16,6 +16,11 @@ mlx::core::array argmax_rows(const mlx::core::array& x);
 // NaNs are never among them), 0 <= k <= V.
 std::vector<mlx::core::array> logprobs(const mlx::core::array& logits, const mlx::core::array& tokens, int k);
 
+// A token of each row of float32 logits [R, V] drawn from softmax(logits / t) at its temperature t (0:
+// the argmax) by inverting the CDF at its uniform u in [0, 1): uint32 [R].
+mlx::core::array draw_rows(const mlx::core::array& logits, const mlx::core::array& temperatures,
+                           const mlx::core::array& uniforms);
+
 // Top-k then top-p of each row of float32 logits [R, V] (top_k [R] int32, 0: off; top_p [R] float32, 1:
 // off): the kept logits, -inf elsewhere, as sampling.py's _truncate keeps them.
 mlx::core::array truncate_top(const mlx::core::array& logits, const mlx::core::array& top_k,
