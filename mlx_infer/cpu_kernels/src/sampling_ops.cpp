@@ -29,6 +29,20 @@ namespace mlx_infer {
 
 namespace {
 
+// The start of each op's eval_cpu here: the outputs allocated, they and the inputs registered with the
+// stream's encoder, returned for the dispatch.
+template <typename... Outputs>
+mx::cpu::CommandEncoder& begin_eval(const mx::Stream& stream, const std::vector<mx::array>& inputs,
+                                    Outputs&... outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  for (mx::array* o : {&outputs...}) {
+    o->set_data(mx::allocator::malloc(o->nbytes()));
+    encoder.set_output_array(*o);
+  }
+  return encoder;
+}
+
 // Splits rows over the pool unless they are a decode step's few.
 template <typename F>
 void over_rows(int R, F&& rows) {
@@ -86,10 +100,7 @@ class ArgmaxRows : public mx::UnaryPrimitive {
   explicit ArgmaxRows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(inputs[0]);
-    encoder.set_output_array(out);
+    auto& encoder = begin_eval(stream(), inputs, out);
     const int R = inputs[0].shape(0);
     const int V = inputs[0].shape(1);
     encoder.dispatch([x = Input<float>(inputs[0]), op = out.data<uint32_t>(), R, V]() {
@@ -224,10 +235,7 @@ class TruncateTop : public mx::UnaryPrimitive {
   explicit TruncateTop(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = begin_eval(stream(), inputs, out);
     const int R = inputs[0].shape(0);
     const int V = inputs[0].shape(1);
     encoder.dispatch([x = Input<float>(inputs[0]), top_k = Input<int32_t>(inputs[1]), top_p = Input<float>(inputs[2]),
@@ -287,10 +295,7 @@ class DrawRows : public mx::UnaryPrimitive {
   explicit DrawRows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = begin_eval(stream(), inputs, out);
     const int R = inputs[0].shape(0);
     const int V = inputs[0].shape(1);
     encoder.dispatch([x = Input<float>(inputs[0]), temps = Input<float>(inputs[1]), uniforms = Input<float>(inputs[2]),
@@ -320,12 +325,7 @@ class LogProbs : public mx::Primitive {
   LogProbs(mx::Stream stream, int k) : mx::Primitive(stream), k_(k) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    for (auto& o : outputs) {
-      o.set_data(mx::allocator::malloc(o.nbytes()));
-      encoder.set_output_array(o);
-    }
+    auto& encoder = begin_eval(stream(), inputs, outputs[0], outputs[1], outputs[2]);
     const int R = inputs[0].shape(0);
     const int V = inputs[0].shape(1);
     encoder.dispatch([x = Input<float>(inputs[0]), tokens = Input<int32_t>(inputs[1]),
