@@ -174,7 +174,8 @@ def logprobs(logits: mx.array, tokens: mx.array, k: int) -> tuple[mx.array, mx.a
     """The chosen tokens' log-probabilities [R] and the top ``k`` ids [R, k] (int32) and log-probabilities
     [R, k] (descending; equal ones by the lower id) of float32 ``logits`` [R, V], in one op; None where
     the kernel does not apply (MLX ops then)."""
-    if logits.dtype != mx.float32 or logits.ndim != 2 or not 0 <= k <= logits.shape[1] or not applies():
+    rows_of_logits = logits.dtype == mx.float32 and logits.ndim == 2 and logits.shape[1] > 0
+    if not rows_of_logits or not 0 <= k <= logits.shape[1] or not applies():
         return None
     chosen, top_ids, top_logprobs = _native.logprobs(logits, tokens, k)
     return chosen, top_ids, top_logprobs
@@ -192,7 +193,7 @@ def draw(logits: mx.array, temperatures: list[float], uniforms: mx.array) -> mx.
 def truncate_top(logits: mx.array, top_k: list[int], top_p: list[float]) -> mx.array | None:
     """Top-k then top-p of each row of float32 ``logits`` [R, V] (0 / 1.0: off), the cut ones -inf, in one
     op; None where the kernel does not apply (MLX ops then)."""
-    if logits.dtype != mx.float32 or logits.ndim != 2 or not applies():
+    if logits.dtype != mx.float32 or logits.ndim != 2 or logits.shape[1] == 0 or not applies():
         return None
     return _native.truncate_top(logits, mx.array(top_k, dtype=mx.int32), mx.array(top_p, dtype=mx.float32))
 

@@ -3,10 +3,28 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+
 namespace mlx_infer {
 // Internal linkage: the int8 kernels are built several times with different target flags (CMakeLists),
 // and one shared inline copy compiled with AVX-512 could be the one every build links to.
 namespace {
+
+// The largest of x[0..n), n > 0, eight lanes at a time: a max is exact in any order, and the scalar
+// loop's chain of dependent maxima cost a tenth of a decode step's attention.
+inline float max_of(const float* x, int n) {
+  int i = 0;
+  float m = x[0];
+  if (n >= 8) {
+    __m256 v = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
 
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
