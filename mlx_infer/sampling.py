@@ -93,7 +93,64 @@ def _column(values: list[float]) -> mx.array:
     return mx.array(np.asarray(values, dtype=np.float32)[:, None])
 
 
+def _adjusts(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or bool(params.logit_bias)
+    )
+
+
 def _apply_penalties(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
+    """Repetition, frequency and presence penalties, then logit biases: natively at just the tokens they
+    touch (cpu_kernels.adjust_logits), with dense [B, V] MLX ops elsewhere."""
+    if not any(_adjusts(r.params) for r in rows):
+        return logits
+    native = cpu_kernels.adjust_logits(logits, *_penalty_entries(rows, logits.shape[-1]))
+    return native if native is not None else _apply_penalties_dense(logits, rows)
+
+
+def _penalty_entries(
+    rows: list[SamplerRow], vocab: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """adjust_logits' inputs: each row's distinct tokens with their output count, seen flag and bias (ids
+    outside the logits dropped: no logit of theirs exists), and the rows' penalties."""
+    none = np.zeros(0, dtype=np.int64)
+    starts, ids, entries = [0], [], []
+    for r in rows:
+        p = r.params
+        output = np.asarray(r.output_ids, dtype=np.int64)
+        seen = none
+        if p.repetition_penalty != 1.0:
+            seen = np.unique(np.concatenate([np.asarray(r.prompt_ids, dtype=np.int64), output]))
+        counted, counts = none, none
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            counted, counts = np.unique(output, return_counts=True)
+        biased = np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias))
+        biases = np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))
+        row_ids = np.unique(np.concatenate([seen, counted, biased]))
+        row_ids = row_ids[(row_ids >= 0) & (row_ids < vocab)]
+        row = np.zeros((len(row_ids), 3), dtype=np.float32)
+        flags = np.ones(len(seen), dtype=np.float32)
+        for column, listed, values in ((0, counted, counts), (1, seen, flags), (2, biased, biases)):
+            inside = (listed >= 0) & (listed < vocab)
+            row[np.searchsorted(row_ids, listed[inside]), column] = values[inside]
+        starts.append(starts[-1] + len(row_ids))
+        ids.append(row_ids)
+        entries.append(row)
+    params = [(r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty)
+              for r in rows]
+    return (
+        np.asarray(starts, dtype=np.int32),
+        np.concatenate(ids).astype(np.int32),
+        np.concatenate(entries),
+        np.asarray(params, dtype=np.float32),
+    )
+
+
+def _apply_penalties_dense(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
+    """_apply_penalties with [B, V] MLX ops over every logit (where the native kernels do not run)."""
     batch, vocab = logits.shape
     rep = [r.params.repetition_penalty for r in rows]
     if any(p != 1.0 for p in rep):
@@ -126,9 +183,14 @@ def _truncate(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
     min_p = [r.params.min_p for r in rows]
-    if any(top_k) or any(p < 1.0 for p in top_p):
-        native = cpu_kernels.truncate_top(logits, top_k, top_p)
-        logits = native if native is not None else _truncate_top(logits, top_k, top_p)
+    cuts_top = any(top_k) or any(p < 1.0 for p in top_p)
+    if not cuts_top and not any(min_p):
+        return logits
+    native = cpu_kernels.truncate_top(logits, top_k, top_p, min_p)
+    if native is not None:
+        return native
+    if cuts_top:
+        logits = _truncate_top(logits, top_k, top_p)
     if any(min_p):
         probs = mx.softmax(logits, axis=-1)
         threshold = _column(min_p) * probs.max(axis=-1, keepdims=True)

@@ -139,9 +139,14 @@ def test_integer_builds_give_the_same_bits(native, bits: int, group: int, x_kind
     lane of a 16- or 8-feature vector or the one-by-one loop computes it: an answer whose top tokens
     are close does not change with the machine's vector width or the product's feature count. (45
     features are split over the threads as 16 + 16 + 13, the 13 as 8 in a vector and 5 one by one; 37
-    as 16 + 16 + 5, those 5 one by one.)"""
-    rng = np.random.default_rng(bits + group)
-    k = 640
+    as 16 + 16 + 5, those 5 one by one.) Widths of 20 and 18 blocks of 32: a single row's 4-bit
+    products take four blocks at a time, the last two of 18 on their own."""
+    for k in (640, 576) if 576 % group == 0 else (640,):
+        _check_builds_agree(bits, group, x_kind, k)
+
+
+def _check_builds_agree(bits: int, group: int, x_kind: str, k: int) -> None:
+    rng = np.random.default_rng(bits + group + k)
     weight = mx.array(rng.standard_normal((45, k)).astype(np.float32))
     w, scales, biases = mx.quantize(weight, group, bits)
     x = mx.array(rng.standard_normal((100, k)).astype(np.float32))
@@ -450,35 +455,39 @@ def test_draw_inverts_the_softmax_cdf_at_each_rows_uniform(native, temperature: 
     assert not np.isin(got, [3, 7, 60]).any()
 
 
-def _np_truncate_top(x: np.ndarray, k: int, p: float) -> np.ndarray:
-    """Top-k then top-p of one row in float64: rank by descending logit (equal ones by the lower id),
-    keep the first k, then those whose mass ranked before them (softmax over the k) is below p."""
+def _np_truncate_top(x: np.ndarray, k: int, p: float, min_p: float) -> np.ndarray:
+    """Top-k, top-p, then min-p of one row in float64: rank by descending logit (equal ones by the lower
+    id), keep the first k, then those whose mass ranked before them (softmax over the k) is below p, then
+    those whose probability is at least min_p times the top one's."""
     order = np.argsort(-x, kind="stable")[: k or len(x)]
+    probs = np.exp(x[order].astype(np.float64) - x[order[0]])
     if p < 1.0:
-        probs = np.exp(x[order].astype(np.float64) - x[order[0]])
-        probs /= probs.sum()
-        order = order[(np.cumsum(probs) - probs) < p]
+        order = order[(np.cumsum(probs / probs.sum()) - probs / probs.sum()) < p]
+        probs = probs[: len(order)]
+    order = order[probs >= min_p]
     out = np.full_like(x, -np.inf)
     out[order] = x[order]
     return out
 
 
 @pytest.mark.parametrize("vocab", [7, 300, 49152])
-def test_truncate_top_keeps_what_top_k_and_top_p_keep(native, vocab: int):
-    """Top-k and top-p as one native op, against float64 NumPy row by row: ties (integer-valued logits)
-    cut by the lower id first, top-p alone (found without sorting the whole row), top-k then top-p, and
-    a row's settings are its own: a row without top-p keeps every token beside rows with it (the MLX
-    ops, which ran top-p over the whole batch, cut such a row's float32 tail once its cumulative mass
-    rounded to 1)."""
+def test_truncate_top_keeps_what_top_k_top_p_and_min_p_keep(native, vocab: int):
+    """Top-k, top-p and min-p as one native op, against float64 NumPy row by row: ties (integer-valued
+    logits) cut by the lower id first, top-p alone (found without sorting the whole row), top-k then
+    top-p, min-p after either and alone, and a row's settings are its own: a row without any keeps every
+    token beside rows with them (the MLX ops, which ran top-p over the whole batch, cut such a row's
+    float32 tail once its cumulative mass rounded to 1)."""
     rng = np.random.default_rng(vocab)
-    x = (rng.standard_normal((6, vocab)) * 3).astype(np.float32)
-    x[1] = np.round(x[1])
-    top_k = [0, 3, 0, 50, 1, 0]
-    top_p = [0.9, 1.0, 0.5, 0.8, 0.3, 1.0]
-    got = np.array(cpu_kernels.truncate_top(mx.array(x), top_k, top_p))
-    for row, (k, p) in enumerate(zip(top_k, top_p)):
-        np.testing.assert_array_equal(got[row], _np_truncate_top(x[row], k, p), err_msg=f"row {row}")
+    x = (rng.standard_normal((8, vocab)) * 3).astype(np.float32)
+    x[1], x[7] = np.round(x[1]), np.round(x[7] / 3)  # ties; row 7's min-p 1 keeps its tied maxima
+    top_k = [0, 3, 0, 50, 1, 0, 0, 4]
+    top_p = [0.9, 1.0, 0.5, 0.8, 0.3, 1.0, 1.0, 1.0]
+    min_p = [0.0, 0.0, 0.1, 0.05, 0.0, 0.0, 0.2, 1.0]
+    got = np.array(cpu_kernels.truncate_top(mx.array(x), top_k, top_p, min_p))
+    for row, settings in enumerate(zip(top_k, top_p, min_p)):
+        np.testing.assert_array_equal(got[row], _np_truncate_top(x[row], *settings), err_msg=f"row {row}")
     assert np.isfinite(got[5]).all()
+    assert 0 < np.isfinite(got[6]).sum() < vocab  # min-p alone cut something and kept the top
 
 
 @pytest.mark.parametrize("offset", [False, True])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from engine_helpers import CharTokenizer, full_forward_logits, greedy_reference, tiny_llama
 
+from mlx_infer import cpu_kernels, sampling
 from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
 from mlx_infer.engine.scheduler import SchedulerConfig
 from mlx_infer.errors import ContextTooLong, EngineFailure, InvalidRequest
@@ -308,6 +309,32 @@ def test_sampler_penalties_and_bias():
     assert greedy(SamplingParams(presence_penalty=1.0), output=[2]) == 3  # 3-1 < 2.5
     assert greedy(SamplingParams(frequency_penalty=0.3), output=[2, 2]) == 3  # 3-0.6 < 2.5
     assert greedy(SamplingParams(frequency_penalty=0.3), output=[2]) == 2
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the native CPU kernels are not built here")
+def test_native_penalties_equal_the_dense_mlx_ops():
+    """cpu_kernels.adjust_logits touches only the tokens a row lists; the dense [B, V] MLX ops (kept for
+    other backends) compute every logit: the same logits, each row by its own settings (one row's
+    penalties leave another row as it was), repeated tokens counted, prompt tokens only for repetition."""
+    rng = np.random.default_rng(7)
+    vocab = 500
+    logits = mx.array((rng.standard_normal((5, vocab)) * 3).astype(np.float32))
+    settings = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(frequency_penalty=0.4, presence_penalty=-0.7),
+        SamplingParams(),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-1.1, logit_bias={3: 5.0, 499: -9, 7: 0.5}),
+        SamplingParams(logit_bias={0: 1.5}),
+    ]
+    rows = [
+        SamplerRow(p, rng.integers(0, vocab, 40).tolist(), rng.integers(0, 20, 30).tolist(), None)
+        for p in settings
+    ]
+    native = np.array(sampling._apply_penalties(logits, rows))
+    dense = np.array(sampling._apply_penalties_dense(logits, rows))
+    np.testing.assert_array_equal(native, dense)
+    np.testing.assert_array_equal(native[2], np.array(logits)[2])
+    assert (native[0] != np.array(logits)[0]).sum() > 30  # repetition reached the prompt's tokens too
 
 
 # ---- the block pool alone ------------------------------------------------------------------------

@@ -190,12 +190,31 @@ def draw(logits: mx.array, temperatures: list[float], uniforms: mx.array) -> mx.
     return _native.draw_rows(logits, mx.array(temperatures, dtype=mx.float32), uniforms)
 
 
-def truncate_top(logits: mx.array, top_k: list[int], top_p: list[float]) -> mx.array | None:
-    """Top-k then top-p of each row of float32 ``logits`` [R, V] (0 / 1.0: off), the cut ones -inf, in one
-    op; None where the kernel does not apply (MLX ops then)."""
+def truncate_top(
+    logits: mx.array, top_k: list[int], top_p: list[float], min_p: list[float]
+) -> mx.array | None:
+    """Top-k, then top-p, then min-p of each row of float32 ``logits`` [R, V] (0 / 1.0 / 0.0: off), the cut
+    ones -inf, in one op; None where the kernel does not apply (MLX ops then)."""
     if logits.dtype != mx.float32 or logits.ndim != 2 or logits.shape[1] == 0 or not applies():
         return None
-    return _native.truncate_top(logits, mx.array(top_k, dtype=mx.int32), mx.array(top_p, dtype=mx.float32))
+    return _native.truncate_top(
+        logits,
+        mx.array(top_k, dtype=mx.int32),
+        mx.array(top_p, dtype=mx.float32),
+        mx.array(min_p, dtype=mx.float32),
+    )
+
+
+def adjust_logits(
+    logits: mx.array, starts: np.ndarray, ids: np.ndarray, entries: np.ndarray, params: np.ndarray
+) -> mx.array | None:
+    """Float32 ``logits`` [R, V] with penalties and biases applied at the tokens each row lists, in one op
+    (``src/sampling_ops.h``: row r's distinct ids ``ids[starts[r]:starts[r + 1]]``, ``entries`` [N, 3]
+    their output count, seen flag and bias, ``params`` [R, 3] the row's repetition, frequency and
+    presence penalties); None where the kernel does not apply (MLX ops then)."""
+    if logits.dtype != mx.float32 or logits.ndim != 2 or not applies():
+        return None
+    return _native.adjust_logits(logits, mx.array(starts), mx.array(ids), mx.array(entries), mx.array(params))
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float, offset: bool = False) -> mx.array | None:

@@ -1,5 +1,6 @@
 // The sampler's reductions over a step's logits, vectorized and split over the rows: greedy sampling's
-// argmax, the reported log-probabilities, top-k/top-p truncation and temperature draws.
+// argmax, the reported log-probabilities, top-k/top-p/min-p truncation, temperature draws, and the
+// penalties and logit biases applied at just the tokens they touch.
 //
 // MLX's CPU argmax compares one element at a time: ~0.9 ms for a batch-16 step's 16 x 49152 logits
 // (SmolLM2), on one thread while the other core waits, ~3% of the step; this takes ~0.1 ms. Its
@@ -168,22 +169,28 @@ void top_k(const float* x, int V, int k, int32_t* ids, float* values) {
   }
 }
 
-// Top-k then top-p of one row (sampling.py's _truncate): out = x where kept, -inf elsewhere. Tokens
-// rank by descending logit, equal ones by the lower id; top-k keeps the first k (k = 0: all); top-p
-// (p < 1) keeps those whose probability mass ranked before them, under the softmax of the top-k ones,
-// is below p (so the first always stays). Only the tokens that can be kept are ranked: the top k, or
-// for top-p alone those above a logit cut lowered until they hold p of the mass.
-void truncate_row(const float* x, int V, int k, float p, float* out) {
+// Min-p's test of a token kept so far: its probability at least min_p times the top token's, which
+// for softmax weights is x - max >= log(min_p) (the denominator cancels; no exponential per token).
+inline bool passes_min_p(float x, float m, float log_min_p) { return x - m >= log_min_p; }
+
+// Top-k, then top-p, then min-p of one row (sampling.py's _truncate): out = x where kept, -inf
+// elsewhere. Tokens rank by descending logit, equal ones by the lower id; top-k keeps the first k (k =
+// 0: all); top-p (p < 1) keeps those whose probability mass ranked before them, under the softmax of
+// the top-k ones, is below p (so the first always stays); min-p (> 0) keeps those of the rest whose
+// probability is at least min_p times the top one's. Only the tokens that can be kept are ranked: the
+// top k, or for top-p alone those above a logit cut lowered until they hold p of the mass.
+void truncate_row(const float* x, int V, int k, float p, float min_p, float* out) {
   const bool cuts_k = k > 0 && k < V;
-  if (!cuts_k && !(p < 1.0f)) {  // this row asks for neither
-    std::copy(x, x + V, out);
+  const float m = max_of(x, V);
+  const float log_min_p = min_p > 0.0f ? std::log(min_p) : -INFINITY;
+  if (!cuts_k && !(p < 1.0f)) {  // min-p alone, or nothing
+    for (int i = 0; i < V; ++i) out[i] = passes_min_p(x[i], m, log_min_p) ? x[i] : -INFINITY;
     return;
   }
   std::vector<std::pair<float, int>> ranked;  // (logit, id), descending, ties by id
   const auto by_rank = [](const std::pair<float, int>& a, const std::pair<float, int>& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   };
-  const float m = max_of(x, V);
   if (cuts_k) {
     std::vector<int32_t> ids(k);
     std::vector<float> values(k);
@@ -216,7 +223,9 @@ void truncate_row(const float* x, int V, int k, float p, float* out) {
     ranked.resize(keep);
   }
   std::fill(out, out + V, -INFINITY);
-  for (const auto& [v, id] : ranked) out[id] = v;
+  for (const auto& [v, id] : ranked) {
+    if (passes_min_p(v, m, log_min_p)) out[id] = v;
+  }
 }
 
 class TruncateTop : public mx::UnaryPrimitive {
@@ -228,16 +237,17 @@ class TruncateTop : public mx::UnaryPrimitive {
     const int R = inputs[0].shape(0);
     const int V = inputs[0].shape(1);
     encoder.dispatch([x = Input<float>(inputs[0]), top_k = Input<int32_t>(inputs[1]), top_p = Input<float>(inputs[2]),
-                      op = out.data<float>(), R, V]() {
-      std::vector<float> x_s, p_s;
+                      min_p = Input<float>(inputs[3]), op = out.data<float>(), R, V]() {
+      std::vector<float> x_s, p_s, mp_s;
       std::vector<int32_t> k_s;
       const float* xp = x.rows(x_s);
       const int32_t* kp = top_k.rows(k_s);
       const float* pp = top_p.rows(p_s);
+      const float* mpp = min_p.rows(mp_s);
       over_rows(R, [&](int r0, int r1) {
         for (int r = r0; r < r1; ++r) {
           const size_t at = static_cast<size_t>(r) * V;
-          truncate_row(xp + at, V, kp[r], pp[r], op + at);
+          truncate_row(xp + at, V, kp[r], pp[r], mpp[r], op + at);
         }
       });
     });
@@ -248,6 +258,57 @@ class TruncateTop : public mx::UnaryPrimitive {
   }
 
   const char* name() const override { return "NativeTruncateTop"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+// Row r's logits with its penalties and biases applied at the tokens it lists (sampling.py's dense
+// _apply_penalties computes the same at those tokens and leaves the others as they are): a seen token
+// (in the prompt or the output) divided by the repetition penalty where positive, multiplied where not;
+// a token the output holds `count` times lowered by frequency * count, then by presence; then its bias.
+void adjust_row(float* row, int V, const int32_t* ids, const float* entries, int n, const float* params) {
+  const float repetition = params[0], frequency = params[1], presence = params[2];
+  for (int j = 0; j < n; ++j) {
+    const float count = entries[3 * j], seen = entries[3 * j + 1], bias = entries[3 * j + 2];
+    if (ids[j] < 0 || ids[j] >= V) continue;  // sampling.py lists none: no write outside the row
+    float v = row[ids[j]];
+    if (seen != 0.0f && repetition != 1.0f) v = v > 0.0f ? v / repetition : v * repetition;
+    if (count > 0.0f) v = (v - frequency * count) - presence;
+    row[ids[j]] = v + bias;
+  }
+}
+
+class AdjustLogits : public mx::UnaryPrimitive {
+ public:
+  explicit AdjustLogits(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& encoder = begin_eval(stream(), inputs, out);
+    const int R = inputs[0].shape(0);
+    const int V = inputs[0].shape(1);
+    encoder.dispatch([x = Input<float>(inputs[0]), starts = Input<int32_t>(inputs[1]), ids = Input<int32_t>(inputs[2]),
+                      entries = Input<float>(inputs[3]), params = Input<float>(inputs[4]), op = out.data<float>(), R,
+                      V]() {
+      std::vector<float> x_s, e_s, p_s;
+      std::vector<int32_t> s_s, i_s;
+      const float* xp = x.rows(x_s);
+      const int32_t* sp = starts.rows(s_s);
+      const int32_t* ip = ids.rows(i_s);
+      const float* ep = entries.rows(e_s);
+      const float* pp = params.rows(p_s);
+      std::copy(xp, xp + static_cast<size_t>(R) * V, op);
+      for (int r = 0; r < R; ++r) {
+        adjust_row(op + static_cast<size_t>(r) * V, V, ip + sp[r], ep + 3 * static_cast<size_t>(sp[r]), sp[r + 1] - sp[r],
+                   pp + 3 * r);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("AdjustLogits is a CPU kernel");
+  }
+
+  const char* name() const override { return "NativeAdjustLogits"; }
 
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
@@ -366,14 +427,32 @@ std::vector<mx::array> logprobs(const mx::array& logits, const mx::array& tokens
                                 std::make_shared<LogProbs>(s, k), {logits, mx::astype(tokens, mx::int32, s)});
 }
 
-mx::array truncate_top(const mx::array& logits, const mx::array& top_k, const mx::array& top_p) {
-  if (logits.dtype() != mx::float32 || logits.ndim() != 2 || logits.shape(1) == 0 || top_k.ndim() != 1 ||
-      top_p.ndim() != 1 || top_k.shape(0) != logits.shape(0) || top_p.shape(0) != logits.shape(0)) {
-    throw std::invalid_argument("truncate_top: logits must be float32 [R, V > 0], top_k and top_p [R]");
+mx::array truncate_top(const mx::array& logits, const mx::array& top_k, const mx::array& top_p,
+                       const mx::array& min_p) {
+  const auto rows = [&](const mx::array& a) { return a.ndim() == 1 && a.shape(0) == logits.shape(0); };
+  if (logits.dtype() != mx::float32 || logits.ndim() != 2 || logits.shape(1) == 0 || !rows(top_k) || !rows(top_p) ||
+      !rows(min_p)) {
+    throw std::invalid_argument("truncate_top: logits must be float32 [R, V > 0], top_k, top_p and min_p [R]");
   }
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   return mx::array(logits.shape(), mx::float32, std::make_shared<TruncateTop>(s),
-                   {logits, mx::astype(top_k, mx::int32, s), mx::astype(top_p, mx::float32, s)});
+                   {logits, mx::astype(top_k, mx::int32, s), mx::astype(top_p, mx::float32, s),
+                    mx::astype(min_p, mx::float32, s)});
+}
+
+mx::array adjust_logits(const mx::array& logits, const mx::array& starts, const mx::array& ids,
+                        const mx::array& entries, const mx::array& params) {
+  if (logits.dtype() != mx::float32 || logits.ndim() != 2 || starts.ndim() != 1 ||
+      starts.shape(0) != logits.shape(0) + 1 || ids.ndim() != 1 || entries.ndim() != 2 || entries.shape(1) != 3 ||
+      entries.shape(0) != ids.shape(0) || params.ndim() != 2 || params.shape(0) != logits.shape(0) ||
+      params.shape(1) != 3) {
+    throw std::invalid_argument(
+        "adjust_logits: logits must be float32 [R, V], starts [R + 1], ids [N], entries [N, 3] and params [R, 3]");
+  }
+  const mx::Stream s = mx::default_stream(mx::Device::cpu);
+  return mx::array(logits.shape(), mx::float32, std::make_shared<AdjustLogits>(s),
+                   {logits, mx::astype(starts, mx::int32, s), mx::astype(ids, mx::int32, s),
+                    mx::astype(entries, mx::float32, s), mx::astype(params, mx::float32, s)});
 }
 
 mx::array draw_rows(const mx::array& logits, const mx::array& temperatures, const mx::array& uniforms) {

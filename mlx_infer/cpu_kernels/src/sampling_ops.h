@@ -21,9 +21,18 @@ std::vector<mlx::core::array> logprobs(const mlx::core::array& logits, const mlx
 mlx::core::array draw_rows(const mlx::core::array& logits, const mlx::core::array& temperatures,
                            const mlx::core::array& uniforms);
 
-// Top-k then top-p of each row of float32 logits [R, V] (top_k [R] int32, 0: off; top_p [R] float32, 1:
-// off): the kept logits, -inf elsewhere, as sampling.py's _truncate keeps them.
+// Top-k, then top-p, then min-p of each row of float32 logits [R, V] (top_k [R] int32, 0: off; top_p [R]
+// float32, 1: off; min_p [R] float32, 0: off): the kept logits, -inf elsewhere, as sampling.py's
+// _truncate keeps them.
 mlx::core::array truncate_top(const mlx::core::array& logits, const mlx::core::array& top_k,
-                              const mlx::core::array& top_p);
+                              const mlx::core::array& top_p, const mlx::core::array& min_p);
+
+// Float32 logits [R, V] with each row's repetition/frequency/presence penalties and logit biases applied
+// at the tokens it lists: row r's are ids[starts[r]:starts[r + 1]] (distinct), entries [N, 3] holding
+// each one's count in the output, whether it was seen (prompt or output: 1, else 0) and its bias;
+// params [R, 3] the row's repetition, frequency and presence penalties.
+mlx::core::array adjust_logits(const mlx::core::array& logits, const mlx::core::array& starts,
+                               const mlx::core::array& ids, const mlx::core::array& entries,
+                               const mlx::core::array& params);
 
 }  // namespace mlx_infer
