@@ -102,13 +102,16 @@ def _adjusts(params: SamplingParams) -> bool:
     )
 
 
-def _apply_penalties(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
+def _apply_penalties(logits: mx.array, rows: list[SamplerRow], pending: mx.array | None) -> mx.array:
     """Repetition, frequency and presence penalties, then logit biases: natively at just the tokens they
-    touch (cpu_kernels.adjust_logits), with dense [B, V] MLX ops elsewhere."""
+    touch (cpu_kernels.adjust_logits), with dense [B, V] MLX ops elsewhere. ``pending`` (see sample)
+    counts as one more output token of its row."""
     if not any(_adjusts(r.params) for r in rows):
         return logits
-    native = cpu_kernels.adjust_logits(logits, *_penalty_entries(rows, logits.shape[-1]))
-    return native if native is not None else _apply_penalties_dense(logits, rows)
+    if pending is None:
+        pending = mx.full((len(rows),), -1, dtype=mx.int32)
+    native = cpu_kernels.adjust_logits(logits, *_penalty_entries(rows, logits.shape[-1]), pending)
+    return native if native is not None else _apply_penalties_dense(logits, rows, pending)
 
 
 def _penalty_entries(
@@ -149,9 +152,10 @@ def _penalty_entries(
     )
 
 
-def _apply_penalties_dense(logits: mx.array, rows: list[SamplerRow]) -> mx.array:
+def _apply_penalties_dense(logits: mx.array, rows: list[SamplerRow], pending: mx.array) -> mx.array:
     """_apply_penalties with [B, V] MLX ops over every logit (where the native kernels do not run)."""
     batch, vocab = logits.shape
+    is_pending = mx.arange(vocab)[None, :] == pending[:, None]  # -1 matches no token
     rep = [r.params.repetition_penalty for r in rows]
     if any(p != 1.0 for p in rep):
         seen = np.zeros((batch, vocab), dtype=bool)
@@ -160,14 +164,14 @@ def _apply_penalties_dense(logits: mx.array, rows: list[SamplerRow]) -> mx.array
             seen[i, np.asarray(r.output_ids, dtype=np.int64)] = True
         penalty = _column(rep)
         penalised = mx.where(logits > 0, logits / penalty, logits * penalty)
-        logits = mx.where(mx.array(seen), penalised, logits)
+        logits = mx.where(mx.array(seen) | is_pending, penalised, logits)
     presence = [r.params.presence_penalty for r in rows]
     frequency = [r.params.frequency_penalty for r in rows]
     if any(presence) or any(frequency):
         counts = np.zeros((batch, vocab), dtype=np.float32)
         for i, r in enumerate(rows):
             np.add.at(counts[i], np.asarray(r.output_ids, dtype=np.int64), 1.0)
-        counts_mx = mx.array(counts)
+        counts_mx = mx.array(counts) + is_pending
         logits = logits - _column(frequency) * counts_mx - _column(presence) * (counts_mx > 0)
     if any(r.params.logit_bias for r in rows):
         bias = np.zeros((batch, vocab), dtype=np.float32)
@@ -252,13 +256,17 @@ def _uniforms(rows: list[SamplerRow]) -> mx.array:
     return mx.stack([u if u is not None else shared[i] for i, u in enumerate(own)])
 
 
-def sample(logits: mx.array, rows: list[SamplerRow], allowed: mx.array | None = None) -> SampleResult:
+def sample(
+    logits: mx.array, rows: list[SamplerRow], allowed: mx.array | None = None, pending: mx.array | None = None
+) -> SampleResult:
     """Sample one token per row of ``logits`` ([B, V]); lazy, nothing is evaluated here.
 
     ``allowed``: a [B, V] boolean mask of the tokens each row may take (structured output); rows that
-    allow every token sample exactly as without it."""
+    allow every token sample exactly as without it. ``pending``: [B] int32, a token each row's output
+    holds beyond its ``output_ids`` (-1: none), the previous step's lazy sample, so that penalties need
+    not wait for the host to read it."""
     logits = logits.astype(mx.float32)
-    processed = _apply_penalties(logits, rows)
+    processed = _apply_penalties(logits, rows, pending)
     if allowed is not None:
         processed = mx.where(allowed, processed, -mx.inf)
     processed = _truncate(processed, rows)

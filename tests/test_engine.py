@@ -315,7 +315,8 @@ def test_sampler_penalties_and_bias():
 def test_native_penalties_equal_the_dense_mlx_ops():
     """cpu_kernels.adjust_logits touches only the tokens a row lists; the dense [B, V] MLX ops (kept for
     other backends) compute every logit: the same logits, each row by its own settings (one row's
-    penalties leave another row as it was), repeated tokens counted, prompt tokens only for repetition."""
+    penalties leave another row as it was), repeated tokens counted, prompt tokens only for repetition,
+    and a row's pending token (the previous step's lazy sample) counted as one more output token."""
     rng = np.random.default_rng(7)
     vocab = 500
     logits = mx.array((rng.standard_normal((5, vocab)) * 3).astype(np.float32))
@@ -330,11 +331,36 @@ def test_native_penalties_equal_the_dense_mlx_ops():
         SamplerRow(p, rng.integers(0, vocab, 40).tolist(), rng.integers(0, 20, 30).tolist(), None)
         for p in settings
     ]
-    native = np.array(sampling._apply_penalties(logits, rows))
-    dense = np.array(sampling._apply_penalties_dense(logits, rows))
+    # Pending tokens: one already in its row's output, one new to it, one for a row without penalties.
+    pending = mx.array([-1, int(rows[1].output_ids[0]), 123, 45, -1], dtype=mx.int32)
+    native = np.array(sampling._apply_penalties(logits, rows, pending))
+    dense = np.array(sampling._apply_penalties_dense(logits, rows, pending))
     np.testing.assert_array_equal(native, dense)
     np.testing.assert_array_equal(native[2], np.array(logits)[2])
+    without = np.array(sampling._apply_penalties(logits, rows, None))
+    assert (without[[1, 3]] != native[[1, 3]]).any(axis=1).all() and (without[[0, 4]] == native[[0, 4]]).all()
     assert (native[0] != np.array(logits)[0]).sum() > 30  # repetition reached the prompt's tokens too
+
+
+def test_penalised_requests_equal_a_reference_that_knows_every_token(model, references):
+    """Penalties count the previous step's token from the lazy samples instead of the engine reading them
+    first: batched penalised requests give the tokens of a loop that samples each from an uncached
+    forward pass with every earlier token known."""
+    settings = [  # each changes its prompt's greedy text (at tokens 1, 9, 11 and 7)
+        SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.6),
+        SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.6, logit_bias={7: 0.2}),
+        SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=0.9, presence_penalty=0.4),
+        SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=2.0),
+    ]
+    results = run_all(make_engine(model), PROMPTS, settings)
+    for prompt, params, outputs, plain in zip(PROMPTS, settings, results, references):
+        tokens, want = list(prompt), []
+        for _ in range(params.max_tokens):
+            row = SamplerRow(params, list(prompt), list(want), None)
+            want.append(sample(full_forward_logits(model, tokens)[None], [row]).tokens.item())
+            tokens.append(want[-1])
+        assert tokens_of(outputs) == want
+        assert want[: len(plain)] != plain  # the penalties changed the greedy text
 
 
 # ---- the block pool alone ------------------------------------------------------------------------

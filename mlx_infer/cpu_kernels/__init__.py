@@ -206,15 +206,22 @@ def truncate_top(
 
 
 def adjust_logits(
-    logits: mx.array, starts: np.ndarray, ids: np.ndarray, entries: np.ndarray, params: np.ndarray
+    logits: mx.array,
+    starts: np.ndarray,
+    ids: np.ndarray,
+    entries: np.ndarray,
+    params: np.ndarray,
+    pending: mx.array,
 ) -> mx.array | None:
     """Float32 ``logits`` [R, V] with penalties and biases applied at the tokens each row lists, in one op
     (``src/sampling_ops.h``: row r's distinct ids ``ids[starts[r]:starts[r + 1]]``, ``entries`` [N, 3]
     their output count, seen flag and bias, ``params`` [R, 3] the row's repetition, frequency and
-    presence penalties); None where the kernel does not apply (MLX ops then)."""
+    presence penalties, ``pending`` [R] one more output token not yet read, -1: none); None where the
+    kernel does not apply (MLX ops then)."""
     if logits.dtype != mx.float32 or logits.ndim != 2 or not applies():
         return None
-    return _native.adjust_logits(logits, mx.array(starts), mx.array(ids), mx.array(entries), mx.array(params))
+    arrays = (mx.array(starts), mx.array(ids), mx.array(entries), mx.array(params))
+    return _native.adjust_logits(logits, *arrays, pending)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float, offset: bool = False) -> mx.array | None:

@@ -290,8 +290,8 @@ class Engine:
         Sampled tokens enter ``token_ids`` as PENDING_TOKEN and the next step takes their values from
         the lazy samples on device, so the host never waits between steps (mlx-lm's ``async_eval``
         overlap, across a whole batch). Outputs therefore trail by one step; a request that stopped
-        has one extra token computed and dropped. Penalties need every earlier token on the host, so
-        a step whose requests use them reads the previous samples first.
+        has one extra token computed and dropped. Penalties count a pending token from the lazy
+        samples too.
 
         Failures stay as small as they can: a request whose own bookkeeping or detokenizing raises
         finishes alone with finish_reason "error" (and ``error`` set); a step that fails as a whole
@@ -355,10 +355,10 @@ class Engine:
             request.proposal.clear()  # verified (the InFlight holds it) or not scheduled: gone either way
 
     def _must_read_first(self, previous: InFlight) -> bool:
-        """Whether the previous samples are needed before this step is scheduled: penalties need every
-        earlier token, a verification decides how many tokens a sequence keeps, and a proposal is looked
-        up from the tokens so far."""
-        if previous.verifies or any(r.uses_penalties for r in previous.sampled):
+        """Whether the previous samples are needed before this step is scheduled: a verification decides
+        how many tokens a sequence keeps, and a proposal is looked up from the tokens so far. (Penalties
+        take the previous samples where they lie: see sampling.sample's ``pending``.)"""
+        if previous.verifies:
             return True
         return self._speculating() and any(
             r.spec is not None and r.spec.k > 0 and r.status is Status.RUNNING for r in previous.sampled

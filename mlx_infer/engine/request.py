@@ -75,11 +75,6 @@ class Request:
         return len(self.token_ids) - self.has_pending_token
 
     @property
-    def uses_penalties(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 

@@ -154,7 +154,7 @@ class ModelRunner:
             allowed = masks([batch[i].request for i in rows], logits.shape[-1])
             if allowed is not None and len(owner) > len(rows):
                 allowed = allowed[mx.array(owner)]
-        sampler_rows = []
+        sampler_rows, pending_of_row = [], []
         for i in rows:
             r = batch[i].request
             output_ids = r.output_ids[: r.num_known_tokens - r.num_prompt_tokens]
@@ -162,7 +162,9 @@ class ModelRunner:
             for j, key in enumerate(keys):
                 # Row j is emitted only if proposal[:j] is: its penalties see exactly those tokens.
                 sampler_rows.append(SamplerRow(r.params, r.prompt_ids, output_ids + r.proposal[:j], key))
-        result = sample(logits, sampler_rows, allowed)
+                # A request with a proposal has no pending token (its previous samples were read).
+                pending_of_row.append(rows_of[r.request_id] if r.has_pending_token else -1)
+        result = sample(logits, sampler_rows, allowed, _pending_tokens(pending, pending_of_row))
         mx.async_eval(
             [
                 a
@@ -204,3 +206,12 @@ class ModelRunner:
                 kv.save_state(r.request_id, end, rows)
                 saved += rows
         return saved
+
+
+def _pending_tokens(pending: InFlight | None, rows: list[int]) -> mx.array | None:
+    """Each sampler row's token still on its way from the previous step (its row there, -1: none), lazy:
+    the penalties count it without the host reading it first."""
+    if pending is None or all(row < 0 for row in rows):
+        return None
+    at = mx.array(rows, dtype=mx.int32)
+    return mx.where(at >= 0, pending.result.tokens[mx.maximum(at, 0)], -1).astype(mx.int32)

@@ -21,7 +21,8 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("logprobs", &mlx_infer::logprobs, "logits"_a, "tokens"_a, "k"_a);
   m.def("draw_rows", &mlx_infer::draw_rows, "logits"_a, "temperatures"_a, "uniforms"_a);
   m.def("truncate_top", &mlx_infer::truncate_top, "logits"_a, "top_k"_a, "top_p"_a, "min_p"_a);
-  m.def("adjust_logits", &mlx_infer::adjust_logits, "logits"_a, "starts"_a, "ids"_a, "entries"_a, "params"_a);
+  m.def("adjust_logits", &mlx_infer::adjust_logits, "logits"_a, "starts"_a, "ids"_a, "entries"_a, "params"_a,
+        "pending"_a);
   m.def("affine_qmv", &mlx_infer::affine_qmv, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a);
   m.def("set_activations", &mlx_infer::set_activations, "kind"_a);
   m.def("activations", &mlx_infer::activations);

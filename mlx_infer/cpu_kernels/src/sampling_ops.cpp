@@ -266,16 +266,26 @@ class TruncateTop : public mx::UnaryPrimitive {
 // _apply_penalties computes the same at those tokens and leaves the others as they are): a seen token
 // (in the prompt or the output) divided by the repetition penalty where positive, multiplied where not;
 // a token the output holds `count` times lowered by frequency * count, then by presence; then its bias.
-void adjust_row(float* row, int V, const int32_t* ids, const float* entries, int n, const float* params) {
+// `pending` (-1: none) is one more output token the host has not read yet: the previous step's sample,
+// still on its way while this step is built.
+void adjust_row(float* row, int V, const int32_t* ids, const float* entries, int n, const float* params,
+                int32_t pending) {
   const float repetition = params[0], frequency = params[1], presence = params[2];
-  for (int j = 0; j < n; ++j) {
-    const float count = entries[3 * j], seen = entries[3 * j + 1], bias = entries[3 * j + 2];
-    if (ids[j] < 0 || ids[j] >= V) continue;  // sampling.py lists none: no write outside the row
-    float v = row[ids[j]];
+  const auto adjust = [&](int32_t id, float count, float seen, float bias) {
+    if (id < 0 || id >= V) return;  // sampling.py lists none: no write outside the row
+    float v = row[id];
     if (seen != 0.0f && repetition != 1.0f) v = v > 0.0f ? v / repetition : v * repetition;
     if (count > 0.0f) v = (v - frequency * count) - presence;
-    row[ids[j]] = v + bias;
+    row[id] = v + bias;
+  };
+  bool pending_listed = false;
+  for (int j = 0; j < n; ++j) {
+    const bool is_pending = ids[j] == pending;
+    pending_listed |= is_pending;
+    adjust(ids[j], entries[3 * j] + (is_pending ? 1.0f : 0.0f), is_pending ? 1.0f : entries[3 * j + 1],
+           entries[3 * j + 2]);
   }
+  if (pending >= 0 && !pending_listed) adjust(pending, 1.0f, 1.0f, 0.0f);
 }
 
 class AdjustLogits : public mx::UnaryPrimitive {
@@ -287,19 +297,20 @@ class AdjustLogits : public mx::UnaryPrimitive {
     const int R = inputs[0].shape(0);
     const int V = inputs[0].shape(1);
     encoder.dispatch([x = Input<float>(inputs[0]), starts = Input<int32_t>(inputs[1]), ids = Input<int32_t>(inputs[2]),
-                      entries = Input<float>(inputs[3]), params = Input<float>(inputs[4]), op = out.data<float>(), R,
-                      V]() {
+                      entries = Input<float>(inputs[3]), params = Input<float>(inputs[4]),
+                      pending = Input<int32_t>(inputs[5]), op = out.data<float>(), R, V]() {
       std::vector<float> x_s, e_s, p_s;
-      std::vector<int32_t> s_s, i_s;
+      std::vector<int32_t> s_s, i_s, n_s;
       const float* xp = x.rows(x_s);
       const int32_t* sp = starts.rows(s_s);
       const int32_t* ip = ids.rows(i_s);
       const float* ep = entries.rows(e_s);
       const float* pp = params.rows(p_s);
+      const int32_t* np = pending.rows(n_s);
       std::copy(xp, xp + static_cast<size_t>(R) * V, op);
       for (int r = 0; r < R; ++r) {
         adjust_row(op + static_cast<size_t>(r) * V, V, ip + sp[r], ep + 3 * static_cast<size_t>(sp[r]), sp[r + 1] - sp[r],
-                   pp + 3 * r);
+                   pp + 3 * r, np[r]);
       }
     });
   }
@@ -441,18 +452,20 @@ mx::array truncate_top(const mx::array& logits, const mx::array& top_k, const mx
 }
 
 mx::array adjust_logits(const mx::array& logits, const mx::array& starts, const mx::array& ids,
-                        const mx::array& entries, const mx::array& params) {
+                        const mx::array& entries, const mx::array& params, const mx::array& pending) {
   if (logits.dtype() != mx::float32 || logits.ndim() != 2 || starts.ndim() != 1 ||
       starts.shape(0) != logits.shape(0) + 1 || ids.ndim() != 1 || entries.ndim() != 2 || entries.shape(1) != 3 ||
       entries.shape(0) != ids.shape(0) || params.ndim() != 2 || params.shape(0) != logits.shape(0) ||
-      params.shape(1) != 3) {
+      params.shape(1) != 3 || pending.ndim() != 1 || pending.shape(0) != logits.shape(0)) {
     throw std::invalid_argument(
-        "adjust_logits: logits must be float32 [R, V], starts [R + 1], ids [N], entries [N, 3] and params [R, 3]");
+        "adjust_logits: logits must be float32 [R, V], starts [R + 1], ids [N], entries [N, 3], params [R, 3] and "
+        "pending [R]");
   }
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   return mx::array(logits.shape(), mx::float32, std::make_shared<AdjustLogits>(s),
                    {logits, mx::astype(starts, mx::int32, s), mx::astype(ids, mx::int32, s),
-                    mx::astype(entries, mx::float32, s), mx::astype(params, mx::float32, s)});
+                    mx::astype(entries, mx::float32, s), mx::astype(params, mx::float32, s),
+                    mx::astype(pending, mx::int32, s)});
 }
 
 mx::array draw_rows(const mx::array& logits, const mx::array& temperatures, const mx::array& uniforms) {

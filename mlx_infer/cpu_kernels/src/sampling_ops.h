@@ -30,9 +30,10 @@ mlx::core::array truncate_top(const mlx::core::array& logits, const mlx::core::a
 // Float32 logits [R, V] with each row's repetition/frequency/presence penalties and logit biases applied
 // at the tokens it lists: row r's are ids[starts[r]:starts[r + 1]] (distinct), entries [N, 3] holding
 // each one's count in the output, whether it was seen (prompt or output: 1, else 0) and its bias;
-// params [R, 3] the row's repetition, frequency and presence penalties.
+// params [R, 3] the row's repetition, frequency and presence penalties; pending [R] int32 a token each
+// row's output holds that the host has not read (-1: none), counted as one more.
 mlx::core::array adjust_logits(const mlx::core::array& logits, const mlx::core::array& starts,
                                const mlx::core::array& ids, const mlx::core::array& entries,
-                               const mlx::core::array& params);
+                               const mlx::core::array& params, const mlx::core::array& pending);
 
 }  // namespace mlx_infer
