@@ -93,7 +93,8 @@ def _column(values: list[float]) -> mx.array:
     return mx.array(np.asarray(values, dtype=np.float32)[:, None])
 
 
-def _adjusts(params: SamplingParams) -> bool:
+def adjusts_logits(params: SamplingParams) -> bool:
+    """Whether a request's penalties or logit biases change its logits (then its pending token counts)."""
     return (
         params.repetition_penalty != 1.0
         or params.presence_penalty != 0.0
@@ -106,7 +107,7 @@ def _apply_penalties(logits: mx.array, rows: list[SamplerRow], pending: mx.array
     """Repetition, frequency and presence penalties, then logit biases: natively at just the tokens they
     touch (cpu_kernels.adjust_logits), with dense [B, V] MLX ops elsewhere. ``pending`` (see sample)
     counts as one more output token of its row."""
-    if not any(_adjusts(r.params) for r in rows):
+    if not any(adjusts_logits(r.params) for r in rows):
         return logits
     if pending is None:
         pending = mx.full((len(rows),), -1, dtype=mx.int32)

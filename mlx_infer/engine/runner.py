@@ -18,7 +18,7 @@ from mlx_infer.interface.state import LayerState
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.pages import allocate_pools, drop_blocks
 from mlx_infer.plan import planner
-from mlx_infer.sampling import SampleResult, SamplerRow, sample
+from mlx_infer.sampling import SampleResult, SamplerRow, adjusts_logits, sample
 
 log = logging.getLogger("mlx_infer")
 
@@ -164,7 +164,10 @@ class ModelRunner:
                 sampler_rows.append(SamplerRow(r.params, r.prompt_ids, output_ids + r.proposal[:j], key))
                 # A request with a proposal has no pending token (its previous samples were read).
                 pending_of_row.append(rows_of[r.request_id] if r.has_pending_token else -1)
-        result = sample(logits, sampler_rows, allowed, _pending_tokens(pending, pending_of_row))
+        # Only penalties and biases look at the pending tokens: no gather for the steps without them.
+        counted = any(adjusts_logits(row.params) for row in sampler_rows)
+        in_flight = _pending_tokens(pending, pending_of_row) if counted else None
+        result = sample(logits, sampler_rows, allowed, in_flight)
         mx.async_eval(
             [
                 a
