@@ -76,7 +76,7 @@ class SamplerRow:
     """What the sampler needs of one sequence this step."""
 
     params: SamplingParams
-    prompt_ids: Sequence[int]
+    prompt_ids: Sequence[int]  # only its set matters (repetition penalty): the engine passes it deduplicated
     output_ids: Sequence[int]
     rng_key: mx.array | None  # per-request key when seeded, advanced by the caller each step
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_infer.constraints import ConstraintState
 from mlx_infer.engine.speculative import SpecState
@@ -56,6 +58,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @functools.cached_property
+    def prompt_token_set(self) -> np.ndarray:
+        """The prompt's distinct tokens, sorted: all a repetition penalty needs of it, found once rather
+        than every step."""
+        return np.unique(np.asarray(self.prompt_ids, dtype=np.int64))
 
     @property
     def output_ids(self) -> list[int]:

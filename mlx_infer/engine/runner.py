@@ -159,9 +159,10 @@ class ModelRunner:
             r = batch[i].request
             output_ids = r.output_ids[: r.num_known_tokens - r.num_prompt_tokens]
             keys = r.next_rng_keys(1 + len(r.proposal))
+            prompt = r.prompt_token_set
             for j, key in enumerate(keys):
                 # Row j is emitted only if proposal[:j] is: its penalties see exactly those tokens.
-                sampler_rows.append(SamplerRow(r.params, r.prompt_ids, output_ids + r.proposal[:j], key))
+                sampler_rows.append(SamplerRow(r.params, prompt, output_ids + r.proposal[:j], key))
                 # A request with a proposal has no pending token (its previous samples were read).
                 pending_of_row.append(rows_of[r.request_id] if r.has_pending_token else -1)
         # Only penalties and biases look at the pending tokens: no gather for the steps without them.
