@@ -120,26 +120,9 @@ def _penalty_entries(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """adjust_logits' inputs: each row's distinct tokens with their output count, seen flag and bias (ids
     outside the logits dropped: no logit of theirs exists), and the rows' penalties."""
-    none = np.zeros(0, dtype=np.int64)
     starts, ids, entries = [0], [], []
     for r in rows:
-        p = r.params
-        output = np.asarray(r.output_ids, dtype=np.int64)
-        seen = none
-        if p.repetition_penalty != 1.0:
-            seen = np.unique(np.concatenate([np.asarray(r.prompt_ids, dtype=np.int64), output]))
-        counted, counts = none, none
-        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            counted, counts = np.unique(output, return_counts=True)
-        biased = np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias))
-        biases = np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))
-        row_ids = np.unique(np.concatenate([seen, counted, biased]))
-        row_ids = row_ids[(row_ids >= 0) & (row_ids < vocab)]
-        row = np.zeros((len(row_ids), 3), dtype=np.float32)
-        flags = np.ones(len(seen), dtype=np.float32)
-        for column, listed, values in ((0, counted, counts), (1, seen, flags), (2, biased, biases)):
-            inside = (listed >= 0) & (listed < vocab)
-            row[np.searchsorted(row_ids, listed[inside]), column] = values[inside]
+        row_ids, row = _row_entries(r, vocab)
         starts.append(starts[-1] + len(row_ids))
         ids.append(row_ids)
         entries.append(row)
@@ -151,6 +134,42 @@ def _penalty_entries(
         np.concatenate(entries),
         np.asarray(params, dtype=np.float32),
     )
+
+
+def _row_entries(r: SamplerRow, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """One row's distinct ids and their [count, seen, bias] entries: first the tokens of the output and
+    the biases (few, sorted here), then the prompt's other tokens (seen only, when repetition is
+    penalised), found by a search in the few rather than by sorting the prompt again every step."""
+    p = r.params
+    none = np.zeros(0, dtype=np.int64)
+    output = np.asarray(r.output_ids, dtype=np.int64)
+    penalises_repeats = p.repetition_penalty != 1.0
+    counted, counts = none, none
+    if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+        counted, counts = np.unique(output, return_counts=True)
+    biased = np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias))
+    biases = np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))
+    seen = np.unique(output) if penalises_repeats else none
+    listed = np.unique(np.concatenate([seen, counted, biased]))
+    listed = listed[(listed >= 0) & (listed < vocab)]
+    row = np.zeros((len(listed), 3), dtype=np.float32)
+    flags = np.ones(len(seen), dtype=np.float32)
+    for column, tokens, values in ((0, counted, counts), (1, seen, flags), (2, biased, biases)):
+        inside = (tokens >= 0) & (tokens < vocab)
+        row[np.searchsorted(listed, tokens[inside]), column] = values[inside]
+    if not penalises_repeats:
+        return listed, row
+    prompt = np.asarray(r.prompt_ids, dtype=np.int64)
+    if not (np.diff(prompt) > 0).all():  # the engine passes it sorted and distinct (prompt_token_set)
+        prompt = np.unique(prompt)
+    prompt = prompt[(prompt >= 0) & (prompt < vocab)]
+    at = np.minimum(np.searchsorted(listed, prompt), max(len(listed) - 1, 0))
+    already = listed[at] == prompt if len(listed) else np.zeros(len(prompt), dtype=bool)
+    row[at[already], 1] = 1.0
+    rest = prompt[~already]
+    rest_row = np.zeros((len(rest), 3), dtype=np.float32)
+    rest_row[:, 1] = 1.0
+    return np.concatenate([listed, rest]), np.concatenate([row, rest_row])
 
 
 def _apply_penalties_dense(logits: mx.array, rows: list[SamplerRow], pending: mx.array) -> mx.array:

@@ -331,6 +331,7 @@ def test_native_penalties_equal_the_dense_mlx_ops():
         SamplerRow(p, rng.integers(0, vocab, 40).tolist(), rng.integers(0, 20, 30).tolist(), None)
         for p in settings
     ]
+    rows[3].prompt_ids.append(499)  # biased and seen in the prompt only
     # Pending tokens: one already in its row's output, one new to it, one for a row without penalties.
     pending = mx.array([-1, int(rows[1].output_ids[0]), 123, 45, -1], dtype=mx.int32)
     native = np.array(sampling._apply_penalties(logits, rows, pending))
