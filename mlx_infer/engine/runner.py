@@ -159,7 +159,8 @@ class ModelRunner:
             r = batch[i].request
             output_ids = r.output_ids[: r.num_known_tokens - r.num_prompt_tokens]
             keys = r.next_rng_keys(1 + len(r.proposal))
-            prompt = r.prompt_token_set
+            # Only a repetition penalty looks at the prompt, and only at its set of tokens.
+            prompt = r.prompt_token_set if r.params.repetition_penalty != 1.0 else r.prompt_ids
             for j, key in enumerate(keys):
                 # Row j is emitted only if proposal[:j] is: its penalties see exactly those tokens.
                 sampler_rows.append(SamplerRow(r.params, prompt, output_ids + r.proposal[:j], key))
