@@ -226,8 +226,10 @@ Int8Features best_int8() {
 
 // nullptr: float32 activations.
 std::atomic<Int8Features> g_int8{best_int8()};
-// With int8 features: 4-bit weights meet int16 x instead of int8 (the "int16" activations).
-std::atomic<bool> g_x16{false};
+// With int8 features: 4-bit weights meet int16 x instead of int8 (the "int16" activations). int16 from the
+// start, as the package sets it (cpu_kernels.DEFAULT_ACTIVATIONS): a build loaded on its own, as a
+// benchmark comparing two builds in one process does, computes as the package does.
+std::atomic<bool> g_x16{true};
 
 // How QuantizedX lays out the quantized x, for the kernel that reads it (see Int8Problem).
 enum class XLayout {
