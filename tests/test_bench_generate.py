@@ -56,3 +56,25 @@ def test_bench_generate_smoke(smollm2_path: Path, tmp_path: Path) -> None:
     assert by_op["NativeBlockQKV"] == 30 and by_op["NativeBlockOut"] == 30 and by_op["NativeKVWrite"] == 60
     assert 120 < profile[1]["ops_per_step"] < 250
     assert profile[2]["ops_per_token"] == profile[2]["ops_per_step"] / 2
+
+
+@pytest.mark.slow
+def test_ab_builds_compares_builds_in_one_process(smollm2_path: Path, tmp_path: Path) -> None:
+    """benchmarks/ab_builds.py on the package's own build given twice: a ratio for each batch size."""
+    from mlx_infer import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the native CPU kernels are not built here")
+    build = cpu_kernels._native.__file__
+    out = tmp_path / "ab.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH.parent / "ab_builds.py"), "-m", str(smollm2_path),
+         "--builds", build, build, "-b", "1,2", "-p", "16", "--steps", "16", "--switch", "4",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["batch"] for r in results] == [1, 2]
+    for r in results:
+        assert r["ratio"][0] == 1.0 and 0.2 < r["ratio"][1] < 5 and all(m > 0 for m in r["median_step_s"])
