@@ -144,12 +144,12 @@ def _row_entries(r: SamplerRow, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     none = np.zeros(0, dtype=np.int64)
     output = np.asarray(r.output_ids, dtype=np.int64)
     penalises_repeats = p.repetition_penalty != 1.0
-    counted, counts = none, none
-    if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-        counted, counts = np.unique(output, return_counts=True)
+    distinct, occurrences = np.unique(output, return_counts=True)
+    counts_output = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    counted, counts = (distinct, occurrences) if counts_output else (none, none)
+    seen = distinct if penalises_repeats else none
     biased = np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias))
     biases = np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))
-    seen = np.unique(output) if penalises_repeats else none
     listed = np.unique(np.concatenate([seen, counted, biased]))
     listed = listed[(listed >= 0) & (listed < vocab)]
     row = np.zeros((len(listed), 3), dtype=np.float32)
