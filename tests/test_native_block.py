@@ -19,6 +19,7 @@ from test_fused import _engine_greedy, _paged_run, _plain_load
 from test_models import CONFIGS, build, hf_weights, new_cache, step
 
 from mlx_infer import cpu_kernels
+from mlx_infer.engine.engine import Engine, EngineConfig
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.kv import LayerKV
 from mlx_infer.loading import load, open_checkpoint
@@ -26,6 +27,7 @@ from mlx_infer.loading.build import build_model
 from mlx_infer.loading.policy import apply_weight_policy
 from mlx_infer.models.fused import fuse_projections
 from mlx_infer.models.native_block import NativeBlock, native_blocks
+from mlx_infer.sampling import SamplingParams
 
 TOL = 2e-5
 
@@ -105,10 +107,10 @@ def test_block_ops_reject_bad_arguments_in_one_line():
     kv = LayerKV(4, 4, 2, 16, mx.float32)
     meta = build_metadata([SequenceSlice([0], 0, 1)], 4)
     cos = sin = mx.zeros((1, 1, 8))
-    with pytest.raises(ValueError, match="block_qkv: x must be") as error:
+    with pytest.raises(ValueError, match="decoder_layer: x must be") as error:
         block._ops(mx.zeros((1, 32)), kv.keys, kv.values, meta, cos, sin)
     assert "\n" not in str(error.value)
-    with pytest.raises(ValueError, match="block_qkv"):
+    with pytest.raises(ValueError, match="decoder_layer: the q/k/v rows"):
         block._ops(mx.zeros((1, 64)), kv.keys, kv.values, meta, cos[:, :, :4], sin[:, :, :4])
 
 
@@ -122,6 +124,46 @@ def test_the_kv_pools_are_written_in_place():
         step(model, cache, [SequenceSlice([0, 1], i, 1)], [5])
     assert np.array(cache[0].keys, copy=False).__array_interface__["data"][0] == address
     assert mx.any(cache[0].keys[:3] != 0).item() and not mx.any(cache[0].keys[3:]).item()
+
+
+def test_a_pool_still_held_elsewhere_is_copied_not_written():
+    """The op takes a pool's buffer over only when nothing else holds the pool: a reference kept to the
+    old pool still reads the old contents after the step, and the new pool has the step's rows."""
+    model = _quantized("llama", 4)
+    native_blocks(model)
+    cache = new_cache(model)
+    step(model, cache, [SequenceSlice([0, 1], 0, 1)], [5])
+    old_keys, old_values = cache[0].keys, cache[0].values
+    before = np.array(old_keys), np.array(old_values)
+    step(model, cache, [SequenceSlice([0, 1], 1, 1)], [6])
+    np.testing.assert_array_equal(np.array(old_keys), before[0])
+    np.testing.assert_array_equal(np.array(old_values), before[1])
+    assert mx.any(cache[0].keys[1] != 0).item() and mx.any(cache[0].values[1] != 0).item()
+    np.testing.assert_array_equal(np.array(cache[0].keys[:1]), before[0][:1])
+
+
+def test_pipelined_engine_steps_write_the_pools_in_place(smollm2_path):
+    """The engine builds each decode step while the previous one computes: the pools of a step still
+    being computed are taken over by the next step's ops all the same (no pool copy a step)."""
+    engine = Engine(*_loaded(smollm2_path), EngineConfig(num_blocks=16, block_size=16))
+    engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=24, ignore_eos=True))
+    cache = engine.runner.cache
+    addresses = set()
+    while engine.has_unfinished():
+        engine.step()
+        addresses.add(_address(cache[0].keys))
+        addresses.add(_address(cache[-1].values))
+    assert len(addresses) == 2
+
+
+def _loaded(path: Path):
+    lm = load(str(path))
+    return lm.model, lm.tokenizer, lm.max_context
+
+
+def _address(pool: mx.array) -> int:
+    """Where the pool's buffer lies (the view is dropped at once: it would stop the next write in place)."""
+    return np.array(pool, copy=False).__array_interface__["data"][0]
 
 
 def test_smollm2_native_blocks_keep_the_greedy_tokens(smollm2_path):

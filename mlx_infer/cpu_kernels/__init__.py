@@ -279,13 +279,10 @@ Norm = tuple[mx.array, float]  # an RMSNorm: weight, eps
 
 
 class BlockOps:
-    """The native ops of one Llama-style decoder block, its weights bound once so that a step passes
-    only what changes (the block's Python cost is paid per layer per token):
-
-    ``block_qkv``: RMSNorm, fused q/k/v product (+ bias), Qwen3's per-head q/k norms when given, RoPE on
-    q and k -> ``[T, (n_heads + 2 n_kv_heads) * head_dim]``; two column KV writes of its K and V parts;
-    ``block_out``: attention of its q part, o_proj, residual, RMSNorm, fused gate/up, SiLU gate,
-    down_proj, residual.
+    """One Llama-style decoder block as the native ``decoder_layer`` op, its weights bound once so that a
+    step passes only what changes (the block's Python cost is paid per layer per token): RMSNorm, fused
+    q/k/v product (+ bias), Qwen3's per-head q/k norms when given, RoPE on q and k, the K/V rows written
+    into the pools, attention, o_proj, residual, RMSNorm, fused gate/up, SiLU gate, down_proj, residual.
     """
 
     def __init__(
@@ -303,28 +300,25 @@ class BlockOps:
     ):
         n_heads, n_kv_heads, head_dim = heads
         (params, group, bits) = qkv
-        self._qkv_head = (*input_norm, params["weight"], params["scales"], params["biases"], group, bits,
-                          params.get("bias"))
-        self._qkv_tail = (n_heads, n_kv_heads, head_dim, head_dim, *(qk_norms or (None, None, 0.0)))
-        self._columns = (n_heads * head_dim, (n_heads + n_kv_heads) * head_dim)
+        self._qkv = (*input_norm, params["weight"], params["scales"], params["biases"], group, bits,
+                     params.get("bias"))
+        self._heads = (n_heads, n_kv_heads, head_dim, head_dim, *(qk_norms or (None, None, 0.0)))
         self._attention = (scale, window or 0)
         names = ("weight", "scales", "biases")
         layers = (o_proj, gate_up, down_proj)
         o, gu, down = ([layer[0][n] for n in names] for layer in layers)
         quant = [q for layer in layers for q in layer[1:]]
-        self._out_tail = (o, *post_norm, gu, down, quant, n_heads, n_kv_heads, head_dim)
+        self._rest = (o, *post_norm, gu, down, quant)
 
     def __call__(
         self, x: mx.array, keys: mx.array, values: mx.array, meta: BatchMetadata, cos: mx.array, sin: mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """The block's output and the pools with this step's K/V written (donate the old ones)."""
-        qkv = _native.block_qkv(x, *self._qkv_head, cos, sin, *self._qkv_tail)
-        key_column, value_column = self._columns
-        keys = _native.kv_write(keys, qkv, meta.slot_mapping, key_column)
-        values = _native.kv_write(values, qkv, meta.slot_mapping, value_column)
-        out = _native.block_out(
-            qkv, keys, values, meta.block_tables, meta.context_lens, meta.positions, token_seq(meta),
-            meta.block_size, *self._attention, x, *self._out_tail,
+        """The block's output and the pools with this step's K/V written (drop the old ones, so that the
+        op writes them in place)."""
+        out, keys, values = _native.decoder_layer(
+            x, *self._qkv, cos, sin, *self._heads, keys, values, meta.slot_mapping, meta.block_tables,
+            meta.context_lens, meta.positions, token_seq(meta), meta.block_size, *self._attention,
+            *self._rest,
         )
         return out, keys, values
 

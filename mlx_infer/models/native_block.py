@@ -1,10 +1,10 @@
-"""Llama-style decoder blocks computed by the native CPU kernels' block ops: four graph nodes a block.
+"""Llama-style decoder blocks computed by the native CPU kernels' ``decoder_layer``: one graph node a block.
 
 After :func:`~mlx_infer.models.fused.fuse_projections`, a Llama/Mistral/Qwen2/Qwen3 block whose
 projections are quantized layers of the native CPU kernels is still about twenty MLX ops (norms,
 products, splits, reshapes, RoPE, KV writes, attention, adds, the gate), and on the CPU backend the
 fixed cost of each op was as large as the block's work at decode. :class:`NativeBlock` runs the same
-arithmetic as ``block_qkv`` -> two KV writes -> ``block_out`` (``cpu_kernels/src/decoder_block.cpp``).
+arithmetic, K/V writes included, as one op (``cpu_kernels/src/decoder_block.cpp``).
 
 Parameters stay where they were (the block keeps its children), so saving, ``parameters()`` and
 sharding see the original block; a block whose parameters were replaced after the rewrite, or a
@@ -126,8 +126,8 @@ class NativeBlock(nn.Module):
             cos, sin = mx.ones_like(cos), mx.zeros_like(sin)
         elif self._rope_factor != 1.0:  # YaRN's attention factor, on cos and sin as transformers applies it
             cos, sin = cos * self._rope_factor, sin * self._rope_factor
-        # Rebound here, the old pools are referenced by nothing once the step is built: the KV writes
-        # take their buffers over (written in place, as LayerKV.write).
+        # Rebound here, the old pools are referenced by nothing but the block's op once the step is
+        # built: it takes their buffers over (written in place, as LayerKV.write).
         out, kv.keys, kv.values = self._ops(x, kv.keys, kv.values, meta.pages(kv.windowed), cos, sin)
         return out
 

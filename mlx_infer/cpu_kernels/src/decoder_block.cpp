@@ -1,20 +1,27 @@
-// A Llama-style decoder block as two primitives (plus the two KV writes between them).
+// A Llama-style decoder block as one primitive.
 //
 // Op by op, a block is ~20 MLX graph nodes (norms, products, splits, reshapes, RoPE, KV writes,
 // attention, residual adds, the gate); on MLX's CPU backend each node costs microseconds of
 // scheduling and each thread-pool product a wake-up, so at decode, where the whole block reads
 // ~3.5 MB of weights in ~0.4 ms, that fixed cost was as large as the work. Here the block's work runs
 // in the kernels the single ops use (same arithmetic, same order), called back to back:
-//   block_qkv: RMSNorm -> fused q/k/v product (+ bias) -> RoPE on q and k, one [T, (H + 2 n_kv) D] array;
-//   kv_write(column) x 2: the K and V parts into their pools (donated, so in place);
-//   block_out: attention of the q part -> o_proj -> + x -> RMSNorm -> gate/up -> SiLU gate -> down -> + h.
-// The KV writes stay ops of their own so each pool is the sole input its write takes over (a
-// multi-output primitive's outputs share their inputs, so none of them could be donated).
+//   RMSNorm -> fused q/k/v product (+ bias) -> RoPE on q and k, one [T, (H + 2 n_kv) D] buffer;
+//   its K and V parts stored into their pools (kv_write's store_kv_rows);
+//   attention of the q part -> o_proj -> + x -> RMSNorm -> gate/up -> SiLU gate -> down -> + h.
+//
+// The pools are the primitive's own members, not inputs. The outputs of a multi-output primitive
+// each hold its inputs, so an input pool would always have other holders and could never be written
+// in place as MLX donates a single-output op's input (this block was four ops, two of them KV writes
+// of one pool each, for that reason alone); held here, a pool nothing else references when the op
+// runs is written in place, and one still held elsewhere is copied first, as the donation rule does.
+// Not being inputs, the pools are brought to a settled state when the op is built: computed, or
+// being computed by a task on this op's stream (ahead of it in the stream's order).
 
 #include "decoder_block.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -24,6 +31,7 @@
 #include "mlx/primitives.h"
 #include "buffer.h"
 #include "kv_format.h"
+#include "kv_write.h"
 #include "norm_rope.h"
 #include "paged_attention.h"
 #include "quantized_matvec.h"
@@ -67,231 +75,259 @@ struct Shape {
   int width() const { return (H + 2 * n_kv) * D; }
 };
 
-class BlockQKV : public mx::UnaryPrimitive {
- public:
-  BlockQKV(mx::Stream stream, float eps, int group, int bits, Shape shape, int rope_dims, bool has_bias,
-           bool has_qk_norm, float qk_eps)
-      : mx::UnaryPrimitive(stream), eps_(eps), group_(group), bits_(bits), shape_(shape), rope_dims_(rope_dims),
-        has_bias_(has_bias), has_qk_norm_(has_qk_norm), qk_eps_(qk_eps) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    const int T = inputs[0].shape(0);
-    const int Dm = inputs[0].shape(1);
-    std::optional<Input<float>> bias, q_norm, k_norm;
-    if (has_bias_) bias.emplace(inputs[7]);
-    if (has_qk_norm_) {
-      q_norm.emplace(inputs[inputs.size() - 2]);
-      k_norm.emplace(inputs[inputs.size() - 1]);
-    }
-    encoder.dispatch([x = Input<float>(inputs[0]), norm = Input<float>(inputs[1]),
-                      w = AffineWeights(inputs[2], inputs[3], inputs[4], group_, bits_), cos = Input<float>(inputs[5]),
-                      sin = Input<float>(inputs[6]), bias, q_norm, k_norm, op = out.data<float>(), T, Dm,
-                      eps = eps_, qk_eps = qk_eps_, shape = shape_, dims = rope_dims_]() {
-      std::vector<float> x_s, n_s, c_s, s_s, b_s, qn_s, kn_s;
-      AffineWeights::Scratch w_s;
-      const Buffer<float> normed(static_cast<size_t>(T) * Dm);
-      rms_norm_rows(x.rows(x_s), norm.rows(n_s), normed.get(), T, Dm, eps, false);
-      const int W = shape.width();
-      affine_product(normed.get(), T, Dm, w.view(w_s), op);
-      if (bias) {
-        const float* b = bias->rows(b_s);
-        for (int t = 0; t < T; ++t) {
-          for (int i = 0; i < W; ++i) op[static_cast<size_t>(t) * W + i] += b[i];
-        }
-      }
-      float* k = op + static_cast<size_t>(shape.H) * shape.D;
-      if (q_norm) {  // Qwen3: RMSNorm over each q and k head, before RoPE
-        const float* qn = q_norm->rows(qn_s);
-        const float* kn = k_norm->rows(kn_s);
-        for (int t = 0; t < T; ++t) {
-          float* q_row = op + static_cast<size_t>(t) * W;
-          rms_norm_rows(q_row, qn, q_row, shape.H, shape.D, qk_eps, false);
-          rms_norm_rows(k + static_cast<size_t>(t) * W, kn, k + static_cast<size_t>(t) * W, shape.n_kv, shape.D,
-                        qk_eps, false);
-        }
-      }
-      const float* c = cos.rows(c_s);
-      const float* s = sin.rows(s_s);
-      rope_rows(op, W, op, W, T, shape.H, shape.D, dims, c, s);
-      rope_rows(k, W, k, W, T, shape.n_kv, shape.D, dims, c, s);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("BlockQKV is a CPU kernel");
-  }
-
-  const char* name() const override { return "NativeBlockQKV"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const BlockQKV&>(other);
-    return eps_ == o.eps_ && group_ == o.group_ && bits_ == o.bits_ && shape_.H == o.shape_.H &&
-           shape_.n_kv == o.shape_.n_kv && shape_.D == o.shape_.D && rope_dims_ == o.rope_dims_ &&
-           has_bias_ == o.has_bias_ && has_qk_norm_ == o.has_qk_norm_ && qk_eps_ == o.qk_eps_;
-  }
-
- private:
-  float eps_;
-  int group_, bits_;
-  Shape shape_;
-  int rope_dims_;
-  bool has_bias_;
-  bool has_qk_norm_;
-  float qk_eps_;
+struct LayerConfig {
+  float eps;
+  int group, bits;  // the q/k/v layer's
+  Shape shape;
+  int rope_dims;
+  bool has_bias, has_qk_norm;
+  float qk_eps;
+  int block_size;
+  float scale;
+  int window;
+  float post_eps;
+  std::vector<int> quant;  // group, bits of o_proj, gate/up, down_proj
 };
 
-class BlockOut : public mx::UnaryPrimitive {
- public:
-  BlockOut(mx::Stream stream, float eps, std::vector<int> quant, Shape shape, int block_size, float scale,
-           int window)
-      : mx::UnaryPrimitive(stream), eps_(eps), quant_(std::move(quant)), shape_(shape), block_size_(block_size),
-        scale_(scale), window_(window) {}
+// The inputs in order; the q/k/v bias, then q_norm and k_norm, follow where the block has them.
+enum Inputs : int {
+  kX, kNorm, kW, kScales, kBiases, kCos, kSin, kSlots, kTables, kLens, kPositions, kSeqs,
+  kO, kPostNorm = kO + 3, kGateUp, kDown = kGateUp + 3, kFixedInputs = kDown + 3
+};
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+// qkv [T, W] = RoPE(q/k norms(RMSNorm(x) @ w + bias)): q heads, then k heads, then v heads.
+void qkv_rows(const float* x, int T, int Dm, const float* norm, float eps, const AffineView& w, const float* bias,
+              const float* q_norm, const float* k_norm, float qk_eps, const float* cos, const float* sin, Shape shape,
+              int rope_dims, float* qkv) {
+  const Buffer<float> normed(static_cast<size_t>(T) * Dm);
+  rms_norm_rows(x, norm, normed.get(), T, Dm, eps, false);
+  const int W = shape.width();
+  affine_product(normed.get(), T, Dm, w, qkv);
+  if (bias) {
+    for (int t = 0; t < T; ++t) {
+      for (int i = 0; i < W; ++i) qkv[static_cast<size_t>(t) * W + i] += bias[i];
+    }
+  }
+  float* k = qkv + static_cast<size_t>(shape.H) * shape.D;
+  if (q_norm) {  // Qwen3: RMSNorm over each q and k head, before RoPE
+    for (int t = 0; t < T; ++t) {
+      float* q_row = qkv + static_cast<size_t>(t) * W;
+      rms_norm_rows(q_row, q_norm, q_row, shape.H, shape.D, qk_eps, false);
+      float* k_row = k + static_cast<size_t>(t) * W;
+      rms_norm_rows(k_row, k_norm, k_row, shape.n_kv, shape.D, qk_eps, false);
+    }
+  }
+  rope_rows(qkv, W, qkv, W, T, shape.H, shape.D, rope_dims, cos, sin);
+  rope_rows(k, W, k, W, T, shape.n_kv, shape.D, rope_dims, cos, sin);
+}
+
+// out [T, Dm] = h + down(silu(gate) * up)(RMSNorm(h)), h = x + o_proj(attention as attn describes it).
+void out_rows(AttentionArgs attn, const float* x, int T, int Dm, int I, const AffineView& o, const float* norm,
+              float eps, const AffineView& gate_up, const AffineView& down, float* out) {
+  const size_t HD = static_cast<size_t>(attn.H) * attn.D;
+  const Buffer<float> heads(T * HD);
+  attn.out = heads.get();
+  attend_all(attn);
+  // h = x + o_proj(heads), written straight into the output, which then receives h + mlp(h).
+  const Buffer<float> tmp(static_cast<size_t>(T) * std::max(Dm, 2 * I));
+  affine_product(heads.get(), T, static_cast<int>(HD), o, tmp.get());
+  const size_t n = static_cast<size_t>(T) * Dm;
+  for (size_t i = 0; i < n; ++i) out[i] = x[i] + tmp.get()[i];
+  const Buffer<float> normed(n);
+  rms_norm_rows(out, norm, normed.get(), T, Dm, eps, false);
+  affine_product(normed.get(), T, Dm, gate_up, tmp.get());
+  const Buffer<float> act(static_cast<size_t>(T) * I);
+  silu_gate(tmp.get(), T, I, act.get());
+  affine_product(act.get(), T, I, down, tmp.get());
+  for (size_t i = 0; i < n; ++i) out[i] += tmp.get()[i];
+}
+
+class DecoderLayer : public mx::Primitive {
+ public:
+  DecoderLayer(mx::Stream stream, LayerConfig config, mx::array key_pool, mx::array value_pool)
+      : mx::Primitive(stream), config_(std::move(config)), key_pool_(std::move(key_pool)),
+        value_pool_(std::move(value_pool)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const LayerConfig& c = config_;
+    // Held by nothing but this primitive: the caller rebound its pools to the outputs (see the top).
+    const bool in_place = key_pool_.is_donatable() && value_pool_.is_donatable() &&
+                          key_pool_.flags().row_contiguous && value_pool_.flags().row_contiguous;
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    const int T = inputs[7].shape(0);
-    const int Dm = inputs[7].shape(1);
-    const int I = inputs[15].shape(1) * (32 / quant_[5]);  // down_proj's input features
-    AttentionArgs attn{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, T,
-                       shape_.H, shape_.D, shape_.n_kv, inputs[3].shape(1), block_size_, window_, scale_, 0.0f,
-                       static_cast<size_t>(shape_.width()), kv_type(inputs[1])};
-    encoder.dispatch([attn, attention = AttentionInputs(inputs), x = Input<float>(inputs[7]),
-                      o = AffineWeights(inputs[8], inputs[9], inputs[10], quant_[0], quant_[1]),
-                      norm = Input<float>(inputs[11]),
-                      gate_up = AffineWeights(inputs[12], inputs[13], inputs[14], quant_[2], quant_[3]),
-                      down = AffineWeights(inputs[15], inputs[16], inputs[17], quant_[4], quant_[5]),
-                      op = out.data<float>(), T, Dm, I, eps = eps_]() mutable {
-      std::vector<float> x_s, n_s;
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    std::optional<RawInput> old_keys, old_values;
+    if (in_place) {
+      outputs[1].copy_shared_buffer(key_pool_);
+      outputs[2].copy_shared_buffer(value_pool_);
+    } else {
+      for (int i : {1, 2}) outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
+      old_keys.emplace(key_pool_);
+      old_values.emplace(value_pool_);
+      encoder.add_temporary(key_pool_);  // read by the task below
+      encoder.add_temporary(value_pool_);
+    }
+    for (auto& o : outputs) encoder.set_output_array(o);
+    const int T = inputs[kX].shape(0);
+    const int Dm = inputs[kX].shape(1);
+    const int I = inputs[kDown].shape(1) * (32 / c.quant[5]);  // down_proj's input features
+    const Shape sh = c.shape;
+    const int W = sh.width();
+    AttentionArgs attn{nullptr, outputs[1].data<uint8_t>(), outputs[2].data<uint8_t>(), nullptr, nullptr, nullptr,
+                       nullptr, nullptr, nullptr, T, sh.H, sh.D, sh.n_kv, inputs[kTables].shape(1), c.block_size,
+                       c.window, c.scale, 0.0f, static_cast<size_t>(W), kv_type(key_pool_)};
+    std::optional<Input<float>> bias, q_norm, k_norm;
+    size_t next = kFixedInputs;
+    if (c.has_bias) bias.emplace(inputs[next++]);
+    if (c.has_qk_norm) {
+      q_norm.emplace(inputs[next++]);
+      k_norm.emplace(inputs[next++]);
+    }
+    auto weights = [&](int at, int q) {
+      return AffineWeights(inputs[at], inputs[at + 1], inputs[at + 2], c.quant[2 * q], c.quant[2 * q + 1]);
+    };
+    encoder.dispatch([attn, x = Input<float>(inputs[kX]), norm = Input<float>(inputs[kNorm]),
+                      qkv_w = AffineWeights(inputs[kW], inputs[kScales], inputs[kBiases], c.group, c.bits),
+                      cos = Input<float>(inputs[kCos]), sin = Input<float>(inputs[kSin]), bias, q_norm, k_norm,
+                      slots = Input<int32_t>(inputs[kSlots]), tables = Input<int32_t>(inputs[kTables]),
+                      lens = Input<int32_t>(inputs[kLens]), positions = Input<int32_t>(inputs[kPositions]),
+                      seqs = Input<int32_t>(inputs[kSeqs]), o = weights(kO, 0),
+                      post_norm = Input<float>(inputs[kPostNorm]), gate_up = weights(kGateUp, 1),
+                      down = weights(kDown, 2), old_keys, old_values, pool_bytes = outputs[1].nbytes(),
+                      op = out.data<float>(), T, Dm, I, W, c = config_]() mutable {
+      std::vector<float> x_s, n_s, c_s, s_s, b_s, qn_s, kn_s, pn_s;
+      std::vector<int32_t> slot_s, t_s, l_s, p_s, q_s;
       AffineWeights::Scratch w_s;
-      const size_t HD = static_cast<size_t>(attn.H) * attn.D;
-      const Buffer<float> heads(T * HD);
-      attn.out = heads.get();
-      attention.attend(attn);
-      // h = x + o_proj(heads), written straight into the output, which then receives h + mlp(h).
-      const Buffer<float> tmp(static_cast<size_t>(T) * std::max(Dm, 2 * I));
-      affine_product(heads.get(), T, static_cast<int>(HD), o.view(w_s), tmp.get());
+      if (old_keys) {  // the pools were still held elsewhere: this step writes into copies
+        std::vector<uint8_t> scratch;
+        std::memcpy(const_cast<uint8_t*>(attn.keys), old_keys->rows(scratch), pool_bytes);
+        std::memcpy(const_cast<uint8_t*>(attn.values), old_values->rows(scratch), pool_bytes);
+      }
+      const Shape sh = c.shape;
+      const Buffer<float> qkv(static_cast<size_t>(T) * W);
       const float* xp = x.rows(x_s);
-      const size_t n = static_cast<size_t>(T) * Dm;
-      for (size_t i = 0; i < n; ++i) op[i] = xp[i] + tmp.get()[i];
-      const Buffer<float> normed(n);
-      rms_norm_rows(op, norm.rows(n_s), normed.get(), T, Dm, eps, false);
-      affine_product(normed.get(), T, Dm, gate_up.view(w_s), tmp.get());
-      const Buffer<float> act(static_cast<size_t>(T) * I);
-      silu_gate(tmp.get(), T, I, act.get());
-      affine_product(act.get(), T, I, down.view(w_s), tmp.get());
-      for (size_t i = 0; i < n; ++i) op[i] += tmp.get()[i];
+      qkv_rows(xp, T, Dm, norm.rows(n_s), c.eps, qkv_w.view(w_s), bias ? bias->rows(b_s) : nullptr,
+               q_norm ? q_norm->rows(qn_s) : nullptr, k_norm ? k_norm->rows(kn_s) : nullptr, c.qk_eps,
+               cos.rows(c_s), sin.rows(s_s), sh, c.rope_dims, qkv.get());
+      const int32_t* at = slots.rows(slot_s);
+      const size_t k_column = static_cast<size_t>(sh.H) * sh.D;
+      const size_t v_column = k_column + static_cast<size_t>(sh.n_kv) * sh.D;
+      store_kv_rows(qkv.get() + k_column, W, at, T, attn.kv_type, sh.n_kv, sh.D, const_cast<uint8_t*>(attn.keys));
+      store_kv_rows(qkv.get() + v_column, W, at, T, attn.kv_type, sh.n_kv, sh.D,
+                    const_cast<uint8_t*>(attn.values));
+      attn.q = qkv.get();
+      attn.block_tables = tables.rows(t_s);
+      attn.context_lens = lens.rows(l_s);
+      attn.positions = positions.rows(p_s);
+      attn.token_seq = seqs.rows(q_s);
+      out_rows(attn, xp, T, Dm, I, o.view(w_s), post_norm.rows(pn_s), c.post_eps, gate_up.view(w_s),
+               down.view(w_s), op);
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("BlockOut is a CPU kernel");
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("DecoderLayer is a CPU kernel");
   }
 
-  const char* name() const override { return "NativeBlockOut"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const BlockOut&>(other);
-    return eps_ == o.eps_ && quant_ == o.quant_ && shape_.H == o.shape_.H && shape_.n_kv == o.shape_.n_kv &&
-           shape_.D == o.shape_.D && block_size_ == o.block_size_ && scale_ == o.scale_ && window_ == o.window_;
-  }
+  const char* name() const override { return "NativeDecoderLayer"; }
 
  private:
-  float eps_;
-  std::vector<int> quant_;  // group, bits of o_proj, gate/up, down_proj
-  Shape shape_;
-  int block_size_;
-  float scale_;
-  int window_;
+  LayerConfig config_;
+  mx::array key_pool_, value_pool_;
 };
 
 void check_f32(const mx::array& a, const char* what) {
-  if (a.dtype() != mx::float32) throw std::invalid_argument(std::string("decoder block: ") + what + " must be float32");
+  if (a.dtype() != mx::float32) throw std::invalid_argument(std::string("decoder_layer: ") + what + " must be float32");
+}
+
+// Brings a pool to where the layer may hold it instead of taking it as an input: computed, or
+// scheduled by a task on stream s (which runs before anything enqueued on s later).
+void settle(const mx::array& pool, const mx::Stream& s) {
+  if (pool.is_available()) return;
+  if (pool.status() == mx::array::Status::evaluated && pool.event().valid() && pool.event().stream() == s) return;
+  mx::array held = pool;
+  if (held.status() == mx::array::Status::unscheduled) mx::eval({held});
+  held.wait();
 }
 
 }  // namespace
 
-mx::array block_qkv(const mx::array& x, const mx::array& norm_weight, float eps, const mx::array& w,
-                    const mx::array& scales, const mx::array& biases, int group_size, int bits,
-                    const std::optional<mx::array>& bias, const mx::array& cos, const mx::array& sin, int n_heads,
-                    int n_kv_heads, int head_dim, int rope_dims, const std::optional<mx::array>& q_norm,
-                    const std::optional<mx::array>& k_norm, float qk_eps) {
+std::vector<mx::array> decoder_layer(
+    const mx::array& x, const mx::array& norm_weight, float eps, const mx::array& w, const mx::array& scales,
+    const mx::array& biases, int group_size, int bits, const std::optional<mx::array>& bias, const mx::array& cos,
+    const mx::array& sin, int n_heads, int n_kv_heads, int head_dim, int rope_dims,
+    const std::optional<mx::array>& q_norm, const std::optional<mx::array>& k_norm, float qk_eps,
+    const mx::array& key_pool, const mx::array& value_pool, const mx::array& slot_mapping,
+    const mx::array& block_tables, const mx::array& context_lens, const mx::array& positions,
+    const mx::array& token_seq, int block_size, float scale, int window, const std::vector<mx::array>& o_proj,
+    const mx::array& post_norm_weight, float post_eps, const std::vector<mx::array>& gate_up,
+    const std::vector<mx::array>& down_proj, const std::vector<int>& quant) {
+  const Shape shape{n_heads, n_kv_heads, head_dim};
   check_f32(x, "x");
   check_f32(norm_weight, "the norm weight");
+  check_f32(post_norm_weight, "the post-attention norm weight");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
-  if (x.ndim() != 2 || norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(1)) {
-    throw std::invalid_argument("block_qkv: x must be [T, D] and the norm weight [D]");
+  if (x.ndim() != 2 || norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(1) ||
+      post_norm_weight.shape() != norm_weight.shape()) {
+    throw std::invalid_argument("decoder_layer: x must be [T, D] and the norm weights [D]");
   }
-  const Shape shape{n_heads, n_kv_heads, head_dim};
-  check_affine(w, scales, biases, x.shape(1), group_size, bits);
-  if (w.shape(0) != shape.width() || n_heads % n_kv_heads != 0 || rope_dims % 2 != 0 || rope_dims > head_dim ||
-      cos.size() != static_cast<size_t>(x.shape(0)) * (rope_dims / 2) || sin.size() != cos.size()) {
-    throw std::invalid_argument("block_qkv: the q/k/v rows, head counts and RoPE tables do not match");
+  const int T = x.shape(0), Dm = x.shape(1);
+  check_affine(w, scales, biases, Dm, group_size, bits);
+  if (w.shape(0) != shape.width() || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim % 8 != 0 ||
+      rope_dims % 2 != 0 || rope_dims > head_dim || cos.size() != static_cast<size_t>(T) * (rope_dims / 2) ||
+      sin.size() != cos.size()) {
+    throw std::invalid_argument("decoder_layer: the q/k/v rows, head counts and RoPE tables do not match");
   }
-  std::vector<mx::array> inputs{x, norm_weight, w, scales, biases, cos, sin};
-  if (bias) {
-    check_f32(*bias, "the q/k/v bias");
-    if (bias->ndim() != 1 || bias->shape(0) != shape.width()) throw std::invalid_argument("block_qkv: bias shape");
-    inputs.push_back(*bias);
+  if (key_pool.ndim() != 3 || key_pool.shape(1) != n_kv_heads || kv_head_dim(key_pool) != head_dim ||
+      value_pool.shape() != key_pool.shape() || value_pool.dtype() != key_pool.dtype() ||
+      key_pool.id() == value_pool.id()) {
+    throw std::invalid_argument("decoder_layer: the K and V pools must be two [slots, n_kv, head_dim] arrays of one dtype");
   }
-  if (q_norm.has_value() != k_norm.has_value()) throw std::invalid_argument("block_qkv: q_norm needs k_norm");
-  if (q_norm) {
-    check_f32(*q_norm, "q_norm");
-    check_f32(*k_norm, "k_norm");
-    if (q_norm->ndim() != 1 || q_norm->shape(0) != head_dim || k_norm->shape() != q_norm->shape()) {
-      throw std::invalid_argument("block_qkv: q_norm and k_norm must be [head_dim]");
-    }
-    inputs.push_back(*q_norm);
-    inputs.push_back(*k_norm);
+  if (slot_mapping.ndim() != 1 || slot_mapping.shape(0) != T || token_seq.size() != static_cast<size_t>(T) ||
+      positions.size() != static_cast<size_t>(T) || block_tables.ndim() != 2 ||
+      context_lens.size() != static_cast<size_t>(block_tables.shape(0))) {
+    throw std::invalid_argument("decoder_layer: slot_mapping, positions, token_seq [T], block_tables [B, blocks], context_lens [B]");
   }
-  const mx::Stream s = mx::default_stream(mx::Device::cpu);
-  return mx::array({x.shape(0), shape.width()}, mx::float32,
-                   std::make_shared<BlockQKV>(s, eps, group_size, bits, shape, rope_dims, bias.has_value(),
-                                              q_norm.has_value(), qk_eps),
-                   std::move(inputs));
-}
-
-mx::array block_out(const mx::array& qkv, const mx::array& key_pool, const mx::array& value_pool,
-                    const mx::array& block_tables, const mx::array& context_lens, const mx::array& positions,
-                    const mx::array& token_seq, int block_size, float scale, int window, const mx::array& x,
-                    const std::vector<mx::array>& o_proj, const mx::array& norm_weight, float eps,
-                    const std::vector<mx::array>& gate_up, const std::vector<mx::array>& down_proj,
-                    const std::vector<int>& quant, int n_heads, int n_kv_heads, int head_dim) {
-  const Shape shape{n_heads, n_kv_heads, head_dim};
-  check_f32(qkv, "qkv");
-  check_f32(x, "x");
-  check_f32(norm_weight, "the norm weight");
   if (o_proj.size() != 3 || gate_up.size() != 3 || down_proj.size() != 3 || quant.size() != 6) {
-    throw std::invalid_argument("block_out: each layer is (weight, scales, biases), quant 3 x (group, bits)");
+    throw std::invalid_argument("decoder_layer: each layer is (weight, scales, biases), quant 3 x (group, bits)");
   }
-  if (qkv.ndim() != 2 || qkv.shape(1) != shape.width() || x.ndim() != 2 || x.shape(0) != qkv.shape(0) ||
-      key_pool.ndim() != 3 || key_pool.shape(1) != n_kv_heads || kv_head_dim(key_pool) != head_dim ||
-      value_pool.shape() != key_pool.shape() || value_pool.dtype() != key_pool.dtype() || head_dim % 8 != 0 || n_heads % n_kv_heads != 0 ||
-      norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(1)) {
-    throw std::invalid_argument("block_out: qkv [T, (H + 2 n_kv) D], pools [slots, n_kv, D] and x [T, D] do not match");
-  }
-  const int Dm = x.shape(1);
   check_affine(o_proj[0], o_proj[1], o_proj[2], n_heads * head_dim, quant[0], quant[1]);
   check_affine(gate_up[0], gate_up[1], gate_up[2], Dm, quant[2], quant[3]);
   const int I = gate_up[0].shape(0) / 2;
   check_affine(down_proj[0], down_proj[1], down_proj[2], I, quant[4], quant[5]);
   if (o_proj[0].shape(0) != Dm || down_proj[0].shape(0) != Dm || gate_up[0].shape(0) != 2 * I) {
-    throw std::invalid_argument("block_out: o_proj, gate/up and down_proj shapes do not match the hidden size");
+    throw std::invalid_argument("decoder_layer: o_proj, gate/up and down_proj shapes do not match the hidden size");
   }
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
   auto i32 = [&](const mx::array& a) { return mx::astype(a, mx::int32, s); };
-  return mx::array(x.shape(), mx::float32,
-                   std::make_shared<BlockOut>(s, eps, quant, shape, block_size, scale, window),
-                   {qkv, key_pool, value_pool, i32(block_tables), i32(context_lens), i32(positions), i32(token_seq), x,
-                    o_proj[0], o_proj[1], o_proj[2], norm_weight, gate_up[0], gate_up[1], gate_up[2], down_proj[0],
-                    down_proj[1], down_proj[2]});
+  std::vector<mx::array> inputs{x, norm_weight, w, scales, biases, cos, sin, i32(slot_mapping), i32(block_tables),
+                                i32(context_lens), i32(positions), i32(token_seq), o_proj[0], o_proj[1], o_proj[2],
+                                post_norm_weight, gate_up[0], gate_up[1], gate_up[2], down_proj[0], down_proj[1],
+                                down_proj[2]};
+  if (bias) {
+    check_f32(*bias, "the q/k/v bias");
+    if (bias->ndim() != 1 || bias->shape(0) != shape.width()) throw std::invalid_argument("decoder_layer: bias shape");
+    inputs.push_back(*bias);
+  }
+  if (q_norm.has_value() != k_norm.has_value()) throw std::invalid_argument("decoder_layer: q_norm needs k_norm");
+  if (q_norm) {
+    check_f32(*q_norm, "q_norm");
+    check_f32(*k_norm, "k_norm");
+    if (q_norm->ndim() != 1 || q_norm->shape(0) != head_dim || k_norm->shape() != q_norm->shape()) {
+      throw std::invalid_argument("decoder_layer: q_norm and k_norm must be [head_dim]");
+    }
+    inputs.push_back(*q_norm);
+    inputs.push_back(*k_norm);
+  }
+  settle(key_pool, s);
+  settle(value_pool, s);
+  LayerConfig config{eps, group_size, bits, shape, rope_dims, bias.has_value(), q_norm.has_value(), qk_eps,
+                     block_size, scale, window, post_eps, quant};
+  return mx::array::make_arrays({x.shape(), key_pool.shape(), value_pool.shape()},
+                                {mx::float32, key_pool.dtype(), value_pool.dtype()},
+                                std::make_shared<DecoderLayer>(s, std::move(config), key_pool, value_pool), inputs);
 }
 
 }  // namespace mlx_infer

@@ -7,29 +7,26 @@
 
 namespace mlx_infer {
 
-// The first half of a Llama-style block on T rows: RMSNorm(x) @ the fused q/k/v affine layer (+ bias),
-// an RMSNorm over each q and k head where q_norm/k_norm are given (Qwen3, eps qk_eps), then half-split
-// RoPE (tables cos/sin [T, 1, rope_dims / 2]) on the q and k heads.
-// Returns [T, (n_heads + 2 n_kv_heads) * head_dim]: q heads, then k heads, then v heads.
-mlx::core::array block_qkv(const mlx::core::array& x, const mlx::core::array& norm_weight, float eps,
-                           const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases,
-                           int group_size, int bits, const std::optional<mlx::core::array>& bias,
-                           const mlx::core::array& cos, const mlx::core::array& sin, int n_heads, int n_kv_heads,
-                           int head_dim, int rope_dims, const std::optional<mlx::core::array>& q_norm,
-                           const std::optional<mlx::core::array>& k_norm, float qk_eps);
-
-// The rest of the block, once the K/V parts of qkv are in the pools (any KV type of kv_format.h):
-// h = x + o_proj(attention of the q part, as paged_attention), then h + down_proj(silu(gate) * up) of RMSNorm(h), where gate/up is one
-// fused affine layer (gate rows first). o_proj, gate_up, down_proj are (weight, scales, biases); quant
-// holds (group_size, bits) of each in that order. Returns [T, D].
-mlx::core::array block_out(const mlx::core::array& qkv, const mlx::core::array& key_pool,
-                           const mlx::core::array& value_pool, const mlx::core::array& block_tables,
-                           const mlx::core::array& context_lens, const mlx::core::array& positions,
-                           const mlx::core::array& token_seq, int block_size, float scale, int window,
-                           const mlx::core::array& x, const std::vector<mlx::core::array>& o_proj,
-                           const mlx::core::array& norm_weight, float eps,
-                           const std::vector<mlx::core::array>& gate_up,
-                           const std::vector<mlx::core::array>& down_proj, const std::vector<int>& quant,
-                           int n_heads, int n_kv_heads, int head_dim);
+// A Llama-style decoder block on T rows as one op. Returns (out [T, D], key_pool, value_pool):
+//   RMSNorm(x) @ the fused q/k/v affine layer (w, scales, biases, group_size, bits; + bias), Qwen3's
+//   RMSNorm over each q and k head where q_norm/k_norm are given (eps qk_eps), half-split RoPE (tables
+//   cos/sin [T, 1, rope_dims / 2]) on q and k;
+//   the k and v heads written into the pools (any KV type of kv_format.h) at slot_mapping[t], as kv_write;
+//   h = x + o_proj(attention of the q heads, as paged_attention), out = h + down_proj(silu(gate) * up) of
+//   RMSNorm(h) (post_norm_weight, post_eps), gate/up one fused affine layer (gate rows first).
+// o_proj, gate_up, down_proj are (weight, scales, biases); quant holds (group_size, bits) of each in that
+// order. The returned pools are the given ones with this step's rows written: in place when nothing else
+// holds the given pools (drop them, as for kv_write), else copies.
+std::vector<mlx::core::array> decoder_layer(
+    const mlx::core::array& x, const mlx::core::array& norm_weight, float eps, const mlx::core::array& w,
+    const mlx::core::array& scales, const mlx::core::array& biases, int group_size, int bits,
+    const std::optional<mlx::core::array>& bias, const mlx::core::array& cos, const mlx::core::array& sin,
+    int n_heads, int n_kv_heads, int head_dim, int rope_dims, const std::optional<mlx::core::array>& q_norm,
+    const std::optional<mlx::core::array>& k_norm, float qk_eps, const mlx::core::array& key_pool,
+    const mlx::core::array& value_pool, const mlx::core::array& slot_mapping, const mlx::core::array& block_tables,
+    const mlx::core::array& context_lens, const mlx::core::array& positions, const mlx::core::array& token_seq,
+    int block_size, float scale, int window, const std::vector<mlx::core::array>& o_proj,
+    const mlx::core::array& post_norm_weight, float post_eps, const std::vector<mlx::core::array>& gate_up,
+    const std::vector<mlx::core::array>& down_proj, const std::vector<int>& quant);
 
 }  // namespace mlx_infer

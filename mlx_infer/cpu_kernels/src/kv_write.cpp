@@ -36,19 +36,29 @@ void copy_rows(const mx::array& rows, const int32_t* at, size_t n, size_t row_si
   }
 }
 
-// float32 rows stored as the pool's type, head by head (rounded to half, or quantized to int8).
 template <KVType K>
-void store_rows(const mx::array& rows, const int32_t* at, size_t n, int n_kv, int D, int column, uint8_t* dst) {
-  std::vector<float> scratch;
-  const float* src = Input<float>(rows).rows(scratch);
-  const size_t src_stride = rows.size() / rows.shape(0);
+void store_rows(const float* src, size_t src_stride, const int32_t* at, size_t n, int n_kv, int D, uint8_t* dst) {
   const size_t head_bytes = kv_head_bytes(K, D);
   for (size_t t = 0; t < n; ++t) {
     uint8_t* slot = dst + static_cast<size_t>(at[t]) * n_kv * head_bytes;
-    const float* row = src + t * src_stride + column;
+    const float* row = src + t * src_stride;
     for (int h = 0; h < n_kv; ++h) store_row<K>(row + static_cast<size_t>(h) * D, slot + h * head_bytes, D);
   }
 }
+
+}  // namespace
+
+void store_kv_rows(const float* rows, size_t row_stride, const int32_t* slots, size_t n, KVType type, int n_kv,
+                   int D, uint8_t* pool) {
+  switch (type) {
+    case KVType::f32: store_rows<KVType::f32>(rows, row_stride, slots, n, n_kv, D, pool); break;
+    case KVType::f16: store_rows<KVType::f16>(rows, row_stride, slots, n, n_kv, D, pool); break;
+    case KVType::bf16: store_rows<KVType::bf16>(rows, row_stride, slots, n, n_kv, D, pool); break;
+    case KVType::i8: store_rows<KVType::i8>(rows, row_stride, slots, n, n_kv, D, pool); break;
+  }
+}
+
+namespace {
 
 void write(const mx::array& pool, const mx::array& rows, const mx::array& slots, mx::array& out, bool donated,
            int column) {
@@ -69,12 +79,8 @@ void write(const mx::array& pool, const mx::array& rows, const mx::array& slots,
     else copy_rows<uint16_t>(rows, at, n, row_size, column, dst);
     return;
   }
-  switch (type) {
-    case KVType::f32: store_rows<KVType::f32>(rows, at, n, n_kv, D, column, dst); break;
-    case KVType::f16: store_rows<KVType::f16>(rows, at, n, n_kv, D, column, dst); break;
-    case KVType::bf16: store_rows<KVType::bf16>(rows, at, n, n_kv, D, column, dst); break;
-    case KVType::i8: store_rows<KVType::i8>(rows, at, n, n_kv, D, column, dst); break;
-  }
+  std::vector<float> scratch;  // float32 rows stored as the pool's type
+  store_kv_rows(Input<float>(rows).rows(scratch) + column, rows.size() / rows.shape(0), at, n, type, n_kv, D, dst);
 }
 
 class KVWrite : public mx::UnaryPrimitive {

@@ -1,6 +1,10 @@
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "mlx/mlx.h"
+#include "kv_format.h"
 
 namespace mlx_infer {
 
@@ -13,5 +17,10 @@ namespace mlx_infer {
 // are rounded to a half pool or quantized into an int8 one (see kv_format.h) as they are written.
 mlx::core::array kv_write(const mlx::core::array& pool, const mlx::core::array& rows, const mlx::core::array& slots,
                           int column = 0);
+
+// The kernel behind kv_write's float32 rows: row t (rows + t * row_stride, n_kv heads of D values) stored as
+// the pool's type at slot slots[t] of the row-major pool memory (rounded to half, or quantized to int8).
+void store_kv_rows(const float* rows, size_t row_stride, const int32_t* slots, size_t n, KVType type, int n_kv,
+                   int D, uint8_t* pool);
 
 }  // namespace mlx_infer
