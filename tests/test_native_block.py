@@ -107,10 +107,10 @@ def test_block_ops_reject_bad_arguments_in_one_line():
     kv = LayerKV(4, 4, 2, 16, mx.float32)
     meta = build_metadata([SequenceSlice([0], 0, 1)], 4)
     cos = sin = mx.zeros((1, 1, 8))
-    with pytest.raises(ValueError, match="decoder_layer: x must be") as error:
+    with pytest.raises(ValueError, match="NativeLayer: x must be") as error:
         block._ops(mx.zeros((1, 32)), kv.keys, kv.values, meta, cos, sin)
     assert "\n" not in str(error.value)
-    with pytest.raises(ValueError, match="decoder_layer: the q/k/v rows"):
+    with pytest.raises(ValueError, match="NativeLayer: the RoPE tables"):
         block._ops(mx.zeros((1, 64)), kv.keys, kv.values, meta, cos[:, :, :4], sin[:, :, :4])
 
 

@@ -279,10 +279,10 @@ Norm = tuple[mx.array, float]  # an RMSNorm: weight, eps
 
 
 class BlockOps:
-    """One Llama-style decoder block as the native ``decoder_layer`` op, its weights bound once so that a
-    step passes only what changes (the block's Python cost is paid per layer per token): RMSNorm, fused
-    q/k/v product (+ bias), Qwen3's per-head q/k norms when given, RoPE on q and k, the K/V rows written
-    into the pools, attention, o_proj, residual, RMSNorm, fused gate/up, SiLU gate, down_proj, residual.
+    """One Llama-style decoder block as the native ``NativeLayer``, its weights bound once (in C++, so
+    that a step's op takes only the step's arrays): RMSNorm, fused q/k/v product (+ bias), Qwen3's
+    per-head q/k norms when given, RoPE on q and k, the K/V rows written into the pools, attention,
+    o_proj, residual, RMSNorm, fused gate/up, SiLU gate, down_proj, residual.
     """
 
     def __init__(
@@ -299,26 +299,24 @@ class BlockOps:
         down_proj: Affine,
     ):
         n_heads, n_kv_heads, head_dim = heads
-        (params, group, bits) = qkv
-        self._qkv = (*input_norm, params["weight"], params["scales"], params["biases"], group, bits,
-                     params.get("bias"))
-        self._heads = (n_heads, n_kv_heads, head_dim, head_dim, *(qk_norms or (None, None, 0.0)))
-        self._attention = (scale, window or 0)
         names = ("weight", "scales", "biases")
+        params, group, bits = qkv
         layers = (o_proj, gate_up, down_proj)
         o, gu, down = ([layer[0][n] for n in names] for layer in layers)
-        quant = [q for layer in layers for q in layer[1:]]
-        self._rest = (o, *post_norm, gu, down, quant)
+        self._layer = _native.NativeLayer(
+            *input_norm, [params[n] for n in names], group, bits, params.get("bias"),
+            n_heads, n_kv_heads, head_dim, head_dim, *(qk_norms or (None, None, 0.0)), scale, window or 0,
+            o, *post_norm, gu, down, [q for layer in layers for q in layer[1:]],
+        )
 
     def __call__(
         self, x: mx.array, keys: mx.array, values: mx.array, meta: BatchMetadata, cos: mx.array, sin: mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
         """The block's output and the pools with this step's K/V written (drop the old ones, so that the
         op writes them in place)."""
-        out, keys, values = _native.decoder_layer(
-            x, *self._qkv, cos, sin, *self._heads, keys, values, meta.slot_mapping, meta.block_tables,
-            meta.context_lens, meta.positions, token_seq(meta), meta.block_size, *self._attention,
-            *self._rest,
+        out, keys, values = self._layer(
+            x, keys, values, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens,
+            meta.positions, token_seq(meta), meta.block_size,
         )
         return out, keys, values
 

@@ -27,12 +27,19 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("set_activations", &mlx_infer::set_activations, "kind"_a);
   m.def("activations", &mlx_infer::activations);
   m.def("kv_write", &mlx_infer::kv_write, "pool"_a, "rows"_a, "slots"_a, "column"_a = 0);
-  m.def("decoder_layer", &mlx_infer::decoder_layer, "x"_a, "norm_weight"_a, "eps"_a, "w"_a, "scales"_a,
-        "biases"_a, "group_size"_a, "bits"_a, "bias"_a.none(), "cos"_a, "sin"_a, "n_heads"_a, "n_kv_heads"_a,
-        "head_dim"_a, "rope_dims"_a, "q_norm"_a.none(), "k_norm"_a.none(), "qk_eps"_a, "key_pool"_a,
-        "value_pool"_a, "slot_mapping"_a, "block_tables"_a, "context_lens"_a, "positions"_a, "token_seq"_a,
-        "block_size"_a, "scale"_a, "window"_a, "o_proj"_a, "post_norm_weight"_a, "post_eps"_a, "gate_up"_a,
-        "down_proj"_a, "quant"_a);
+  nb::class_<mlx_infer::NativeLayer>(m, "NativeLayer")
+      .def(nb::init<const mlx::core::array&, float, const std::vector<mlx::core::array>&, int, int,
+                    const std::optional<mlx::core::array>&, int, int, int, int,
+                    const std::optional<mlx::core::array>&, const std::optional<mlx::core::array>&, float, float,
+                    int, const std::vector<mlx::core::array>&, const mlx::core::array&, float,
+                    const std::vector<mlx::core::array>&, const std::vector<mlx::core::array>&,
+                    const std::vector<int>&>(),
+           "norm_weight"_a, "eps"_a, "qkv"_a, "group_size"_a, "bits"_a, "bias"_a.none(), "n_heads"_a,
+           "n_kv_heads"_a, "head_dim"_a, "rope_dims"_a, "q_norm"_a.none(), "k_norm"_a.none(), "qk_eps"_a,
+           "scale"_a, "window"_a, "o_proj"_a, "post_norm_weight"_a, "post_eps"_a, "gate_up"_a, "down_proj"_a,
+           "quant"_a)
+      .def("__call__", &mlx_infer::NativeLayer::operator(), "x"_a, "key_pool"_a, "value_pool"_a, "cos"_a, "sin"_a,
+           "slot_mapping"_a, "block_tables"_a, "context_lens"_a, "positions"_a, "token_seq"_a, "block_size"_a);
   m.def("gated_delta", &mlx_infer::gated_delta, "pool"_a, "slots"_a, "q"_a, "k"_a, "v"_a, "decay"_a, "beta"_a,
         "lengths"_a.none() = nb::none());
   m.def("rms_norm", &mlx_infer::rms_norm, "x"_a, "weight"_a, "eps"_a, "offset"_a);

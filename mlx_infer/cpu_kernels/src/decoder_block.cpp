@@ -9,6 +9,10 @@
 //   its K and V parts stored into their pools (kv_write's store_kv_rows);
 //   attention of the q part -> o_proj -> + x -> RMSNorm -> gate/up -> SiLU gate -> down -> + h.
 //
+// The weights are bound once (NativeLayer, row-contiguous and computed): a step's op takes only the
+// step's arrays as inputs, so the per-op costs that grow with the inputs (MLX's bookkeeping of each
+// input's buffer, the views the task reads) are paid for 8 arrays rather than 24.
+//
 // The pools are the primitive's own members, not inputs. The outputs of a multi-output primitive
 // each hold its inputs, so an input pool would always have other holders and could never be written
 // in place as MLX donates a single-output op's input (this block was four ops, two of them KV writes
@@ -43,6 +47,36 @@ namespace mx = mlx::core;
 
 namespace mlx_infer {
 
+struct LayerShape {
+  int H, n_kv, D;
+  int width() const { return (H + 2 * n_kv) * D; }
+};
+
+// The weights as the kernels read them: every array row-contiguous and computed, held here.
+struct LayerWeights {
+  std::vector<mx::array> arrays;
+  const float *norm, *bias, *q_norm, *k_norm, *post_norm;
+  AffineView qkv, o, gate_up, down;
+  float eps, qk_eps, post_eps, scale;
+  int window, rope_dims, hidden, intermediate;
+  LayerShape shape;
+
+  // The pointer to a's data once it is kept in `arrays` row-contiguous and computed.
+  template <typename T>
+  const T* keep(const mx::array& a) {
+    mx::array kept = a.flags().row_contiguous ? a : mx::contiguous(a);
+    mx::eval({kept});
+    arrays.push_back(kept);
+    return kept.data<T>();
+  }
+
+  AffineView keep_affine(const std::vector<mx::array>& layer, int group, int bits) {
+    const bool half = layer[1].dtype() == mx::float16;
+    return {keep<uint32_t>(layer[0]), {keep<void>(layer[1]), half}, {keep<void>(layer[2]), half}, layer[0].shape(0),
+            group, bits};
+  }
+};
+
 namespace {
 
 // act[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i], as MLX's compiled gate computes it
@@ -70,34 +104,12 @@ void silu_gate(const float* gate_up, int T, int I, float* act) {
   pool().for_range(T, 1, rows);
 }
 
-struct Shape {
-  int H, n_kv, D;
-  int width() const { return (H + 2 * n_kv) * D; }
-};
-
-struct LayerConfig {
-  float eps;
-  int group, bits;  // the q/k/v layer's
-  Shape shape;
-  int rope_dims;
-  bool has_bias, has_qk_norm;
-  float qk_eps;
-  int block_size;
-  float scale;
-  int window;
-  float post_eps;
-  std::vector<int> quant;  // group, bits of o_proj, gate/up, down_proj
-};
-
-// The inputs in order; the q/k/v bias, then q_norm and k_norm, follow where the block has them.
-enum Inputs : int {
-  kX, kNorm, kW, kScales, kBiases, kCos, kSin, kSlots, kTables, kLens, kPositions, kSeqs,
-  kO, kPostNorm = kO + 3, kGateUp, kDown = kGateUp + 3, kFixedInputs = kDown + 3
-};
+// The inputs of a step's op, in order.
+enum Inputs : int { kX, kCos, kSin, kSlots, kTables, kLens, kPositions, kSeqs };
 
 // qkv [T, W] = RoPE(q/k norms(RMSNorm(x) @ w + bias)): q heads, then k heads, then v heads.
 void qkv_rows(const float* x, int T, int Dm, const float* norm, float eps, const AffineView& w, const float* bias,
-              const float* q_norm, const float* k_norm, float qk_eps, const float* cos, const float* sin, Shape shape,
+              const float* q_norm, const float* k_norm, float qk_eps, const float* cos, const float* sin, LayerShape shape,
               int rope_dims, float* qkv) {
   const Buffer<float> normed(static_cast<size_t>(T) * Dm);
   rms_norm_rows(x, norm, normed.get(), T, Dm, eps, false);
@@ -144,12 +156,12 @@ void out_rows(AttentionArgs attn, const float* x, int T, int Dm, int I, const Af
 
 class DecoderLayer : public mx::Primitive {
  public:
-  DecoderLayer(mx::Stream stream, LayerConfig config, mx::array key_pool, mx::array value_pool)
-      : mx::Primitive(stream), config_(std::move(config)), key_pool_(std::move(key_pool)),
+  DecoderLayer(mx::Stream stream, std::shared_ptr<const LayerWeights> weights, int block_size, mx::array key_pool,
+               mx::array value_pool)
+      : mx::Primitive(stream), weights_(std::move(weights)), block_size_(block_size), key_pool_(std::move(key_pool)),
         value_pool_(std::move(value_pool)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const LayerConfig& c = config_;
     // Held by nothing but this primitive: the caller rebound its pools to the outputs (see the top).
     const bool in_place = key_pool_.is_donatable() && value_pool_.is_donatable() &&
                           key_pool_.flags().row_contiguous && value_pool_.flags().row_contiguous;
@@ -169,47 +181,31 @@ class DecoderLayer : public mx::Primitive {
       encoder.add_temporary(value_pool_);
     }
     for (auto& o : outputs) encoder.set_output_array(o);
-    const int T = inputs[kX].shape(0);
-    const int Dm = inputs[kX].shape(1);
-    const int I = inputs[kDown].shape(1) * (32 / c.quant[5]);  // down_proj's input features
-    const Shape sh = c.shape;
-    const int W = sh.width();
+    const LayerWeights& lw = *weights_;
+    const LayerShape sh = lw.shape;
     AttentionArgs attn{nullptr, outputs[1].data<uint8_t>(), outputs[2].data<uint8_t>(), nullptr, nullptr, nullptr,
-                       nullptr, nullptr, nullptr, T, sh.H, sh.D, sh.n_kv, inputs[kTables].shape(1), c.block_size,
-                       c.window, c.scale, 0.0f, static_cast<size_t>(W), kv_type(key_pool_)};
-    std::optional<Input<float>> bias, q_norm, k_norm;
-    size_t next = kFixedInputs;
-    if (c.has_bias) bias.emplace(inputs[next++]);
-    if (c.has_qk_norm) {
-      q_norm.emplace(inputs[next++]);
-      k_norm.emplace(inputs[next++]);
-    }
-    auto weights = [&](int at, int q) {
-      return AffineWeights(inputs[at], inputs[at + 1], inputs[at + 2], c.quant[2 * q], c.quant[2 * q + 1]);
-    };
-    encoder.dispatch([attn, x = Input<float>(inputs[kX]), norm = Input<float>(inputs[kNorm]),
-                      qkv_w = AffineWeights(inputs[kW], inputs[kScales], inputs[kBiases], c.group, c.bits),
-                      cos = Input<float>(inputs[kCos]), sin = Input<float>(inputs[kSin]), bias, q_norm, k_norm,
-                      slots = Input<int32_t>(inputs[kSlots]), tables = Input<int32_t>(inputs[kTables]),
-                      lens = Input<int32_t>(inputs[kLens]), positions = Input<int32_t>(inputs[kPositions]),
-                      seqs = Input<int32_t>(inputs[kSeqs]), o = weights(kO, 0),
-                      post_norm = Input<float>(inputs[kPostNorm]), gate_up = weights(kGateUp, 1),
-                      down = weights(kDown, 2), old_keys, old_values, pool_bytes = outputs[1].nbytes(),
-                      op = out.data<float>(), T, Dm, I, W, c = config_]() mutable {
-      std::vector<float> x_s, n_s, c_s, s_s, b_s, qn_s, kn_s, pn_s;
+                       nullptr, nullptr, nullptr, inputs[kX].shape(0), sh.H, sh.D, sh.n_kv,
+                       inputs[kTables].shape(1), block_size_, lw.window, lw.scale, 0.0f,
+                       static_cast<size_t>(sh.width()), kv_type(key_pool_)};
+    encoder.dispatch([attn, weights = weights_, x = Input<float>(inputs[kX]), cos = Input<float>(inputs[kCos]),
+                      sin = Input<float>(inputs[kSin]), slots = Input<int32_t>(inputs[kSlots]),
+                      tables = Input<int32_t>(inputs[kTables]), lens = Input<int32_t>(inputs[kLens]),
+                      positions = Input<int32_t>(inputs[kPositions]), seqs = Input<int32_t>(inputs[kSeqs]),
+                      old_keys, old_values, pool_bytes = outputs[1].nbytes(), op = out.data<float>()]() mutable {
+      const LayerWeights& lw = *weights;
+      std::vector<float> x_s, c_s, s_s;
       std::vector<int32_t> slot_s, t_s, l_s, p_s, q_s;
-      AffineWeights::Scratch w_s;
       if (old_keys) {  // the pools were still held elsewhere: this step writes into copies
         std::vector<uint8_t> scratch;
         std::memcpy(const_cast<uint8_t*>(attn.keys), old_keys->rows(scratch), pool_bytes);
         std::memcpy(const_cast<uint8_t*>(attn.values), old_values->rows(scratch), pool_bytes);
       }
-      const Shape sh = c.shape;
+      const LayerShape sh = lw.shape;
+      const int T = attn.T, W = sh.width();
       const Buffer<float> qkv(static_cast<size_t>(T) * W);
       const float* xp = x.rows(x_s);
-      qkv_rows(xp, T, Dm, norm.rows(n_s), c.eps, qkv_w.view(w_s), bias ? bias->rows(b_s) : nullptr,
-               q_norm ? q_norm->rows(qn_s) : nullptr, k_norm ? k_norm->rows(kn_s) : nullptr, c.qk_eps,
-               cos.rows(c_s), sin.rows(s_s), sh, c.rope_dims, qkv.get());
+      qkv_rows(xp, T, lw.hidden, lw.norm, lw.eps, lw.qkv, lw.bias, lw.q_norm, lw.k_norm, lw.qk_eps, cos.rows(c_s),
+               sin.rows(s_s), sh, lw.rope_dims, qkv.get());
       const int32_t* at = slots.rows(slot_s);
       const size_t k_column = static_cast<size_t>(sh.H) * sh.D;
       const size_t v_column = k_column + static_cast<size_t>(sh.n_kv) * sh.D;
@@ -221,8 +217,7 @@ class DecoderLayer : public mx::Primitive {
       attn.context_lens = lens.rows(l_s);
       attn.positions = positions.rows(p_s);
       attn.token_seq = seqs.rows(q_s);
-      out_rows(attn, xp, T, Dm, I, o.view(w_s), post_norm.rows(pn_s), c.post_eps, gate_up.view(w_s),
-               down.view(w_s), op);
+      out_rows(attn, xp, T, lw.hidden, lw.intermediate, lw.o, lw.post_norm, lw.post_eps, lw.gate_up, lw.down, op);
     });
   }
 
@@ -233,12 +228,13 @@ class DecoderLayer : public mx::Primitive {
   const char* name() const override { return "NativeDecoderLayer"; }
 
  private:
-  LayerConfig config_;
+  std::shared_ptr<const LayerWeights> weights_;
+  int block_size_;
   mx::array key_pool_, value_pool_;
 };
 
 void check_f32(const mx::array& a, const char* what) {
-  if (a.dtype() != mx::float32) throw std::invalid_argument(std::string("decoder_layer: ") + what + " must be float32");
+  if (a.dtype() != mx::float32) throw std::invalid_argument(std::string("NativeLayer: ") + what + " must be float32");
 }
 
 // Brings a pool to where the layer may hold it instead of taking it as an input: computed, or
@@ -253,81 +249,102 @@ void settle(const mx::array& pool, const mx::Stream& s) {
 
 }  // namespace
 
-std::vector<mx::array> decoder_layer(
-    const mx::array& x, const mx::array& norm_weight, float eps, const mx::array& w, const mx::array& scales,
-    const mx::array& biases, int group_size, int bits, const std::optional<mx::array>& bias, const mx::array& cos,
-    const mx::array& sin, int n_heads, int n_kv_heads, int head_dim, int rope_dims,
-    const std::optional<mx::array>& q_norm, const std::optional<mx::array>& k_norm, float qk_eps,
-    const mx::array& key_pool, const mx::array& value_pool, const mx::array& slot_mapping,
-    const mx::array& block_tables, const mx::array& context_lens, const mx::array& positions,
-    const mx::array& token_seq, int block_size, float scale, int window, const std::vector<mx::array>& o_proj,
-    const mx::array& post_norm_weight, float post_eps, const std::vector<mx::array>& gate_up,
-    const std::vector<mx::array>& down_proj, const std::vector<int>& quant) {
-  const Shape shape{n_heads, n_kv_heads, head_dim};
-  check_f32(x, "x");
+NativeLayer::NativeLayer(const mx::array& norm_weight, float eps, const std::vector<mx::array>& qkv, int group_size,
+                         int bits, const std::optional<mx::array>& bias, int n_heads, int n_kv_heads, int head_dim,
+                         int rope_dims, const std::optional<mx::array>& q_norm, const std::optional<mx::array>& k_norm,
+                         float qk_eps, float scale, int window, const std::vector<mx::array>& o_proj,
+                         const mx::array& post_norm_weight, float post_eps, const std::vector<mx::array>& gate_up,
+                         const std::vector<mx::array>& down_proj, const std::vector<int>& quant) {
+  const LayerShape shape{n_heads, n_kv_heads, head_dim};
   check_f32(norm_weight, "the norm weight");
   check_f32(post_norm_weight, "the post-attention norm weight");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
-  if (x.ndim() != 2 || norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(1) ||
-      post_norm_weight.shape() != norm_weight.shape()) {
-    throw std::invalid_argument("decoder_layer: x must be [T, D] and the norm weights [D]");
+  if (norm_weight.ndim() != 1 || post_norm_weight.shape() != norm_weight.shape()) {
+    throw std::invalid_argument("NativeLayer: the norm weights must be [D]");
   }
-  const int T = x.shape(0), Dm = x.shape(1);
-  check_affine(w, scales, biases, Dm, group_size, bits);
-  if (w.shape(0) != shape.width() || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim % 8 != 0 ||
-      rope_dims % 2 != 0 || rope_dims > head_dim || cos.size() != static_cast<size_t>(T) * (rope_dims / 2) ||
-      sin.size() != cos.size()) {
-    throw std::invalid_argument("decoder_layer: the q/k/v rows, head counts and RoPE tables do not match");
+  const int Dm = norm_weight.shape(0);
+  if (qkv.size() != 3 || o_proj.size() != 3 || gate_up.size() != 3 || down_proj.size() != 3 || quant.size() != 6) {
+    throw std::invalid_argument("NativeLayer: each layer is (weight, scales, biases), quant 3 x (group, bits)");
   }
-  if (key_pool.ndim() != 3 || key_pool.shape(1) != n_kv_heads || kv_head_dim(key_pool) != head_dim ||
-      value_pool.shape() != key_pool.shape() || value_pool.dtype() != key_pool.dtype() ||
-      key_pool.id() == value_pool.id()) {
-    throw std::invalid_argument("decoder_layer: the K and V pools must be two [slots, n_kv, head_dim] arrays of one dtype");
-  }
-  if (slot_mapping.ndim() != 1 || slot_mapping.shape(0) != T || token_seq.size() != static_cast<size_t>(T) ||
-      positions.size() != static_cast<size_t>(T) || block_tables.ndim() != 2 ||
-      context_lens.size() != static_cast<size_t>(block_tables.shape(0))) {
-    throw std::invalid_argument("decoder_layer: slot_mapping, positions, token_seq [T], block_tables [B, blocks], context_lens [B]");
-  }
-  if (o_proj.size() != 3 || gate_up.size() != 3 || down_proj.size() != 3 || quant.size() != 6) {
-    throw std::invalid_argument("decoder_layer: each layer is (weight, scales, biases), quant 3 x (group, bits)");
+  check_affine(qkv[0], qkv[1], qkv[2], Dm, group_size, bits);
+  if (qkv[0].shape(0) != shape.width() || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim % 8 != 0 ||
+      rope_dims % 2 != 0 || rope_dims > head_dim) {
+    throw std::invalid_argument("NativeLayer: the q/k/v rows, head counts and RoPE dimensions do not match");
   }
   check_affine(o_proj[0], o_proj[1], o_proj[2], n_heads * head_dim, quant[0], quant[1]);
   check_affine(gate_up[0], gate_up[1], gate_up[2], Dm, quant[2], quant[3]);
   const int I = gate_up[0].shape(0) / 2;
   check_affine(down_proj[0], down_proj[1], down_proj[2], I, quant[4], quant[5]);
   if (o_proj[0].shape(0) != Dm || down_proj[0].shape(0) != Dm || gate_up[0].shape(0) != 2 * I) {
-    throw std::invalid_argument("decoder_layer: o_proj, gate/up and down_proj shapes do not match the hidden size");
+    throw std::invalid_argument("NativeLayer: o_proj, gate/up and down_proj shapes do not match the hidden size");
   }
-  const mx::Stream s = mx::default_stream(mx::Device::cpu);
-  auto i32 = [&](const mx::array& a) { return mx::astype(a, mx::int32, s); };
-  std::vector<mx::array> inputs{x, norm_weight, w, scales, biases, cos, sin, i32(slot_mapping), i32(block_tables),
-                                i32(context_lens), i32(positions), i32(token_seq), o_proj[0], o_proj[1], o_proj[2],
-                                post_norm_weight, gate_up[0], gate_up[1], gate_up[2], down_proj[0], down_proj[1],
-                                down_proj[2]};
   if (bias) {
     check_f32(*bias, "the q/k/v bias");
-    if (bias->ndim() != 1 || bias->shape(0) != shape.width()) throw std::invalid_argument("decoder_layer: bias shape");
-    inputs.push_back(*bias);
+    if (bias->ndim() != 1 || bias->shape(0) != shape.width()) throw std::invalid_argument("NativeLayer: bias shape");
   }
-  if (q_norm.has_value() != k_norm.has_value()) throw std::invalid_argument("decoder_layer: q_norm needs k_norm");
+  if (q_norm.has_value() != k_norm.has_value()) throw std::invalid_argument("NativeLayer: q_norm needs k_norm");
   if (q_norm) {
     check_f32(*q_norm, "q_norm");
     check_f32(*k_norm, "k_norm");
     if (q_norm->ndim() != 1 || q_norm->shape(0) != head_dim || k_norm->shape() != q_norm->shape()) {
-      throw std::invalid_argument("decoder_layer: q_norm and k_norm must be [head_dim]");
+      throw std::invalid_argument("NativeLayer: q_norm and k_norm must be [head_dim]");
     }
-    inputs.push_back(*q_norm);
-    inputs.push_back(*k_norm);
   }
+  auto w = std::make_shared<LayerWeights>();
+  w->norm = w->keep<float>(norm_weight);
+  w->qkv = w->keep_affine(qkv, group_size, bits);
+  w->bias = bias ? w->keep<float>(*bias) : nullptr;
+  w->q_norm = q_norm ? w->keep<float>(*q_norm) : nullptr;
+  w->k_norm = k_norm ? w->keep<float>(*k_norm) : nullptr;
+  w->o = w->keep_affine(o_proj, quant[0], quant[1]);
+  w->post_norm = w->keep<float>(post_norm_weight);
+  w->gate_up = w->keep_affine(gate_up, quant[2], quant[3]);
+  w->down = w->keep_affine(down_proj, quant[4], quant[5]);
+  w->eps = eps;
+  w->qk_eps = qk_eps;
+  w->post_eps = post_eps;
+  w->scale = scale;
+  w->window = window;
+  w->rope_dims = rope_dims;
+  w->hidden = Dm;
+  w->intermediate = I;
+  w->shape = shape;
+  weights_ = std::move(w);
+}
+
+std::vector<mx::array> NativeLayer::operator()(const mx::array& x, const mx::array& key_pool,
+                                                const mx::array& value_pool, const mx::array& cos,
+                                                const mx::array& sin, const mx::array& slot_mapping,
+                                                const mx::array& block_tables, const mx::array& context_lens,
+                                                const mx::array& positions, const mx::array& token_seq,
+                                                int block_size) const {
+  const LayerWeights& lw = *weights_;
+  const LayerShape shape = lw.shape;
+  check_f32(x, "x");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  if (x.ndim() != 2 || x.shape(1) != lw.hidden) throw std::invalid_argument("NativeLayer: x must be [T, D]");
+  const int T = x.shape(0);
+  if (cos.size() != static_cast<size_t>(T) * (lw.rope_dims / 2) || sin.size() != cos.size()) {
+    throw std::invalid_argument("NativeLayer: the RoPE tables must be [T, 1, rope_dims / 2]");
+  }
+  if (key_pool.ndim() != 3 || key_pool.shape(1) != shape.n_kv || kv_head_dim(key_pool) != shape.D ||
+      value_pool.shape() != key_pool.shape() || value_pool.dtype() != key_pool.dtype() ||
+      key_pool.id() == value_pool.id()) {
+    throw std::invalid_argument("NativeLayer: the K and V pools must be two [slots, n_kv, head_dim] arrays of one dtype");
+  }
+  if (slot_mapping.ndim() != 1 || slot_mapping.shape(0) != T || token_seq.size() != static_cast<size_t>(T) ||
+      positions.size() != static_cast<size_t>(T) || block_tables.ndim() != 2 ||
+      context_lens.size() != static_cast<size_t>(block_tables.shape(0))) {
+    throw std::invalid_argument("NativeLayer: slot_mapping, positions, token_seq [T], block_tables [B, blocks], context_lens [B]");
+  }
+  const mx::Stream s = mx::default_stream(mx::Device::cpu);
+  auto i32 = [&](const mx::array& a) { return mx::astype(a, mx::int32, s); };
   settle(key_pool, s);
   settle(value_pool, s);
-  LayerConfig config{eps, group_size, bits, shape, rope_dims, bias.has_value(), q_norm.has_value(), qk_eps,
-                     block_size, scale, window, post_eps, quant};
-  return mx::array::make_arrays({x.shape(), key_pool.shape(), value_pool.shape()},
-                                {mx::float32, key_pool.dtype(), value_pool.dtype()},
-                                std::make_shared<DecoderLayer>(s, std::move(config), key_pool, value_pool), inputs);
+  return mx::array::make_arrays(
+      {x.shape(), key_pool.shape(), value_pool.shape()}, {mx::float32, key_pool.dtype(), value_pool.dtype()},
+      std::make_shared<DecoderLayer>(s, weights_, block_size, key_pool, value_pool),
+      {x, cos, sin, i32(slot_mapping), i32(block_tables), i32(context_lens), i32(positions), i32(token_seq)});
 }
 
 }  // namespace mlx_infer

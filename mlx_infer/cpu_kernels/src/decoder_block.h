@@ -1,5 +1,6 @@
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -7,26 +8,38 @@
 
 namespace mlx_infer {
 
-// A Llama-style decoder block on T rows as one op. Returns (out [T, D], key_pool, value_pool):
-//   RMSNorm(x) @ the fused q/k/v affine layer (w, scales, biases, group_size, bits; + bias), Qwen3's
-//   RMSNorm over each q and k head where q_norm/k_norm are given (eps qk_eps), half-split RoPE (tables
-//   cos/sin [T, 1, rope_dims / 2]) on q and k;
+struct LayerWeights;
+
+// A Llama-style decoder block with its weights bound once; a call builds the step's op, which returns
+// (out [T, D], key_pool, value_pool):
+//   RMSNorm(x) @ the fused q/k/v affine layer (qkv = (w, scales, biases), group_size, bits; + bias),
+//   Qwen3's RMSNorm over each q and k head where q_norm/k_norm are given (eps qk_eps), half-split RoPE
+//   (tables cos/sin [T, 1, rope_dims / 2]) on q and k;
 //   the k and v heads written into the pools (any KV type of kv_format.h) at slot_mapping[t], as kv_write;
 //   h = x + o_proj(attention of the q heads, as paged_attention), out = h + down_proj(silu(gate) * up) of
 //   RMSNorm(h) (post_norm_weight, post_eps), gate/up one fused affine layer (gate rows first).
 // o_proj, gate_up, down_proj are (weight, scales, biases); quant holds (group_size, bits) of each in that
 // order. The returned pools are the given ones with this step's rows written: in place when nothing else
 // holds the given pools (drop them, as for kv_write), else copies.
-std::vector<mlx::core::array> decoder_layer(
-    const mlx::core::array& x, const mlx::core::array& norm_weight, float eps, const mlx::core::array& w,
-    const mlx::core::array& scales, const mlx::core::array& biases, int group_size, int bits,
-    const std::optional<mlx::core::array>& bias, const mlx::core::array& cos, const mlx::core::array& sin,
-    int n_heads, int n_kv_heads, int head_dim, int rope_dims, const std::optional<mlx::core::array>& q_norm,
-    const std::optional<mlx::core::array>& k_norm, float qk_eps, const mlx::core::array& key_pool,
-    const mlx::core::array& value_pool, const mlx::core::array& slot_mapping, const mlx::core::array& block_tables,
-    const mlx::core::array& context_lens, const mlx::core::array& positions, const mlx::core::array& token_seq,
-    int block_size, float scale, int window, const std::vector<mlx::core::array>& o_proj,
-    const mlx::core::array& post_norm_weight, float post_eps, const std::vector<mlx::core::array>& gate_up,
-    const std::vector<mlx::core::array>& down_proj, const std::vector<int>& quant);
+class NativeLayer {
+ public:
+  NativeLayer(const mlx::core::array& norm_weight, float eps, const std::vector<mlx::core::array>& qkv,
+              int group_size, int bits, const std::optional<mlx::core::array>& bias, int n_heads, int n_kv_heads,
+              int head_dim, int rope_dims, const std::optional<mlx::core::array>& q_norm,
+              const std::optional<mlx::core::array>& k_norm, float qk_eps, float scale, int window,
+              const std::vector<mlx::core::array>& o_proj, const mlx::core::array& post_norm_weight, float post_eps,
+              const std::vector<mlx::core::array>& gate_up, const std::vector<mlx::core::array>& down_proj,
+              const std::vector<int>& quant);
+
+  std::vector<mlx::core::array> operator()(const mlx::core::array& x, const mlx::core::array& key_pool,
+                                           const mlx::core::array& value_pool, const mlx::core::array& cos,
+                                           const mlx::core::array& sin, const mlx::core::array& slot_mapping,
+                                           const mlx::core::array& block_tables, const mlx::core::array& context_lens,
+                                           const mlx::core::array& positions, const mlx::core::array& token_seq,
+                                           int block_size) const;
+
+ private:
+  std::shared_ptr<const LayerWeights> weights_;
+};
 
 }  // namespace mlx_infer
