@@ -17,6 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_infer import cpu_kernels
 from mlx_infer.metal_kernels import dispatch
 from mlx_infer.metal_kernels.gguf_reference import BLOCK_BYTES, DEQUANTIZE, QK_K
 
@@ -60,6 +61,12 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
     def __call__(self, x: mx.array) -> mx.array:
         if self.lookup_dtype is None:
             return super().__call__(x)
+        if self.lookup_dtype == mx.float32:
+            native = cpu_kernels.embed_rows(
+                x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
+            )
+            if native is not None:
+                return native
         return mx.dequantize(
             self["weight"][x],
             scales=self["scales"][x].astype(self.lookup_dtype),

@@ -196,6 +196,28 @@ def test_float16_scales_give_the_bits_of_their_float32_widening(native, bits: in
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("scale_dtype", [mx.float16, mx.float32])
+def test_embed_rows_equal_mlx_dequantize_of_the_gathered_rows(native, bits: int, group: int, scale_dtype):
+    """The lookup of a quantized embedding table (SmolLM2's tied 8-bit one) in one op gives the bits of
+    MLX's gather + dequantize with the scales widened to float32; an id outside the table, zeros."""
+    rng = np.random.default_rng(bits + group)
+    w, scales, biases = mx.quantize(mx.array(rng.standard_normal((300, 192)).astype(np.float32)), group, bits)
+    scales, biases = scales.astype(scale_dtype), biases.astype(scale_dtype)
+    ids = mx.array([[0, 5, 299], [7, 7, 100]])
+    want = mx.dequantize(
+        w[ids], scales=scales[ids].astype(mx.float32), biases=biases[ids].astype(mx.float32),
+        group_size=group, bits=bits,
+    )
+    got = cpu_kernels.embed_rows(ids, w, scales, biases, group, bits)
+    assert got.shape == (2, 3, 192) and got.dtype == mx.float32
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+    outside = cpu_kernels.embed_rows(mx.array([300, -1, 5]), w, scales, biases, group, bits)
+    assert not np.array(outside[:2]).any()
+    np.testing.assert_array_equal(np.array(outside[2]), np.array(want[0, 1]))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.float32])
 def test_amx_tiles_give_the_bits_of_the_512_bit_kernel(native, bits: int, group: int, scale_dtype):
     """Where the CPU and the OS give AMX tiles, a decode step's 12-16 rows take their dot products from
     tile multiplies: int16 and int8 x give the same bits as the 512-bit vpdpbusd kernel at the row

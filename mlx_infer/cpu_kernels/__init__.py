@@ -131,6 +131,16 @@ def quantized_matmul(
     return _native.affine_qmv(x.astype(mx.float32), w, scales, biases, group_size, bits)
 
 
+def embed_rows(
+    ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+) -> mx.array | None:
+    """Rows ``ids`` of an affine 4/8-bit table, dequantized to float32 exactly as ``mx.dequantize`` of the
+    gathered rows with widened scales, as one op; None where the kernel does not apply."""
+    if not supports_quantized(scales, group_size, bits):
+        return None
+    return _native.embed_rows(ids, w, scales, biases, group_size, bits)
+
+
 def paged_attention(
     queries: mx.array,
     key_pool: mx.array,
@@ -312,8 +322,8 @@ class BlockOps:
     def __call__(
         self, x: mx.array, keys: mx.array, values: mx.array, meta: BatchMetadata, cos: mx.array, sin: mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """The block's output and the pools with this step's K/V written (drop the old ones, so that the
-        op writes them in place)."""
+        """The block's output and the pools with this step's K/V written in place (the same buffers: the
+        arrays passed in read the new rows too)."""
         out, keys, values = self._layer(
             x, keys, values, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens,
             meta.positions, token_seq(meta), meta.block_size,

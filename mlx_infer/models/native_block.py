@@ -126,8 +126,8 @@ class NativeBlock(nn.Module):
             cos, sin = mx.ones_like(cos), mx.zeros_like(sin)
         elif self._rope_factor != 1.0:  # YaRN's attention factor, on cos and sin as transformers applies it
             cos, sin = cos * self._rope_factor, sin * self._rope_factor
-        # Rebound here, the old pools are referenced by nothing but the block's op once the step is
-        # built: it takes their buffers over (written in place, as LayerKV.write).
+        # The op writes the pools in place and returns them as the arrays that depend on this step's
+        # writes (what evaluating the cache's state computes).
         out, kv.keys, kv.values = self._ops(x, kv.keys, kv.values, meta.pages(kv.windowed), cos, sin)
         return out
 

@@ -24,6 +24,7 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("adjust_logits", &mlx_infer::adjust_logits, "logits"_a, "starts"_a, "ids"_a, "entries"_a, "params"_a,
         "pending"_a);
   m.def("affine_qmv", &mlx_infer::affine_qmv, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a);
+  m.def("embed_rows", &mlx_infer::embed_rows, "ids"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a);
   m.def("set_activations", &mlx_infer::set_activations, "kind"_a);
   m.def("activations", &mlx_infer::activations);
   m.def("kv_write", &mlx_infer::kv_write, "pool"_a, "rows"_a, "slots"_a, "column"_a = 0);

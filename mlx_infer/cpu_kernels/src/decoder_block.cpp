@@ -13,13 +13,15 @@
 // step's arrays as inputs, so the per-op costs that grow with the inputs (MLX's bookkeeping of each
 // input's buffer, the views the task reads) are paid for 8 arrays rather than 24.
 //
-// The pools are the primitive's own members, not inputs. The outputs of a multi-output primitive
-// each hold its inputs, so an input pool would always have other holders and could never be written
-// in place as MLX donates a single-output op's input (this block was four ops, two of them KV writes
-// of one pool each, for that reason alone); held here, a pool nothing else references when the op
-// runs is written in place, and one still held elsewhere is copied first, as the donation rule does.
-// Not being inputs, the pools are brought to a settled state when the op is built: computed, or
-// being computed by a task on this op's stream (ahead of it in the stream's order).
+// The pools are the engine's KV memory, written in place: the op holds them as members, not inputs, and
+// its pool outputs are the same buffers. (As inputs they could not be taken over: each output of a
+// multi-output primitive holds its inputs, and MLX's CPU eval keeps every sibling output's buffer
+// until the op's task has run, so whether a pool had other holders depended on how far the previous
+// step had got, and a pool copy a layer a step followed whenever the host ran ahead.) So a pool array
+// is a handle, not a value: an earlier array of a pool reads the rows written since, as the pages the
+// KV manager gives back (kv/pages.py) are dropped in place. Not being inputs, the pools are brought to
+// a settled state when the op is built: computed, or being computed by a task on this op's stream
+// (ahead of it in the stream's order).
 
 #include "decoder_block.h"
 
@@ -162,24 +164,12 @@ class DecoderLayer : public mx::Primitive {
         value_pool_(std::move(value_pool)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    // Held by nothing but this primitive: the caller rebound its pools to the outputs (see the top).
-    const bool in_place = key_pool_.is_donatable() && value_pool_.is_donatable() &&
-                          key_pool_.flags().row_contiguous && value_pool_.flags().row_contiguous;
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     mx::array& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    std::optional<RawInput> old_keys, old_values;
-    if (in_place) {
-      outputs[1].copy_shared_buffer(key_pool_);
-      outputs[2].copy_shared_buffer(value_pool_);
-    } else {
-      for (int i : {1, 2}) outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
-      old_keys.emplace(key_pool_);
-      old_values.emplace(value_pool_);
-      encoder.add_temporary(key_pool_);  // read by the task below
-      encoder.add_temporary(value_pool_);
-    }
+    outputs[1].copy_shared_buffer(key_pool_);  // written in place (see the top)
+    outputs[2].copy_shared_buffer(value_pool_);
     for (auto& o : outputs) encoder.set_output_array(o);
     const LayerWeights& lw = *weights_;
     const LayerShape sh = lw.shape;
@@ -191,15 +181,10 @@ class DecoderLayer : public mx::Primitive {
                       sin = Input<float>(inputs[kSin]), slots = Input<int32_t>(inputs[kSlots]),
                       tables = Input<int32_t>(inputs[kTables]), lens = Input<int32_t>(inputs[kLens]),
                       positions = Input<int32_t>(inputs[kPositions]), seqs = Input<int32_t>(inputs[kSeqs]),
-                      old_keys, old_values, pool_bytes = outputs[1].nbytes(), op = out.data<float>()]() mutable {
+                      op = out.data<float>()]() mutable {
       const LayerWeights& lw = *weights;
       std::vector<float> x_s, c_s, s_s;
       std::vector<int32_t> slot_s, t_s, l_s, p_s, q_s;
-      if (old_keys) {  // the pools were still held elsewhere: this step writes into copies
-        std::vector<uint8_t> scratch;
-        std::memcpy(const_cast<uint8_t*>(attn.keys), old_keys->rows(scratch), pool_bytes);
-        std::memcpy(const_cast<uint8_t*>(attn.values), old_values->rows(scratch), pool_bytes);
-      }
       const LayerShape sh = lw.shape;
       const int T = attn.T, W = sh.width();
       const Buffer<float> qkv(static_cast<size_t>(T) * W);
@@ -341,6 +326,9 @@ std::vector<mx::array> NativeLayer::operator()(const mx::array& x, const mx::arr
   auto i32 = [&](const mx::array& a) { return mx::astype(a, mx::int32, s); };
   settle(key_pool, s);
   settle(value_pool, s);
+  if (!key_pool.flags().row_contiguous || !value_pool.flags().row_contiguous) {
+    throw std::invalid_argument("NativeLayer: the K and V pools must be row-contiguous (written in place)");
+  }
   return mx::array::make_arrays(
       {x.shape(), key_pool.shape(), value_pool.shape()}, {mx::float32, key_pool.dtype(), value_pool.dtype()},
       std::make_shared<DecoderLayer>(s, weights_, block_size, key_pool, value_pool),

@@ -19,8 +19,8 @@ struct LayerWeights;
 //   h = x + o_proj(attention of the q heads, as paged_attention), out = h + down_proj(silu(gate) * up) of
 //   RMSNorm(h) (post_norm_weight, post_eps), gate/up one fused affine layer (gate rows first).
 // o_proj, gate_up, down_proj are (weight, scales, biases); quant holds (group_size, bits) of each in that
-// order. The returned pools are the given ones with this step's rows written: in place when nothing else
-// holds the given pools (drop them, as for kv_write), else copies.
+// order. The returned pools are the given ones with this step's rows written in place: the same buffers
+// (a pool array is a handle on the engine's KV memory, not a value; see decoder_block.cpp).
 class NativeLayer {
  public:
   NativeLayer(const mlx::core::array& norm_weight, float eps, const std::vector<mlx::core::array>& qkv,

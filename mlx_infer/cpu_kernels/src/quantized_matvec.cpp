@@ -419,7 +419,76 @@ class AffineQMV : public mx::UnaryPrimitive {
   int bits_;
 };
 
+// Rows ids[t] of an affine table, dequantized: out[t, k] = float(q) * scale + bias, the product rounded
+// before the sum as MLX's dequantize computes it (unpacked values times the widened scales, plus the
+// biases), in one op where MLX's CPU backend takes ~30 (gathers, shifts, broadcasts, casts). An id
+// outside the table gives a row of zeros.
+class EmbedRows : public mx::UnaryPrimitive {
+ public:
+  EmbedRows(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int D = inputs[1].shape(1) * (32 / bits_);
+    encoder.dispatch([ids = Input<int32_t>(inputs[0]),
+                      w = AffineWeights(inputs[1], inputs[2], inputs[3], group_size_, bits_), op = out.data<float>(),
+                      D]() {
+      std::vector<int32_t> id_scratch;
+      AffineWeights::Scratch w_scratch;
+      const int32_t* at = ids.rows(id_scratch);
+      const AffineView v = w.view(w_scratch);
+      const int per_word = 32 / v.bits, groups = D / v.group;
+      const uint32_t mask = (1u << v.bits) - 1;
+      for (size_t t = 0; t < ids.size; ++t) {
+        float* o = op + t * D;
+        if (at[t] < 0 || at[t] >= v.rows) {  // never read outside the table (the engine rejects such tokens)
+          std::fill(o, o + D, 0.0f);
+          continue;
+        }
+        const size_t row = static_cast<size_t>(at[t]);
+        const uint32_t* words = v.w + row * (D / per_word);
+        for (int k = 0; k < D; ++k) {
+          const uint32_t q = (words[k / per_word] >> ((k % per_word) * v.bits)) & mask;
+          const size_t g = row * groups + k / v.group;
+          const float scaled = static_cast<float>(q) * v.scales.at(g);
+          o[k] = scaled + v.biases.at(g);
+        }
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("EmbedRows is a CPU kernel");
+  }
+
+  const char* name() const override { return "NativeEmbedRows"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const EmbedRows&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
 }  // namespace
+
+mx::array embed_rows(const mx::array& ids, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                     int group_size, int bits) {
+  check_affine(w, scales, biases, w.shape(1) * (32 / bits), group_size, bits);
+  if (!mx::issubdtype(ids.dtype(), mx::integer)) throw std::invalid_argument("embed_rows: ids must be integers");
+  mx::Shape out_shape = ids.shape();
+  out_shape.push_back(w.shape(1) * (32 / bits));
+  const mx::Stream s = mx::default_stream(mx::Device::cpu);
+  return mx::array(out_shape, mx::float32, std::make_shared<EmbedRows>(s, group_size, bits),
+                   {mx::astype(ids, mx::int32, s), w, scales, biases});
+}
 
 void set_activations(const std::string& kind) {
   if (kind == "float32") {

@@ -21,6 +21,11 @@ mlx::core::array affine_qmv(
     int group_size,
     int bits);
 
+// Rows ids of an affine 4/8-bit table (as affine_qmv's w/scales/biases), dequantized as MLX's dequantize
+// computes them: [*ids.shape, K] float32 (an id outside [0, rows) gives zeros).
+mlx::core::array embed_rows(const mlx::core::array& ids, const mlx::core::array& w, const mlx::core::array& scales,
+                            const mlx::core::array& biases, int group_size, int bits);
+
 // Throws std::invalid_argument unless w/scales/biases are an affine layer the kernels compute for
 // inputs of K features.
 void check_affine(const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases, int K,
