@@ -127,9 +127,7 @@ class ModelRunner:
                 pending_at.append(len(tokens) - 1)
                 pending_rows.append(rows_of[r.request_id])
         meta = build_metadata(slices, self.kv.block_size)
-        inputs = mx.array(np.asarray(tokens, dtype=np.int32))
-        if pending_at:
-            inputs[mx.array(pending_at)] = pending.result.tokens[mx.array(pending_rows)]
+        inputs = _inputs(tokens, pending_at, pending_rows, pending)
         self._load_checkpoints(batch)
         logits = self.model(inputs, self.cache, meta)
         saved = self._save_checkpoints(batch)
@@ -211,6 +209,23 @@ class ModelRunner:
                 kv.save_state(r.request_id, end, rows)
                 saved += rows
         return saved
+
+
+def _inputs(
+    tokens: list[int], pending_at: list[int], pending_rows: list[int], pending: InFlight | None
+) -> mx.array:
+    """The step's input tokens, those still pending (at ``pending_at``) taken from the previous step's lazy
+    samples (rows ``pending_rows``). A pure decode step's inputs are all pending: then they are the samples
+    themselves, or a gather of them, rather than a scatter into a host array (six graph ops)."""
+    if len(pending_at) == len(tokens):
+        samples = pending.result.tokens
+        if pending_rows == list(range(samples.shape[0])):
+            return samples
+        return samples[mx.array(pending_rows, dtype=mx.int32)]
+    inputs = mx.array(np.asarray(tokens, dtype=np.int32))
+    if pending_at:
+        inputs[mx.array(pending_at)] = pending.result.tokens[mx.array(pending_rows)]
+    return inputs
 
 
 def _pending_tokens(pending: InFlight | None, rows: list[int]) -> mx.array | None:
