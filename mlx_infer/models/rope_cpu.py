@@ -11,7 +11,7 @@ compiled elementwise kernel plus the slices and the concatenation around it.
 from __future__ import annotations
 
 import math
-from functools import partial
+from functools import cache, partial
 
 import mlx.core as mx
 
@@ -26,15 +26,21 @@ def _rotate(x1: mx.array, x2: mx.array, cos: mx.array, sin: mx.array) -> tuple[m
     return x1 * cos - x2 * sin, x1 * sin + x2 * cos
 
 
+@cache
+def _inverse_frequencies(dims: int, base: float) -> mx.array:
+    """``base ** (-2i / dims)`` as MLX's reference RoPE computes it, once per model (not in every step's
+    graph: four ops)."""
+    half = dims // 2
+    inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(base) / half))
+    mx.eval(inv_freqs)
+    return inv_freqs
+
+
 def _cos_sin(
     positions: mx.array, dims: int, base: float, scale: float, freqs: mx.array | None, dtype: mx.Dtype
 ) -> tuple[mx.array, mx.array]:
     """``[T, 1, dims/2]`` cos and sin of each position, as MLX's reference RoPE computes them."""
-    half = dims // 2
-    if freqs is None:
-        inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(base) / half))
-    else:
-        inv_freqs = mx.reciprocal(freqs.astype(mx.float32))
+    inv_freqs = _inverse_frequencies(dims, base) if freqs is None else mx.reciprocal(freqs.astype(mx.float32))
     theta = (positions.astype(mx.float32) * scale)[:, None, None] * inv_freqs
     return mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
 
