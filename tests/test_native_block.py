@@ -76,6 +76,31 @@ def test_tiny_checkpoints_rope_variants_in_native_blocks(name: str):
     np.testing.assert_allclose(_paged_run(native), _paged_run(op_by_op), atol=TOL, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_a_model_of_native_blocks_runs_them_in_one_call(name: str, monkeypatch: pytest.MonkeyPatch):
+    """All blocks native with one RoPE: a step's blocks are one call (NativeStack), giving the bits of the
+    blocks called one by one; a model with NoPE layers keeps the calls one by one."""
+    stacked, one_by_one = _quantized(name, 4), _quantized(name, 4)
+    native_blocks(stacked)
+    native_blocks(one_by_one)
+    del one_by_one.__dict__["native_stack"]
+    calls = []
+    run_blocks = cpu_kernels.run_blocks
+    monkeypatch.setattr(cpu_kernels, "run_blocks", lambda *args: calls.append(1) or run_blocks(*args))
+    np.testing.assert_array_equal(_paged_run(stacked), _paged_run(one_by_one))
+    assert len(calls) == 5  # every step of _paged_run
+    smollm3 = build_model(*_tiny_checkpoint("smollm3"), "smollm3")
+    nn.quantize(smollm3, group_size=32, bits=4)
+    apply_weight_policy(smollm3, None)
+    fuse_projections(smollm3)
+    assert native_blocks(smollm3) == len(smollm3.layers) and "native_stack" not in smollm3.__dict__
+
+
+def _tiny_checkpoint(name: str):
+    ckpt = open_checkpoint(str(Path(__file__).parent / "oracle" / "tiny" / name))
+    return ckpt.config, ckpt.weights
+
+
 def test_parameters_are_unchanged_by_the_swap():
     model = _quantized("qwen2", 4)
     want = dict(tree_flatten(model.parameters()))

@@ -331,6 +331,18 @@ class BlockOps:
         return out, keys, values
 
 
+def run_blocks(
+    blocks: list[BlockOps], x: mx.array, keys: list[mx.array], values: list[mx.array], meta: BatchMetadata,
+    cos: mx.array, sin: mx.array,
+) -> list[mx.array]:
+    """``blocks`` one after another from ``x``, block i on pools ``keys[i]``/``values[i]``, as one call (the
+    Python cost of a step's blocks paid once): ``[out, keys 0, values 0, keys 1, ...]``."""
+    return _native.run_layers(
+        [b._layer for b in blocks], x, keys, values, cos, sin, meta.slot_mapping, meta.block_tables,
+        meta.context_lens, meta.positions, token_seq(meta), meta.block_size,
+    )
+
+
 def supports_attention(queries: mx.array, key_pool: mx.array) -> bool:
     """float32 queries over any KV pool dtype (the kernel converts rows as it reads them)."""
     return (

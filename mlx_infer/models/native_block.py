@@ -32,13 +32,16 @@ _PARAMS = ("weight", "scales", "biases")
 
 
 def native_blocks(model: nn.Module) -> int:
-    """Swap every eligible block of ``model`` for a :class:`NativeBlock`; returns how many."""
+    """Swap every eligible block of ``model`` for a :class:`NativeBlock`; returns how many. When every
+    block was swapped, the model's ``native_stack`` runs them all in one call a step."""
     layers = model.layers
     swapped = 0
     for i, block in enumerate(layers):
         if type(block) in _BLOCKS and _eligible(block):
             layers[i] = NativeBlock(block)
             swapped += 1
+    if layers and swapped == len(layers) and NativeStack.uniform(layers):
+        model.native_stack = NativeStack(layers)
     return swapped
 
 
@@ -130,6 +133,55 @@ class NativeBlock(nn.Module):
         # writes (what evaluating the cache's state computes).
         out, kv.keys, kv.values = self._ops(x, kv.keys, kv.values, meta.pages(kv.windowed), cos, sin)
         return out
+
+
+class NativeStack:
+    """A model's blocks, all :class:`NativeBlock` with the same RoPE, run as one native call a step
+    (``cpu_kernels.run_blocks``): ``CausalLM.hidden`` asks it first. Where a step does not qualify
+    (another device or dtype, a replaced parameter, layers paged by different tables, other layers in
+    the model) it returns None and the blocks run one by one, each deciding for itself."""
+
+    def __init__(self, blocks: list[NativeBlock]):
+        self.blocks = list(blocks)
+        self._rope = blocks[0]._rope
+        self._ops = [b._ops for b in blocks]
+        # Every block's watched parameters in three flat lists: one C loop checks them all a step.
+        self._watched = tuple([item for b in blocks for item in b._watched[i]] for i in range(3))
+
+    @staticmethod
+    def uniform(blocks: list[nn.Module]) -> bool:
+        """Whether the blocks share one RoPE (tables built once a step for all of them)."""
+        first = blocks[0]._rope
+        return all(
+            b._use_rope and b._rope_factor == 1.0 and all(map(operator.is_, b._rope, first)) for b in blocks
+        )
+
+    def __call__(
+        self, x: mx.array, layers: list[nn.Module], cache: list[LayerKV], meta: BatchMetadata
+    ) -> mx.array | None:
+        blocks = self.blocks
+        if len(layers) != len(blocks) or len(cache) < len(blocks):
+            return None
+        if not all(map(operator.is_, layers, blocks)):  # a block swapped out since
+            return None
+        if x.dtype != mx.float32 or not cpu_kernels.applies():
+            return None
+        kvs = cache[: len(blocks)]
+        windowed = kvs[0].windowed
+        if not all(type(kv) is LayerKV and kv.windowed == windowed for kv in kvs):
+            return None
+        if not all(kv.keys.dtype in cpu_kernels.KV_POOL_DTYPES for kv in kvs):
+            return None
+        modules, names, arrays = self._watched
+        if not all(map(operator.is_, map(dict.get, modules, names), arrays)):
+            return None
+        cos, sin = step_tables(meta.positions, *self._rope)
+        results = cpu_kernels.run_blocks(
+            self._ops, x, [kv.keys for kv in kvs], [kv.values for kv in kvs], meta.pages(windowed), cos, sin
+        )
+        for i, kv in enumerate(kvs):  # written in place; the new arrays depend on this step's writes
+            kv.keys, kv.values = results[1 + 2 * i], results[2 + 2 * i]
+        return results[0]
 
 
 def _has_qk_norm(attn: nn.Module) -> bool:

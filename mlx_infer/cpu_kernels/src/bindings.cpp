@@ -41,6 +41,8 @@ NB_MODULE(_cpu_kernels, m) {
            "quant"_a)
       .def("__call__", &mlx_infer::NativeLayer::operator(), "x"_a, "key_pool"_a, "value_pool"_a, "cos"_a, "sin"_a,
            "slot_mapping"_a, "block_tables"_a, "context_lens"_a, "positions"_a, "token_seq"_a, "block_size"_a);
+  m.def("run_layers", &mlx_infer::run_layers, "layers"_a, "x"_a, "key_pools"_a, "value_pools"_a, "cos"_a, "sin"_a,
+        "slot_mapping"_a, "block_tables"_a, "context_lens"_a, "positions"_a, "token_seq"_a, "block_size"_a);
   m.def("gated_delta", &mlx_infer::gated_delta, "pool"_a, "slots"_a, "q"_a, "k"_a, "v"_a, "decay"_a, "beta"_a,
         "lengths"_a.none() = nb::none());
   m.def("rms_norm", &mlx_infer::rms_norm, "x"_a, "weight"_a, "eps"_a, "offset"_a);

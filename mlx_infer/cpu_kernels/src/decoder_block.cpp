@@ -335,4 +335,24 @@ std::vector<mx::array> NativeLayer::operator()(const mx::array& x, const mx::arr
       {x, cos, sin, i32(slot_mapping), i32(block_tables), i32(context_lens), i32(positions), i32(token_seq)});
 }
 
+std::vector<mx::array> run_layers(const std::vector<const NativeLayer*>& layers, const mx::array& x,
+                                  const std::vector<mx::array>& key_pools, const std::vector<mx::array>& value_pools,
+                                  const mx::array& cos, const mx::array& sin, const mx::array& slot_mapping,
+                                  const mx::array& block_tables, const mx::array& context_lens,
+                                  const mx::array& positions, const mx::array& token_seq, int block_size) {
+  if (key_pools.size() != layers.size() || value_pools.size() != layers.size()) {
+    throw std::invalid_argument("run_layers: one key pool and one value pool a layer");
+  }
+  std::vector<mx::array> results{x};
+  results.reserve(1 + 2 * layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    std::vector<mx::array> step = (*layers[i])(results[0], key_pools[i], value_pools[i], cos, sin, slot_mapping,
+                                               block_tables, context_lens, positions, token_seq, block_size);
+    results[0] = step[0];
+    results.push_back(step[1]);
+    results.push_back(step[2]);
+  }
+  return results;
+}
+
 }  // namespace mlx_infer

@@ -42,4 +42,14 @@ class NativeLayer {
   std::shared_ptr<const LayerWeights> weights_;
 };
 
+// layers[i] on the output of layers[i - 1] (the first on x), each with its own pools and the step's
+// shared tables: [out, key pool 0, value pool 0, key pool 1, ...], one call for a whole stack of blocks.
+std::vector<mlx::core::array> run_layers(const std::vector<const NativeLayer*>& layers, const mlx::core::array& x,
+                                         const std::vector<mlx::core::array>& key_pools,
+                                         const std::vector<mlx::core::array>& value_pools,
+                                         const mlx::core::array& cos, const mlx::core::array& sin,
+                                         const mlx::core::array& slot_mapping, const mlx::core::array& block_tables,
+                                         const mlx::core::array& context_lens, const mlx::core::array& positions,
+                                         const mlx::core::array& token_seq, int block_size);
+
 }  // namespace mlx_infer
