@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
+#include <typeinfo>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -383,16 +384,42 @@ void run_float(const Problem& p) {
   });
 }
 
-class AffineQMV : public mx::UnaryPrimitive {
+// What the affine ops share: their (group_size, bits), which make two of them equivalent, and no GPU kernel.
+class AffineOp : public mx::UnaryPrimitive {
  public:
-  AffineQMV(mx::Stream stream, int group_size, int bits)
+  AffineOp(mx::Stream stream, int group_size, int bits)
       : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(std::string(name()) + " is a CPU kernel");
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    if (typeid(other) != typeid(*this)) return false;
+    const auto& o = static_cast<const AffineOp&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ protected:
+  // The output allocated and every array recorded with the stream's encoder, which the task goes to.
+  mx::cpu::CommandEncoder& prepare(const std::vector<mx::array>& inputs, mx::array& out) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
+    return encoder;
+  }
+
+  int group_size_;
+  int bits_;
+};
+
+class AffineQMV : public AffineOp {
+ public:
+  using AffineOp::AffineOp;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& encoder = prepare(inputs, out);
     const int K = inputs[0].shape(-1);
     const int M = static_cast<int>(inputs[0].size() / K);
     encoder.dispatch([x = Input<float>(inputs[0]), w = AffineWeights(inputs[1], inputs[2], inputs[3], group_size_, bits_),
@@ -403,36 +430,19 @@ class AffineQMV : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("AffineQMV is a CPU kernel");
-  }
-
   const char* name() const override { return "AffineQMV"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const AffineQMV&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
-  }
-
- private:
-  int group_size_;
-  int bits_;
 };
 
 // Rows ids[t] of an affine table, dequantized: out[t, k] = float(q) * scale + bias, the product rounded
 // before the sum as MLX's dequantize computes it (unpacked values times the widened scales, plus the
 // biases), in one op where MLX's CPU backend takes ~30 (gathers, shifts, broadcasts, casts). An id
 // outside the table gives a row of zeros.
-class EmbedRows : public mx::UnaryPrimitive {
+class EmbedRows : public AffineOp {
  public:
-  EmbedRows(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  using AffineOp::AffineOp;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = prepare(inputs, out);
     const int D = inputs[1].shape(1) * (32 / bits_);
     encoder.dispatch([ids = Input<int32_t>(inputs[0]),
                       w = AffineWeights(inputs[1], inputs[2], inputs[3], group_size_, bits_), op = out.data<float>(),
@@ -461,20 +471,7 @@ class EmbedRows : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("EmbedRows is a CPU kernel");
-  }
-
   const char* name() const override { return "NativeEmbedRows"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const EmbedRows&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
-  }
-
- private:
-  int group_size_;
-  int bits_;
 };
 
 }  // namespace
