@@ -78,8 +78,9 @@ def test_tiny_checkpoints_rope_variants_in_native_blocks(name: str):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_a_model_of_native_blocks_runs_them_in_one_call(name: str, monkeypatch: pytest.MonkeyPatch):
-    """All blocks native with one RoPE: a step's blocks are one call (NativeStack), giving the bits of the
-    blocks called one by one; a model with NoPE layers keeps the calls one by one."""
+    """All blocks native with one RoPE (Llama 3's scaled frequencies, built per layer, count as one): a
+    step's blocks are one call (NativeStack), giving the bits of the blocks called one by one; a model
+    with NoPE layers keeps the calls one by one."""
     stacked, one_by_one = _quantized(name, 4), _quantized(name, 4)
     native_blocks(stacked)
     native_blocks(one_by_one)
@@ -89,6 +90,15 @@ def test_a_model_of_native_blocks_runs_them_in_one_call(name: str, monkeypatch: 
     monkeypatch.setattr(cpu_kernels, "run_blocks", lambda *args: calls.append(1) or run_blocks(*args))
     np.testing.assert_array_equal(_paged_run(stacked), _paged_run(one_by_one))
     assert len(calls) == 5  # every step of _paged_run
+    llama3_rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=64)
+    llama3 = build(dict(CONFIGS["llama"], rope_scaling=llama3_rope), hf_weights(CONFIGS["llama"]))
+    nn.quantize(llama3, group_size=32, bits=4)
+    apply_weight_policy(llama3, None)
+    fuse_projections(llama3)
+    native_blocks(llama3)
+    assert llama3.layers[0]._rope[3] is not llama3.layers[1]._rope[3]  # equal frequencies, one array a layer
+    assert "native_stack" in llama3.__dict__
     smollm3 = build_model(*_tiny_checkpoint("smollm3"), "smollm3")
     nn.quantize(smollm3, group_size=32, bits=4)
     apply_weight_policy(smollm3, None)

@@ -150,11 +150,17 @@ class NativeStack:
 
     @staticmethod
     def uniform(blocks: list[nn.Module]) -> bool:
-        """Whether the blocks share one RoPE (tables built once a step for all of them)."""
-        first = blocks[0]._rope
-        return all(
-            b._use_rope and b._rope_factor == 1.0 and all(map(operator.is_, b._rope, first)) for b in blocks
-        )
+        """Whether the blocks share one RoPE (tables built once a step for all of them): the same settings,
+        and frequencies that are one array or equal ones (Llama 3's scaled ones are built per layer)."""
+        *settings, freqs, dtype = blocks[0]._rope
+
+        def same(rope: tuple) -> bool:
+            *other, other_freqs, other_dtype = rope
+            if other != settings or other_dtype != dtype or (other_freqs is None) != (freqs is None):
+                return False
+            return other_freqs is freqs or mx.array_equal(other_freqs, freqs).item()
+
+        return all(b._use_rope and b._rope_factor == 1.0 and same(b._rope) for b in blocks)
 
     def __call__(
         self, x: mx.array, layers: list[nn.Module], cache: list[LayerKV], meta: BatchMetadata
