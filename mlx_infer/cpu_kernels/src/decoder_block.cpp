@@ -14,14 +14,14 @@
 // input's buffer, the views the task reads) are paid for 8 arrays rather than 24.
 //
 // The pools are the engine's KV memory, written in place: the op holds them as members, not inputs, and
-// its pool outputs are the same buffers. (As inputs they could not be taken over: each output of a
-// multi-output primitive holds its inputs, and MLX's CPU eval keeps every sibling output's buffer
-// until the op's task has run, so whether a pool had other holders depended on how far the previous
-// step had got, and a pool copy a layer a step followed whenever the host ran ahead.) So a pool array
-// is a handle, not a value: an earlier array of a pool reads the rows written since, as the pages the
-// KV manager gives back (kv/pages.py) are dropped in place. Not being inputs, the pools are brought to
-// a settled state when the op is built: computed, or being computed by a task on this op's stream
-// (ahead of it in the stream's order).
+// its pool outputs are the same buffers. (Writing in place only where nothing else held a pool, as MLX
+// donates, does not work for a multi-output op: as an input, each of its outputs holds the pool; as a
+// member, MLX's CPU eval keeps the previous step's pool outputs' buffers until that step's task has
+// run, so the check failed whenever the host ran ahead, and every layer then copied both pools every
+// step.) So a pool array is a handle, not a value: an earlier array of a pool reads the rows written
+// since, as the pages the KV manager gives back (kv/pages.py) are dropped in place. Not being inputs,
+// the pools are brought to a settled state when the op is built: computed, or being computed by a task
+// on this op's stream (ahead of it in the stream's order).
 
 #include "decoder_block.h"
 
@@ -222,8 +222,8 @@ void check_f32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) throw std::invalid_argument(std::string("NativeLayer: ") + what + " must be float32");
 }
 
-// Brings a pool to where the layer may hold it instead of taking it as an input: computed, or
-// scheduled by a task on stream s (which runs before anything enqueued on s later).
+// Brings a pool to where an op on stream s may use it with no input edge: computed, or scheduled by a
+// task on s (which runs before anything enqueued on s later); else computes it and waits.
 void settle(const mx::array& pool, const mx::Stream& s) {
   if (pool.is_available()) return;
   if (pool.status() == mx::array::Status::evaluated && pool.event().valid() && pool.event().stream() == s) return;
