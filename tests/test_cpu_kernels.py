@@ -537,6 +537,18 @@ def test_kv_write_puts_rows_at_their_slots_and_keeps_a_shared_pool(native, dtype
     assert not mx.any(pool).item()
 
 
+def test_kv_write_in_place_writes_a_pool_whoever_holds_it(native):
+    """The engine's pools are written in place always: an array of the pool from before the write reads
+    the new rows (whether another holder was left depended on how far the previous step had run)."""
+    pool = mx.zeros((64, 2, 8))
+    mx.eval(pool)
+    address = np.array(pool, copy=False).__array_interface__["data"][0]
+    written = cpu_kernels.kv_write(pool, mx.ones((1, 2, 8)), mx.array([5]), in_place=True)
+    mx.eval(written)
+    assert np.array(written, copy=False).__array_interface__["data"][0] == address
+    assert mx.array_equal(pool, written).item() and pool[5].sum().item() == 16
+
+
 def test_kv_write_updates_a_donated_pool_in_place(native):
     """Rebinding the only reference lets each write reuse the pool's buffer: no copy of the pool per
     step, however large (the engine's LayerKV relies on this)."""

@@ -272,16 +272,19 @@ def gated_delta(
     return pool, out
 
 
-def kv_write(pool: mx.array, rows: mx.array, slots: mx.array, column: int = 0) -> mx.array | None:
-    """``pool`` with ``rows`` written at ``slots`` as one op (in place when the pool is donated); None
-    where the kernel does not apply. ``rows`` is ``[T, n_kv, D]``, or ``[T, W]`` whose row ``t`` holds
-    the ``n_kv * D`` values from ``column`` on. Rows of the pool's own float dtype are copied, float32
-    ones rounded or quantized (int8 pools, see ``models/base.py: LayerKV``) by the write itself."""
+def kv_write(
+    pool: mx.array, rows: mx.array, slots: mx.array, column: int = 0, in_place: bool = False
+) -> mx.array | None:
+    """``pool`` with ``rows`` written at ``slots`` as one op (in place when the pool is donated, or always
+    with ``in_place``: the engine's pools, whose arrays are handles on its KV memory); None where the
+    kernel does not apply. ``rows`` is ``[T, n_kv, D]``, or ``[T, W]`` whose row ``t`` holds the
+    ``n_kv * D`` values from ``column`` on. Rows of the pool's own float dtype are copied, float32 ones
+    rounded or quantized (int8 pools, see ``models/base.py: LayerKV``) by the write itself."""
     if pool.dtype not in KV_POOL_DTYPES or not applies():
         return None
     if rows.dtype != pool.dtype or pool.dtype == mx.int8:
         rows = rows.astype(mx.float32)
-    return _native.kv_write(pool, rows, slots, column)
+    return _native.kv_write(pool, rows, slots, column, in_place)
 
 
 Affine = tuple[dict[str, mx.array], int, int]  # an affine layer: parameters, group_size, bits

@@ -71,13 +71,14 @@ class LayerKV:
         the pool's dtype, or quantized into an int8 pool).
 
         Rebinding ``self.keys`` drops the last reference to the old pool, so the lazy scatter may
-        reuse (donate) its buffer instead of copying the whole pool every step.
+        reuse (donate) its buffer instead of copying the whole pool every step; the native write (CPU
+        backend) writes in place always, the pools being the engine's memory.
         """
         k, v = self.keys, self.values
         self.keys = self.values = None  # type: ignore[assignment]
-        native_k = cpu_kernels.kv_write(k, keys, slot_mapping)
+        native_k = cpu_kernels.kv_write(k, keys, slot_mapping, in_place=True)
         if native_k is not None:  # one op per pool instead of four (CPU backend)
-            self.keys, self.values = native_k, cpu_kernels.kv_write(v, values, slot_mapping)
+            self.keys, self.values = native_k, cpu_kernels.kv_write(v, values, slot_mapping, in_place=True)
             return
         k[slot_mapping] = pool_rows(keys, k.dtype)
         v[slot_mapping] = pool_rows(values, v.dtype)
@@ -109,7 +110,7 @@ class LatentKV(LayerKV):
         assert values is None, "a latent layer's values are a prefix of its rows"
         pool = self.keys
         self.keys = None  # type: ignore[assignment]
-        native = cpu_kernels.kv_write(pool, keys, slot_mapping)
+        native = cpu_kernels.kv_write(pool, keys, slot_mapping, in_place=True)
         if native is not None:
             self.keys = native
             return

@@ -71,10 +71,10 @@ class LayerState:
     def put(self, index: int, slots: mx.array, rows: mx.array) -> None:
         """Rows (``[n, ...]``, the state first) into ``slots`` (``[n]``) of array ``index``. Like
         ``LayerKV.write``, dropping the old reference first lets the write reuse (donate) the array's
-        buffer instead of copying it."""
+        buffer instead of copying it, and the native write reuses it always (the engine's memory)."""
         arr = self.detach(index)
         rows = rows.reshape(rows.shape[0], -1)
-        native = cpu_kernels.kv_write(arr, rows, slots)
+        native = cpu_kernels.kv_write(arr, rows, slots, in_place=True)
         if native is None:
             arr[slots] = rows[:, None, : arr.shape[-1]].astype(arr.dtype)
             native = arr

@@ -27,7 +27,7 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("embed_rows", &mlx_infer::embed_rows, "ids"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a);
   m.def("set_activations", &mlx_infer::set_activations, "kind"_a);
   m.def("activations", &mlx_infer::activations);
-  m.def("kv_write", &mlx_infer::kv_write, "pool"_a, "rows"_a, "slots"_a, "column"_a = 0);
+  m.def("kv_write", &mlx_infer::kv_write, "pool"_a, "rows"_a, "slots"_a, "column"_a = 0, "in_place"_a = false);
   nb::class_<mlx_infer::NativeLayer>(m, "NativeLayer")
       .def(nb::init<const mlx::core::array&, float, const std::vector<mlx::core::array>&, int, int,
                     const std::optional<mlx::core::array>&, int, int, int, int,

@@ -85,11 +85,12 @@ void write(const mx::array& pool, const mx::array& rows, const mx::array& slots,
 
 class KVWrite : public mx::UnaryPrimitive {
  public:
-  KVWrite(mx::Stream stream, int column) : mx::UnaryPrimitive(stream), column_(column) {}
+  KVWrite(mx::Stream stream, int column, bool in_place)
+      : mx::UnaryPrimitive(stream), column_(column), in_place_(in_place) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& pool = inputs[0];
-    const bool donated = pool.is_donatable() && pool.flags().row_contiguous;
+    const bool donated = pool.flags().row_contiguous && (in_place_ || pool.is_donatable());
     if (donated) {
       out.copy_shared_buffer(pool);
     } else {
@@ -110,16 +111,18 @@ class KVWrite : public mx::UnaryPrimitive {
   const char* name() const override { return "NativeKVWrite"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    return column_ == static_cast<const KVWrite&>(other).column_;
+    const auto& o = static_cast<const KVWrite&>(other);
+    return column_ == o.column_ && in_place_ == o.in_place_;
   }
 
  private:
   int column_;
+  bool in_place_;
 };
 
 }  // namespace
 
-mx::array kv_write(const mx::array& pool, const mx::array& rows, const mx::array& slots, int column) {
+mx::array kv_write(const mx::array& pool, const mx::array& rows, const mx::array& slots, int column, bool in_place) {
   if (pool.ndim() != 3 || rows.ndim() < 2 || slots.ndim() != 1 || slots.shape(0) != rows.shape(0)) {
     throw std::invalid_argument("kv_write: pool [slots, n_kv, D], rows [T, ...] and slots [T]");
   }
@@ -137,7 +140,7 @@ mx::array kv_write(const mx::array& pool, const mx::array& rows, const mx::array
   }
   if (!copies && D % 8 != 0) throw std::invalid_argument("kv_write: converting rows needs D a multiple of 8");
   const mx::Stream s = mx::default_stream(mx::Device::cpu);
-  return mx::array(pool.shape(), pool.dtype(), std::make_shared<KVWrite>(s, column),
+  return mx::array(pool.shape(), pool.dtype(), std::make_shared<KVWrite>(s, column, in_place),
                    {pool, rows, mx::astype(slots, mx::int32, s)});
 }
 
