@@ -1,4 +1,4 @@
-"""Llama-style decoder blocks computed by the native CPU kernels' ``decoder_layer``: one graph node a block.
+"""Llama-style decoder blocks computed by the native CPU kernels' ``NativeLayer``: one graph node a block.
 
 After :func:`~mlx_infer.models.fused.fuse_projections`, a Llama/Mistral/Qwen2/Qwen3 block whose
 projections are quantized layers of the native CPU kernels is still about twenty MLX ops (norms,
