@@ -338,8 +338,9 @@ def run_blocks(
     blocks: list[BlockOps], x: mx.array, keys: list[mx.array], values: list[mx.array], meta: BatchMetadata,
     cos: mx.array, sin: mx.array,
 ) -> list[mx.array]:
-    """``blocks`` one after another from ``x``, block i on pools ``keys[i]``/``values[i]``, as one call (the
-    Python cost of a step's blocks paid once): ``[out, keys 0, values 0, keys 1, ...]``."""
+    """``blocks`` one after another from ``x``, block i on pools ``keys[i]``/``values[i]``, as one op (the
+    host's cost of building, scheduling and dispatching a step's blocks paid once):
+    ``[out, keys 0, values 0, keys 1, ...]``."""
     return _native.run_layers(
         [b._layer for b in blocks], x, keys, values, cos, sin, meta.slot_mapping, meta.block_tables,
         meta.context_lens, meta.positions, token_seq(meta), meta.block_size,

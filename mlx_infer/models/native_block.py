@@ -136,7 +136,7 @@ class NativeBlock(nn.Module):
 
 
 class NativeStack:
-    """A model's blocks, all :class:`NativeBlock` with the same RoPE, run as one native call a step
+    """A model's blocks, all :class:`NativeBlock` with the same RoPE, run as one native op a step
     (``cpu_kernels.run_blocks``): ``CausalLM.hidden`` asks it first. Where a step does not qualify
     (another device or dtype, a replaced parameter, layers paged by different tables, other layers in
     the model) it returns None and the blocks run one by one, each deciding for itself."""

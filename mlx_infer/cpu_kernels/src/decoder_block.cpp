@@ -1,4 +1,5 @@
-// A Llama-style decoder block as one primitive.
+// Llama-style decoder blocks as one primitive: one block (NativeLayer's call), or a model's whole stack
+// of them a step (run_layers), whose output feeds the next block inside the op.
 //
 // Op by op, a block is ~20 MLX graph nodes (norms, products, splits, reshapes, RoPE, KV writes,
 // attention, residual adds, the gate); on MLX's CPU backend each node costs microseconds of
@@ -155,66 +156,102 @@ void out_rows(AttentionArgs attn, const float* x, int T, int Dm, int I, const Af
   for (size_t i = 0; i < n; ++i) out[i] += tmp.get()[i];
 }
 
-class DecoderLayer : public mx::Primitive {
+// The step's arrays as the layers read them (strided ones copied into rows once).
+struct StepRows {
+  std::vector<float> x_s, c_s, s_s;
+  std::vector<int32_t> slot_s, t_s, l_s, p_s, q_s;
+  const float *x, *cos, *sin;
+  const int32_t *slots, *tables, *lens, *positions, *seqs;
+
+  explicit StepRows(const std::vector<Input<float>>& f, const std::vector<Input<int32_t>>& i)
+      : x(f[0].rows(x_s)), cos(f[1].rows(c_s)), sin(f[2].rows(s_s)), slots(i[0].rows(slot_s)),
+        tables(i[1].rows(t_s)), lens(i[2].rows(l_s)), positions(i[3].rows(p_s)), seqs(i[4].rows(q_s)) {}
+};
+
+// The step's float inputs (x, cos, sin) and int32 ones (slots, tables, lens, positions, seqs), in order.
+std::pair<std::vector<Input<float>>, std::vector<Input<int32_t>>> step_inputs(const std::vector<mx::array>& inputs) {
+  return {{Input<float>(inputs[kX]), Input<float>(inputs[kCos]), Input<float>(inputs[kSin])},
+          {Input<int32_t>(inputs[kSlots]), Input<int32_t>(inputs[kTables]), Input<int32_t>(inputs[kLens]),
+           Input<int32_t>(inputs[kPositions]), Input<int32_t>(inputs[kSeqs])}};
+}
+
+// Attention's arguments for one layer of a step, on its pools (the outputs sharing their buffers).
+AttentionArgs attention_args(const LayerWeights& lw, const std::vector<mx::array>& inputs, int block_size,
+                             const mx::array& keys, const mx::array& values) {
+  const LayerShape sh = lw.shape;
+  return {nullptr, keys.data<uint8_t>(), values.data<uint8_t>(), nullptr, nullptr, nullptr, nullptr, nullptr,
+          nullptr, inputs[kX].shape(0), sh.H, sh.D, sh.n_kv, inputs[kTables].shape(1), block_size, lw.window,
+          lw.scale, 0.0f, static_cast<size_t>(sh.width()), kv_type(keys)};
+}
+
+// One layer of a step: out [T, D] = the block of x, its K/V rows written into attn's pools.
+void layer_step(const LayerWeights& lw, AttentionArgs attn, const StepRows& in, const float* x, float* out) {
+  const LayerShape sh = lw.shape;
+  const int T = attn.T, W = sh.width();
+  const Buffer<float> qkv(static_cast<size_t>(T) * W);
+  qkv_rows(x, T, lw.hidden, lw.norm, lw.eps, lw.qkv, lw.bias, lw.q_norm, lw.k_norm, lw.qk_eps, in.cos, in.sin, sh,
+           lw.rope_dims, qkv.get());
+  const size_t k_column = static_cast<size_t>(sh.H) * sh.D;
+  const size_t v_column = k_column + static_cast<size_t>(sh.n_kv) * sh.D;
+  store_kv_rows(qkv.get() + k_column, W, in.slots, T, attn.kv_type, sh.n_kv, sh.D, const_cast<uint8_t*>(attn.keys));
+  store_kv_rows(qkv.get() + v_column, W, in.slots, T, attn.kv_type, sh.n_kv, sh.D, const_cast<uint8_t*>(attn.values));
+  attn.q = qkv.get();
+  attn.block_tables = in.tables;
+  attn.context_lens = in.lens;
+  attn.positions = in.positions;
+  attn.token_seq = in.seqs;
+  out_rows(attn, x, T, lw.hidden, lw.intermediate, lw.o, lw.post_norm, lw.post_eps, lw.gate_up, lw.down, out);
+}
+
+// Blocks one after another as one primitive: outputs [out, key pool 0, value pool 0, key pool 1, ...], each
+// pool written in place (see the top). One layer is the stack of one; a whole model's stack is one op a step
+// rather than one a layer, whose scheduling (on the host thread) and dispatch were each paid 30 times.
+class LayerStack : public mx::Primitive {
  public:
-  DecoderLayer(mx::Stream stream, std::shared_ptr<const LayerWeights> weights, int block_size, mx::array key_pool,
-               mx::array value_pool)
-      : mx::Primitive(stream), weights_(std::move(weights)), block_size_(block_size), key_pool_(std::move(key_pool)),
-        value_pool_(std::move(value_pool)) {}
+  LayerStack(mx::Stream stream, std::vector<std::shared_ptr<const LayerWeights>> weights, int block_size,
+             std::vector<mx::array> key_pools, std::vector<mx::array> value_pools)
+      : mx::Primitive(stream), weights_(std::move(weights)), block_size_(block_size),
+        key_pools_(std::move(key_pools)), value_pools_(std::move(value_pools)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     mx::array& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    outputs[1].copy_shared_buffer(key_pool_);  // written in place (see the top)
-    outputs[2].copy_shared_buffer(value_pool_);
+    std::vector<AttentionArgs> attn;
+    attn.reserve(weights_.size());
+    for (size_t i = 0; i < weights_.size(); ++i) {
+      outputs[1 + 2 * i].copy_shared_buffer(key_pools_[i]);  // written in place (see the top)
+      outputs[2 + 2 * i].copy_shared_buffer(value_pools_[i]);
+      attn.push_back(attention_args(*weights_[i], inputs, block_size_, outputs[1 + 2 * i], outputs[2 + 2 * i]));
+    }
     for (auto& o : outputs) encoder.set_output_array(o);
-    const LayerWeights& lw = *weights_;
-    const LayerShape sh = lw.shape;
-    AttentionArgs attn{nullptr, outputs[1].data<uint8_t>(), outputs[2].data<uint8_t>(), nullptr, nullptr, nullptr,
-                       nullptr, nullptr, nullptr, inputs[kX].shape(0), sh.H, sh.D, sh.n_kv,
-                       inputs[kTables].shape(1), block_size_, lw.window, lw.scale, 0.0f,
-                       static_cast<size_t>(sh.width()), kv_type(key_pool_)};
-    encoder.dispatch([attn, weights = weights_, x = Input<float>(inputs[kX]), cos = Input<float>(inputs[kCos]),
-                      sin = Input<float>(inputs[kSin]), slots = Input<int32_t>(inputs[kSlots]),
-                      tables = Input<int32_t>(inputs[kTables]), lens = Input<int32_t>(inputs[kLens]),
-                      positions = Input<int32_t>(inputs[kPositions]), seqs = Input<int32_t>(inputs[kSeqs]),
-                      op = out.data<float>()]() mutable {
-      const LayerWeights& lw = *weights;
-      std::vector<float> x_s, c_s, s_s;
-      std::vector<int32_t> slot_s, t_s, l_s, p_s, q_s;
-      const LayerShape sh = lw.shape;
-      const int T = attn.T, W = sh.width();
-      const Buffer<float> qkv(static_cast<size_t>(T) * W);
-      const float* xp = x.rows(x_s);
-      qkv_rows(xp, T, lw.hidden, lw.norm, lw.eps, lw.qkv, lw.bias, lw.q_norm, lw.k_norm, lw.qk_eps, cos.rows(c_s),
-               sin.rows(s_s), sh, lw.rope_dims, qkv.get());
-      const int32_t* at = slots.rows(slot_s);
-      const size_t k_column = static_cast<size_t>(sh.H) * sh.D;
-      const size_t v_column = k_column + static_cast<size_t>(sh.n_kv) * sh.D;
-      store_kv_rows(qkv.get() + k_column, W, at, T, attn.kv_type, sh.n_kv, sh.D, const_cast<uint8_t*>(attn.keys));
-      store_kv_rows(qkv.get() + v_column, W, at, T, attn.kv_type, sh.n_kv, sh.D,
-                    const_cast<uint8_t*>(attn.values));
-      attn.q = qkv.get();
-      attn.block_tables = tables.rows(t_s);
-      attn.context_lens = lens.rows(l_s);
-      attn.positions = positions.rows(p_s);
-      attn.token_seq = seqs.rows(q_s);
-      out_rows(attn, xp, T, lw.hidden, lw.intermediate, lw.o, lw.post_norm, lw.post_eps, lw.gate_up, lw.down, op);
+    auto [floats, ints] = step_inputs(inputs);
+    encoder.dispatch([attn = std::move(attn), weights = weights_, floats = std::move(floats), ints = std::move(ints),
+                      op = out.data<float>(), size = out.size()]() {
+      const StepRows in(floats, ints);
+      // Layers between the first and the last read and write two buffers in turn.
+      const size_t layers = weights.size();
+      const Buffer<float> a(layers > 1 ? size : 0), b(layers > 2 ? size : 0);
+      const float* x = in.x;
+      for (size_t i = 0; i < layers; ++i) {
+        float* y = i + 1 == layers ? op : (i % 2 == 0 ? a.get() : b.get());
+        layer_step(*weights[i], attn[i], in, x, y);
+        x = y;
+      }
     });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("DecoderLayer is a CPU kernel");
+    throw std::runtime_error("NativeDecoderStack is a CPU kernel");
   }
 
-  const char* name() const override { return "NativeDecoderLayer"; }
+  const char* name() const override { return "NativeDecoderStack"; }
 
  private:
-  std::shared_ptr<const LayerWeights> weights_;
+  std::vector<std::shared_ptr<const LayerWeights>> weights_;
   int block_size_;
-  mx::array key_pool_, value_pool_;
+  std::vector<mx::array> key_pools_, value_pools_;
 };
 
 void check_f32(const mx::array& a, const char* what) {
@@ -229,6 +266,37 @@ void settle(const mx::array& pool, const mx::Stream& s) {
   mx::array held = pool;
   if (held.status() == mx::array::Status::unscheduled) mx::eval({held});
   held.wait();
+}
+
+// Checks a step's arrays against one layer, and brings its pools to a settled state on stream s.
+void check_step(const LayerWeights& lw, const mx::array& x, const mx::array& key_pool, const mx::array& value_pool,
+                const mx::array& cos, const mx::array& sin, const mx::array& slot_mapping,
+                const mx::array& block_tables, const mx::array& context_lens, const mx::array& positions,
+                const mx::array& token_seq, const mx::Stream& s) {
+  const LayerShape shape = lw.shape;
+  check_f32(x, "x");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  if (x.ndim() != 2 || x.shape(1) != lw.hidden) throw std::invalid_argument("NativeLayer: x must be [T, D]");
+  const int T = x.shape(0);
+  if (cos.size() != static_cast<size_t>(T) * (lw.rope_dims / 2) || sin.size() != cos.size()) {
+    throw std::invalid_argument("NativeLayer: the RoPE tables must be [T, 1, rope_dims / 2]");
+  }
+  if (key_pool.ndim() != 3 || key_pool.shape(1) != shape.n_kv || kv_head_dim(key_pool) != shape.D ||
+      value_pool.shape() != key_pool.shape() || value_pool.dtype() != key_pool.dtype() ||
+      key_pool.id() == value_pool.id()) {
+    throw std::invalid_argument("NativeLayer: the K and V pools must be two [slots, n_kv, head_dim] arrays of one dtype");
+  }
+  if (slot_mapping.ndim() != 1 || slot_mapping.shape(0) != T || token_seq.size() != static_cast<size_t>(T) ||
+      positions.size() != static_cast<size_t>(T) || block_tables.ndim() != 2 ||
+      context_lens.size() != static_cast<size_t>(block_tables.shape(0))) {
+    throw std::invalid_argument("NativeLayer: slot_mapping, positions, token_seq [T], block_tables [B, blocks], context_lens [B]");
+  }
+  settle(key_pool, s);
+  settle(value_pool, s);
+  if (!key_pool.flags().row_contiguous || !value_pool.flags().row_contiguous) {
+    throw std::invalid_argument("NativeLayer: the K and V pools must be row-contiguous (written in place)");
+  }
 }
 
 }  // namespace
@@ -295,63 +363,41 @@ NativeLayer::NativeLayer(const mx::array& norm_weight, float eps, const std::vec
   weights_ = std::move(w);
 }
 
+std::vector<mx::array> run_layers(const std::vector<const NativeLayer*>& layers, const mx::array& x,
+                                  const std::vector<mx::array>& key_pools, const std::vector<mx::array>& value_pools,
+                                  const mx::array& cos, const mx::array& sin, const mx::array& slot_mapping,
+                                  const mx::array& block_tables, const mx::array& context_lens,
+                                  const mx::array& positions, const mx::array& token_seq, int block_size) {
+  if (layers.empty() || key_pools.size() != layers.size() || value_pools.size() != layers.size()) {
+    throw std::invalid_argument("run_layers: at least one layer, and one key pool and one value pool a layer");
+  }
+  const mx::Stream s = mx::default_stream(mx::Device::cpu);
+  std::vector<std::shared_ptr<const LayerWeights>> weights;
+  std::vector<mx::Shape> shapes{x.shape()};
+  std::vector<mx::Dtype> dtypes{mx::float32};
+  for (size_t i = 0; i < layers.size(); ++i) {
+    weights.push_back(layers[i]->weights());
+    check_step(*weights.back(), x, key_pools[i], value_pools[i], cos, sin, slot_mapping, block_tables, context_lens,
+               positions, token_seq, s);
+    for (const mx::array& pool : {key_pools[i], value_pools[i]}) {
+      shapes.push_back(pool.shape());
+      dtypes.push_back(pool.dtype());
+    }
+  }
+  auto i32 = [&](const mx::array& a) { return mx::astype(a, mx::int32, s); };
+  return mx::array::make_arrays(
+      std::move(shapes), dtypes, std::make_shared<LayerStack>(s, std::move(weights), block_size, key_pools, value_pools),
+      {x, cos, sin, i32(slot_mapping), i32(block_tables), i32(context_lens), i32(positions), i32(token_seq)});
+}
+
 std::vector<mx::array> NativeLayer::operator()(const mx::array& x, const mx::array& key_pool,
                                                 const mx::array& value_pool, const mx::array& cos,
                                                 const mx::array& sin, const mx::array& slot_mapping,
                                                 const mx::array& block_tables, const mx::array& context_lens,
                                                 const mx::array& positions, const mx::array& token_seq,
                                                 int block_size) const {
-  const LayerWeights& lw = *weights_;
-  const LayerShape shape = lw.shape;
-  check_f32(x, "x");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
-  if (x.ndim() != 2 || x.shape(1) != lw.hidden) throw std::invalid_argument("NativeLayer: x must be [T, D]");
-  const int T = x.shape(0);
-  if (cos.size() != static_cast<size_t>(T) * (lw.rope_dims / 2) || sin.size() != cos.size()) {
-    throw std::invalid_argument("NativeLayer: the RoPE tables must be [T, 1, rope_dims / 2]");
-  }
-  if (key_pool.ndim() != 3 || key_pool.shape(1) != shape.n_kv || kv_head_dim(key_pool) != shape.D ||
-      value_pool.shape() != key_pool.shape() || value_pool.dtype() != key_pool.dtype() ||
-      key_pool.id() == value_pool.id()) {
-    throw std::invalid_argument("NativeLayer: the K and V pools must be two [slots, n_kv, head_dim] arrays of one dtype");
-  }
-  if (slot_mapping.ndim() != 1 || slot_mapping.shape(0) != T || token_seq.size() != static_cast<size_t>(T) ||
-      positions.size() != static_cast<size_t>(T) || block_tables.ndim() != 2 ||
-      context_lens.size() != static_cast<size_t>(block_tables.shape(0))) {
-    throw std::invalid_argument("NativeLayer: slot_mapping, positions, token_seq [T], block_tables [B, blocks], context_lens [B]");
-  }
-  const mx::Stream s = mx::default_stream(mx::Device::cpu);
-  auto i32 = [&](const mx::array& a) { return mx::astype(a, mx::int32, s); };
-  settle(key_pool, s);
-  settle(value_pool, s);
-  if (!key_pool.flags().row_contiguous || !value_pool.flags().row_contiguous) {
-    throw std::invalid_argument("NativeLayer: the K and V pools must be row-contiguous (written in place)");
-  }
-  return mx::array::make_arrays(
-      {x.shape(), key_pool.shape(), value_pool.shape()}, {mx::float32, key_pool.dtype(), value_pool.dtype()},
-      std::make_shared<DecoderLayer>(s, weights_, block_size, key_pool, value_pool),
-      {x, cos, sin, i32(slot_mapping), i32(block_tables), i32(context_lens), i32(positions), i32(token_seq)});
-}
-
-std::vector<mx::array> run_layers(const std::vector<const NativeLayer*>& layers, const mx::array& x,
-                                  const std::vector<mx::array>& key_pools, const std::vector<mx::array>& value_pools,
-                                  const mx::array& cos, const mx::array& sin, const mx::array& slot_mapping,
-                                  const mx::array& block_tables, const mx::array& context_lens,
-                                  const mx::array& positions, const mx::array& token_seq, int block_size) {
-  if (key_pools.size() != layers.size() || value_pools.size() != layers.size()) {
-    throw std::invalid_argument("run_layers: one key pool and one value pool a layer");
-  }
-  std::vector<mx::array> results{x};
-  results.reserve(1 + 2 * layers.size());
-  for (size_t i = 0; i < layers.size(); ++i) {
-    std::vector<mx::array> step = (*layers[i])(results[0], key_pools[i], value_pools[i], cos, sin, slot_mapping,
-                                               block_tables, context_lens, positions, token_seq, block_size);
-    results[0] = step[0];
-    results.push_back(step[1]);
-    results.push_back(step[2]);
-  }
-  return results;
+  return run_layers({this}, x, {key_pool}, {value_pool}, cos, sin, slot_mapping, block_tables, context_lens,
+                    positions, token_seq, block_size);
 }
 
 }  // namespace mlx_infer

@@ -38,12 +38,14 @@ class NativeLayer {
                                            const mlx::core::array& positions, const mlx::core::array& token_seq,
                                            int block_size) const;
 
+ const std::shared_ptr<const LayerWeights>& weights() const { return weights_; }
+
  private:
   std::shared_ptr<const LayerWeights> weights_;
 };
 
 // layers[i] on the output of layers[i - 1] (the first on x), each with its own pools and the step's
-// shared tables: [out, key pool 0, value pool 0, key pool 1, ...], one call for a whole stack of blocks.
+// shared tables: [out, key pool 0, value pool 0, key pool 1, ...], one op for a whole stack of blocks.
 std::vector<mlx::core::array> run_layers(const std::vector<const NativeLayer*>& layers, const mlx::core::array& x,
                                          const std::vector<mlx::core::array>& key_pools,
                                          const std::vector<mlx::core::array>& value_pools,
