@@ -162,9 +162,21 @@ inline void reduce_quads(const __m512i (&acc)[16], __m512i (&out)[4]) {
 }
 
 // Row m's exact dot products with 64 bytes of each of the 16 weight rows from block b: blocks b..b + 3
-// of 4-bit weights (dots[k] for block b + k) or b, b + 1 of 8-bit ones (dots[0], dots[1]).
+// of 4-bit weights (dots[k] for block b + k) or b, b + 1 of 8-bit ones (dots[0], dots[1]). A row's last
+// span may hold fewer blocks (`blocks`): the bytes past them are read as zeros (masked loads) and their
+// dots are not used.
 template <int BITS, bool X16>
-inline void row_dots(const Int8Problem& p, const uint8_t* base, size_t row_bytes, int m, int b, __m512i* dots) {
+inline void row_dots(const Int8Problem& p, const uint8_t* base, size_t row_bytes, int m, int b, int blocks,
+                     __m512i* dots) {
+  constexpr int kSpanBlocks = BITS == 4 ? 4 : 2;
+  const bool whole = blocks == kSpanBlocks;
+  // The first `valid` of 64 bytes at `at` (x: 32 bytes a block; a weight row: BITS * 4), the rest zeros.
+  auto load = [&](const void* at, int valid) {
+    if (whole || valid >= 64) return _mm512_loadu_si512(at);
+    if (valid <= 0) return _mm512_setzero_si512();
+    return _mm512_maskz_loadu_epi8((__mmask64{1} << valid) - 1, at);
+  };
+  auto load_x = [&](const int8_t* x, int half) { return load(x + 64 * half, 32 * blocks - 64 * half); };
   const size_t x_at = static_cast<size_t>(m) * p.K + static_cast<size_t>(b) * 32;
   __m512i xh[2], xl[2];  // 4-bit: x's even and odd dwords of the four blocks; 8-bit: x's two blocks
   if constexpr (BITS == 4) {
@@ -172,18 +184,19 @@ inline void row_dots(const Int8Problem& p, const uint8_t* base, size_t row_bytes
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int i = 0; i < (X16 ? 2 : 1); ++i) {
       const int8_t* x = (i == 0 ? p.xq : p.xl) + x_at;
-      const __m512i a = _mm512_loadu_si512(x), c = _mm512_loadu_si512(x + 64);
+      const __m512i a = load_x(x, 0), c = load_x(x, 1);
       (i == 0 ? xh : xl)[0] = _mm512_permutex2var_epi32(a, even, c);
       (i == 0 ? xh : xl)[1] = _mm512_permutex2var_epi32(a, odd, c);
     }
   } else {
-    xh[0] = _mm512_loadu_si512(p.xq + x_at);
-    xl[0] = _mm512_loadu_si512(p.xl + x_at);
+    xh[0] = load_x(p.xq + x_at, 0);
+    xl[0] = load_x(p.xl + x_at, 0);
   }
   __m512i acc[16];
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int f = 0; f < 16; ++f) {
-    const __m512i v = _mm512_loadu_si512(base + f * row_bytes + static_cast<size_t>(b) * BITS * 4);
+    const uint8_t* row = base + f * row_bytes + static_cast<size_t>(b) * BITS * 4;
+    const __m512i v = load(row, BITS * 4 * blocks);
     if constexpr (BITS == 4) {
       const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xh[0]), hi, xh[1]);
@@ -304,9 +317,6 @@ void lanes16(const Int8Problem& p, int n0, int m0, int m1) {
   for (int m = m0; m < m1; ++m) _mm512_store_ps(totals[m - m0], _mm512_setzero_ps());
   const int per_load = param_columns(p.scales);
   alignas(64) float scale_columns[8][16], bias_columns[8][16];
-  constexpr int kSpanBlocks = BITS == 4 ? 4 : 2;  // the blocks of a row_dots span (64 bytes a weight row)
-  const int span_end = blocks / kSpanBlocks * kSpanBlocks;
-  __m512i span_dots[kSpanBlocks];
 #ifdef MLX_INFER_HAVE_AMX
   alignas(64) int32_t pair_high[2][16][16], pair_low[2][16][16];
 #endif
@@ -325,11 +335,6 @@ void lanes16(const Int8Problem& p, int n0, int m0, int m1) {
         if (group_ends) total = _mm512_fmadd_ps(bias, _mm512_set1_ps(p.xsum[static_cast<size_t>(m) * groups + g]), total);
         _mm512_store_ps(totals[m - m0], total);
       };
-      if (m1 - m0 == 1 && b < span_end) {  // one row: its dot products a span at a time (row_dots)
-        if (b % kSpanBlocks == 0) row_dots<BITS, X16>(p, base, row_bytes, m0, b, span_dots);
-        add(m0, span_dots[b % kSpanBlocks]);
-        continue;
-      }
 #ifdef MLX_INFER_HAVE_AMX
       if constexpr (AMX) {  // the caller's rows fit a tile
         if (b % 2 == 0) amx_pair<BITS, X16>(p, base, row_bytes, b, m0, pair_high, pair_low);
@@ -349,6 +354,49 @@ void lanes16(const Int8Problem& p, int n0, int m0, int m1) {
   for (int m = m0; m < m1; ++m) _mm512_storeu_ps(p.out + static_cast<size_t>(m) * p.N + n0, _mm512_load_ps(totals[m - m0]));
 }
 
+// Features [n0, n0 + 16) for row m alone (a decode step of one sequence): its dot products a span at a
+// time (row_dots), then per block exactly lanes16's float steps, the running totals in a register. Kept
+// apart from lanes16 so that neither loop is compiled around the other's registers: one loop for both
+// spilled the totals and weights to the stack and ran at half this speed.
+template <int BITS, bool X16>
+void row16(const Int8Problem& p, int n0, int m) {
+  constexpr int kSpanBlocks = BITS == 4 ? 4 : 2;  // the blocks of a row_dots span (64 bytes a weight row)
+  const int groups = p.K / p.group, bpg = p.group / 32, blocks = p.K / 32;
+  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0) * row_bytes;
+  const TilePrefetch<16> ahead(p, n0, row_bytes, BITS * 4);
+  const int per_load = param_columns(p.scales);
+  const float* dx = p.dx + static_cast<size_t>(m) * blocks;
+  const float* xsum = p.xsum + static_cast<size_t>(m) * groups;
+  alignas(64) float scale_columns[8][16], bias_columns[8][16];
+  __m512 total = _mm512_setzero_ps();
+  // Block b is block `in_group` of group g, whose scales and biases are column `column` of the loaded ones
+  // (counted, not divided: a division a block cost as much as its arithmetic).
+  int g = 0, in_group = 0, column = 0;
+  for (int b0 = 0; b0 < blocks; b0 += kSpanBlocks) {
+    const int span = std::min(kSpanBlocks, blocks - b0);
+    __m512i dots[kSpanBlocks];
+    row_dots<BITS, X16>(p, base, row_bytes, m, b0, span, dots);
+    for (int k = 0; k < span; ++k) {
+      const int b = b0 + k;
+      ahead.prefetch(b);
+      if (in_group == 0 && column == 0) {
+        columns16(p.scales, n0, groups, g, scale_columns);
+        columns16(p.biases, n0, groups, g, bias_columns);
+      }
+      const __m512 sd = _mm512_mul_ps(_mm512_load_ps(scale_columns[column]), _mm512_set1_ps(dx[b]));
+      total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[k]), sd, total);
+      if (++in_group == bpg) {
+        total = _mm512_fmadd_ps(_mm512_load_ps(bias_columns[column]), _mm512_set1_ps(xsum[g]), total);
+        in_group = 0;
+        ++g;
+        if (++column == per_load) column = 0;
+      }
+    }
+  }
+  _mm512_storeu_ps(p.out + static_cast<size_t>(m) * p.N + n0, total);
+}
+
 template <int BITS, bool X16>
 void lane_features(const Int8Problem& p, int n0, int n1, bool amx) {
   const int n_end = n0 + (n1 - n0) / 16 * 16;
@@ -365,7 +413,13 @@ void lane_features(const Int8Problem& p, int n0, int n1, bool amx) {
 #endif
   for (int m0 = 0; m0 < p.M; m0 += kRowBlock) {
     const int m1 = std::min(p.M, m0 + kRowBlock);
-    for (int n = n0; n < n_end; n += 16) lanes16<BITS, X16, false>(p, n, m0, m1);
+    for (int n = n0; n < n_end; n += 16) {
+      if (m1 - m0 == 1) {
+        row16<BITS, X16>(p, n, m0);
+      } else {
+        lanes16<BITS, X16, false>(p, n, m0, m1);
+      }
+    }
   }
   if (n_end < n1) int8_avx2::features(p, n_end, n1);
 }
