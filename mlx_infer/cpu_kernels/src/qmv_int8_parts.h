@@ -30,18 +30,19 @@ constexpr int kPrefetchFeatures = 16;
 // stays in L2 while the caller's features sweep across it; a decode step's few rows are one block.
 constexpr int kRowBlock = 64;
 
-// Prefetches, while an NB-feature tile is computed, the tile kPrefetchFeatures ahead: its scales and
-// biases when constructed, and with prefetch(i) the weights step i of this tile's steps would read of
-// it, `step_bytes` of each row a step (beyond the end of the arrays is harmless: no faults).
-template <int NB>
+// Prefetches, while an NB-feature tile is computed, the tile AHEAD features ahead: its scales and biases
+// when constructed, and with prefetch(i) the weights step i of this tile's steps would read of it,
+// `step_bytes` of each row a step (beyond the end of the arrays is harmless: no faults), with
+// __builtin_prefetch's LOCALITY (3: into L1, as _MM_HINT_T0; 2: into L2, as _MM_HINT_T1).
+template <int NB, int AHEAD = kPrefetchFeatures, int LOCALITY = 3>
 struct TilePrefetch {
-  const char* ahead;  // the first weight byte of the tile kPrefetchFeatures ahead
+  const char* ahead;  // the first weight byte of the tile AHEAD features ahead
   int step_bytes;
 
   TilePrefetch(const Int8Problem& p, int n0, size_t row_bytes, int step) : step_bytes(step) {
     const int groups = p.K / p.group;
-    ahead = reinterpret_cast<const char*>(p.w) + static_cast<size_t>(n0 + kPrefetchFeatures) * row_bytes;
-    const size_t at = static_cast<size_t>(n0 + kPrefetchFeatures) * groups * p.scales.itemsize();
+    ahead = reinterpret_cast<const char*>(p.w) + static_cast<size_t>(n0 + AHEAD) * row_bytes;
+    const size_t at = static_cast<size_t>(n0 + AHEAD) * groups * p.scales.itemsize();
     for (size_t b = 0; b < NB * groups * p.scales.itemsize(); b += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(p.scales.bytes() + at + b), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(p.biases.bytes() + at + b), _MM_HINT_T0);
@@ -52,7 +53,7 @@ struct TilePrefetch {
   // the tile ahead is requested.
   void prefetch(int i) const {
     for (int b = 0; b < NB * step_bytes; b += 64) {
-      _mm_prefetch(ahead + static_cast<size_t>(i) * NB * step_bytes + b, _MM_HINT_T0);
+      __builtin_prefetch(ahead + static_cast<size_t>(i) * NB * step_bytes + b, 0, LOCALITY);
     }
   }
 };
