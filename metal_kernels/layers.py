@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer import cpu_kernels
+from mlx_infer.interface.watched import Watched
 from mlx_infer.metal_kernels import dispatch
 from mlx_infer.metal_kernels.gguf_reference import BLOCK_BYTES, DEQUANTIZE, QK_K
 
@@ -34,8 +35,9 @@ def _adopt(new: nn.Module, layer: nn.Module) -> None:
     new.freeze()
 
 
-class KernelQuantizedLinear(nn.QuantizedLinear):
-    """An affine ``nn.QuantizedLinear`` computed by ``dispatch.quantized_matmul``."""
+class KernelQuantizedLinear(Watched, nn.QuantizedLinear):
+    """An affine ``nn.QuantizedLinear`` computed by ``dispatch.quantized_matmul`` (:class:`Watched`: the
+    native blocks bind its arrays)."""
 
     def __init__(self, layer: nn.QuantizedLinear):
         _adopt(self, layer)

@@ -20,6 +20,7 @@ from test_models import CONFIGS, build, hf_weights, new_cache, step
 
 from mlx_infer import cpu_kernels
 from mlx_infer.engine.engine import Engine, EngineConfig
+from mlx_infer.interface import watched
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.kv import LayerKV
 from mlx_infer.loading import load, open_checkpoint
@@ -125,6 +126,23 @@ def test_replaced_weights_are_used_instead_of_the_native_copies():
     native_blocks(native)
     native.load_weights(list(tree_flatten(want.parameters())))
     np.testing.assert_allclose(_paged_run(native), _paged_run(want), atol=TOL, rtol=0)
+
+
+def test_a_parameter_assigned_after_steps_ran_is_noticed():
+    """The blocks check their bound arrays one by one only when a watched layer's entry was set
+    (interface/watched.py): a scales array assigned between runs, once the stack has run and its check
+    passed, makes the next run compute with it, as the op-by-op model does."""
+    native, op_by_op = _quantized("llama", 4), _quantized("llama", 4)
+    native_blocks(native)
+    before = _paged_run(native)
+    generation = watched.generation()
+    for model in (native, op_by_op):
+        down = model.layers[1].mlp.down_proj
+        down.scales = down.scales * 2
+    assert watched.generation() > generation
+    after = _paged_run(native)
+    assert not np.allclose(after, before, atol=TOL, rtol=0)
+    np.testing.assert_allclose(after, _paged_run(op_by_op), atol=TOL, rtol=1e-5)
 
 
 def test_blocks_the_ops_do_not_cover_are_left_alone():

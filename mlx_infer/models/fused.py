@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer import cpu_kernels
+from mlx_infer.interface import watched
 from mlx_infer.metal_kernels import dispatch
 from mlx_infer.metal_kernels.layers import KernelQuantizedLinear
 from mlx_infer.models import gemma3, llama
@@ -272,7 +273,7 @@ class FusedMLP(nn.Module):
         return self.down_proj(self._gate_fn(self.gate_proj(x), self.up_proj(x)))
 
 
-class CompiledRMSNorm(nn.RMSNorm):
+class CompiledRMSNorm(watched.Watched, nn.RMSNorm):
     def __init__(self, norm: nn.RMSNorm):
         super().__init__(norm.weight.shape[0], norm.eps)
         self.weight = norm.weight

@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_infer import cpu_kernels
+from mlx_infer.interface import watched
 from mlx_infer.interface.batch import BatchMetadata
 from mlx_infer.interface.kv import LayerKV
 from mlx_infer.metal_kernels.layers import KernelQuantizedLinear
@@ -43,6 +44,14 @@ def native_blocks(model: nn.Module) -> int:
     if layers and swapped == len(layers) and NativeStack.uniform(layers):
         model.native_stack = NativeStack(layers)
     return swapped
+
+
+def stacked(model: nn.Module) -> bool:
+    """Whether ``model``'s blocks are all of the kinds :func:`native_blocks` can stack, judged by their
+    types alone (``plan``: no weights, no fusing; whether the kernels cover its layers is the caller's)."""
+    return bool(model.layers) and all(
+        type(b) in _BLOCKS and not getattr(b.self_attn, "rope_traditional", False) for b in model.layers
+    )
 
 
 def _eligible(block: nn.Module) -> bool:
@@ -100,8 +109,11 @@ class NativeBlock(nn.Module):
         self._rope = (attn.head_dim, attn.rope_base, attn.rope_scale, attn._freqs, mx.float32)
         self._use_rope = getattr(attn, "use_rope", True)
         self._rope_factor = getattr(attn, "rope_factor", 1.0)
-        watched = self._parameters()
-        self._watched = ([m for m, _, _ in watched], [n for _, n, _ in watched], [a for _, _, a in watched])
+        bound = self._parameters()
+        # _unreplaced relies on it: a parameter set on any other module would not move the generation.
+        assert all(isinstance(m, watched.Watched) for m, _, _ in bound), "a bound layer is not Watched"
+        self._watched = ([m for m, _, _ in bound], [n for _, n, _ in bound], [a for _, _, a in bound])
+        self._generation = watched.generation()
 
     def _parameters(self) -> list[tuple[nn.Module, str, mx.array]]:
         """Every parameter the native ops read (through the fused copies), where the block holds it."""
@@ -118,8 +130,7 @@ class NativeBlock(nn.Module):
         if kv.keys.dtype not in cpu_kernels.KV_POOL_DTYPES:
             return False
         # A parameter replaced since the rewrite (load_weights, update): the bound weights are stale.
-        modules, names, arrays = self._watched
-        return all(map(operator.is_, map(dict.get, modules, names), arrays))  # C loops: ~1 us per block
+        return _unreplaced(self)
 
     def __call__(self, x: mx.array, kv: LayerKV, meta: BatchMetadata) -> mx.array:
         if not self._applies(x, kv):
@@ -147,6 +158,7 @@ class NativeStack:
         self._ops = [b._ops for b in blocks]
         # Every block's watched parameters in three flat lists: one C loop checks them all a step.
         self._watched = tuple([item for b in blocks for item in b._watched[i]] for i in range(3))
+        self._generation = watched.generation()
 
     @staticmethod
     def uniform(blocks: list[nn.Module]) -> bool:
@@ -178,8 +190,7 @@ class NativeStack:
             return None
         if not all(kv.keys.dtype in cpu_kernels.KV_POOL_DTYPES for kv in kvs):
             return None
-        modules, names, arrays = self._watched
-        if not all(map(operator.is_, map(dict.get, modules, names), arrays)):
+        if not _unreplaced(self):
             return None
         cos, sin = step_tables(meta.positions, *self._rope)
         results = cpu_kernels.run_blocks(
@@ -188,6 +199,20 @@ class NativeStack:
         for i, kv in enumerate(kvs):  # written in place; the new arrays depend on this step's writes
             kv.keys, kv.values = results[1 + 2 * i], results[2 + 2 * i]
         return results[0]
+
+
+def _unreplaced(owner: NativeBlock | NativeStack) -> bool:
+    """Whether the parameters ``owner`` watches (``_watched``: modules, names, the arrays bound) are still
+    those arrays, checked one by one (C loops) only when the watched generation moved since ``owner``'s
+    last check that passed."""
+    now = watched.generation()
+    if owner._generation == now:
+        return True
+    modules, names, arrays = owner._watched
+    if not all(map(operator.is_, map(dict.get, modules, names), arrays)):
+        return False
+    owner._generation = now
+    return True
 
 
 def _has_qk_norm(attn: nn.Module) -> bool:
