@@ -91,7 +91,7 @@ def render(plan: Plan) -> str:
             if plan.state_bytes
             else []
         ),
-        ("scratch", f"{human_bytes(plan.scratch_bytes)}  activations, logits, K/V pool copies in prefill"),
+        ("scratch", f"{human_bytes(plan.scratch_bytes)}  activations and logits of the steps in flight"),
         (
             "total",
             f"{human_bytes(plan.total_bytes)}  of {human_bytes(plan.budget_bytes)} ({plan.budget_source}): "

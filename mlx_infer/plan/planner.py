@@ -8,11 +8,19 @@ the context (``kv/window.py``, :func:`window_pool_blocks`). ``int8`` adds one fl
 (token, KV head) to K and to V.
 
 Scratch is what a step allocates beyond weights and pool, as measured on the CPU engine with SmolLM2
-(``mx.get_peak_memory`` during chunked prefill, tests/test_plan.py): the activations of the step in
-flight and of the next one being built (about ``8 x hidden + 2 x (q + k + v) + 3 x intermediate``
-values a token each), the logits of every sequence, and copies of K/V pools: while a partial-prefill
-step is in flight it still references the pools, so the next step's writes cannot reuse their buffers
-in place, and about four layers' K and V pools exist twice.
+(``mx.get_peak_memory`` during chunked prefill, tests/test_plan.py), in two shapes:
+
+- Blocks the native CPU kernels run as one op a step (``models/native_block.py``: Llama-style blocks with
+  quantized layers the kernels cover): one block's buffers at a time (about ``3 x hidden + 2 x (q + k) +
+  3 x intermediate`` values a token, taken from MLX's allocator so that they count; the products'
+  quantized copies of x, under 2 MB a 512-token SmolLM2 step, stay on the C++ heap), the
+  stack's input and output and the embedding of the step in flight and of the next one (about ``4 x
+  hidden`` each), and the logits of every sequence. The pools are written in place: no copies.
+- Op by op (Metal, and the CPU for other models; measured on the CPU before the native blocks): the
+  activations of the step in flight and of the next one being built (about ``8 x hidden + 2 x (q + k +
+  v) + 3 x intermediate`` values a token each), the logits of every sequence, and copies of K/V pools:
+  while a partial-prefill step is in flight it still references the pools, so the next step's writes
+  cannot reuse their buffers in place, and about four layers' K and V pools exist twice.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any
 from mlx_infer.errors import InvalidRequest
 from mlx_infer.interface.kv import KVSpec, window_of
 from mlx_infer.kv.memory import DEFAULT_FRACTION, MAX_DEFAULT_BYTES
+from mlx_infer.models.native_block import stacked
 from mlx_infer.plan.bandwidth import memory_bandwidth
 from mlx_infer.plan.weights import FLOAT_BYTES, Metadata, convert_to_bits, held, read_metadata
 
@@ -190,8 +199,10 @@ def make_plan(
     # The engine keeps one state slot per sequence that may run and as many states saved for prefix
     # caching (engine.hybrid_state).
     state_bytes = 2 * max_num_seqs * layout_state_bytes(layout)
-    fixed_scratch = _fixed_scratch(meta.model, compute_dtype, max_num_seqs, step_tokens)
-    pool_copies = min(POOL_COPY_LAYERS, n_layers) / n_layers  # of the pool, see the module's docstring
+    native = kernels and stacked(meta.model)
+    fixed_scratch = _fixed_scratch(meta.model, compute_dtype, max_num_seqs, step_tokens, native)
+    # Of the pool, see the module's docstring.
+    pool_copies = 0.0 if native else min(POOL_COPY_LAYERS, n_layers) / n_layers
     scratch = fixed_scratch + int(kv_bytes * pool_copies)
     total = weights_bytes + kv_bytes + state_bytes + scratch
     budget, budget_source = memory_budget()
@@ -252,8 +263,9 @@ def _compute_dtype(tensors: list) -> str:
     return tensors[0].dtype
 
 
-def _fixed_scratch(model: Any, dtype: str, max_num_seqs: int, step_tokens: int) -> int:
-    """Activations of the steps in flight and the logits of every sequence (the module's docstring)."""
+def _fixed_scratch(model: Any, dtype: str, max_num_seqs: int, step_tokens: int, native: bool) -> int:
+    """Activations of the steps in flight and the logits of every sequence (the module's docstring);
+    ``native``: the blocks run as the native CPU kernels' one op a step."""
     args = model.args
     hidden, heads = args.hidden_size, args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or hidden // heads
@@ -261,8 +273,12 @@ def _fixed_scratch(model: Any, dtype: str, max_num_seqs: int, step_tokens: int) 
     intermediate = getattr(args, "intermediate_size", None) or 4 * hidden
     if getattr(args, "num_experts_per_tok", None):
         intermediate = getattr(args, "moe_intermediate_size", intermediate) * args.num_experts_per_tok
-    per_token = 8 * hidden + 2 * (heads + 2 * kv_heads) * head_dim + 3 * intermediate
-    activations = IN_FLIGHT_STEPS * step_tokens * per_token * FLOAT_BYTES[dtype]
+    if native:
+        block = 3 * hidden + 2 * (heads + kv_heads) * head_dim + 3 * intermediate
+        activations = step_tokens * (block + IN_FLIGHT_STEPS * 4 * hidden) * FLOAT_BYTES[dtype]
+    else:
+        per_token = 8 * hidden + 2 * (heads + 2 * kv_heads) * head_dim + 3 * intermediate
+        activations = IN_FLIGHT_STEPS * step_tokens * per_token * FLOAT_BYTES[dtype]
     logits = IN_FLIGHT_STEPS * max_num_seqs * args.vocab_size * 4  # float32 for sampling
     return activations + logits
 

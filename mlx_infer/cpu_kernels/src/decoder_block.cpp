@@ -27,7 +27,9 @@
 #include "decoder_block.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <numeric>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -109,14 +111,39 @@ void silu_gate(const float* gate_up, int T, int I, float* act) {
 // The inputs of a step's op, in order.
 enum Inputs : int { kX, kCos, kSin, kSlots, kTables, kLens, kPositions, kSeqs };
 
+// A layer's buffers for T tokens, carved from one CountedBuffer a step (buffer.h): `normed` [T, D],
+// `qkv` [T, W], `heads` [T, H * D], `tmp` [T, max(D, 2 I)], `act` [T, I].
+struct LayerScratch {
+  float *normed, *qkv, *heads, *tmp, *act;
+
+  // The floats each part takes for T tokens of the widest of `layers`, each part a whole number of
+  // cache lines.
+  static std::array<size_t, 5> sizes(const std::vector<std::shared_ptr<const LayerWeights>>& layers, int T) {
+    std::array<size_t, 5> most{};
+    for (const auto& lw : layers) {
+      const size_t Dm = lw->hidden, I = lw->intermediate, HD = static_cast<size_t>(lw->shape.H) * lw->shape.D;
+      const std::array<size_t, 5> here{Dm, static_cast<size_t>(lw->shape.width()), HD, std::max(Dm, 2 * I), I};
+      for (size_t i = 0; i < here.size(); ++i) most[i] = std::max(most[i], (T * here[i] + 15) / 16 * 16);
+    }
+    return most;
+  }
+
+  LayerScratch(float* at, const std::array<size_t, 5>& sizes) {
+    float** parts[] = {&normed, &qkv, &heads, &tmp, &act};
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      *parts[i] = at;
+      at += sizes[i];
+    }
+  }
+};
+
 // qkv [T, W] = RoPE(q/k norms(RMSNorm(x) @ w + bias)): q heads, then k heads, then v heads.
 void qkv_rows(const float* x, int T, int Dm, const float* norm, float eps, const AffineView& w, const float* bias,
               const float* q_norm, const float* k_norm, float qk_eps, const float* cos, const float* sin, LayerShape shape,
-              int rope_dims, float* qkv) {
-  const Buffer<float> normed(static_cast<size_t>(T) * Dm);
-  rms_norm_rows(x, norm, normed.get(), T, Dm, eps, false);
+              int rope_dims, float* normed, float* qkv) {
+  rms_norm_rows(x, norm, normed, T, Dm, eps, false);
   const int W = shape.width();
-  affine_product(normed.get(), T, Dm, w, qkv);
+  affine_product(normed, T, Dm, w, qkv);
   if (bias) {
     for (int t = 0; t < T; ++t) {
       for (int i = 0; i < W; ++i) qkv[static_cast<size_t>(t) * W + i] += bias[i];
@@ -137,23 +164,20 @@ void qkv_rows(const float* x, int T, int Dm, const float* norm, float eps, const
 
 // out [T, Dm] = h + down(silu(gate) * up)(RMSNorm(h)), h = x + o_proj(attention as attn describes it).
 void out_rows(AttentionArgs attn, const float* x, int T, int Dm, int I, const AffineView& o, const float* norm,
-              float eps, const AffineView& gate_up, const AffineView& down, float* out) {
+              float eps, const AffineView& gate_up, const AffineView& down, const LayerScratch& scratch, float* out) {
   const size_t HD = static_cast<size_t>(attn.H) * attn.D;
-  const Buffer<float> heads(T * HD);
-  attn.out = heads.get();
+  attn.out = scratch.heads;
   attend_all(attn);
   // h = x + o_proj(heads), written straight into the output, which then receives h + mlp(h).
-  const Buffer<float> tmp(static_cast<size_t>(T) * std::max(Dm, 2 * I));
-  affine_product(heads.get(), T, static_cast<int>(HD), o, tmp.get());
+  float* tmp = scratch.tmp;
+  affine_product(scratch.heads, T, static_cast<int>(HD), o, tmp);
   const size_t n = static_cast<size_t>(T) * Dm;
-  for (size_t i = 0; i < n; ++i) out[i] = x[i] + tmp.get()[i];
-  const Buffer<float> normed(n);
-  rms_norm_rows(out, norm, normed.get(), T, Dm, eps, false);
-  affine_product(normed.get(), T, Dm, gate_up, tmp.get());
-  const Buffer<float> act(static_cast<size_t>(T) * I);
-  silu_gate(tmp.get(), T, I, act.get());
-  affine_product(act.get(), T, I, down, tmp.get());
-  for (size_t i = 0; i < n; ++i) out[i] += tmp.get()[i];
+  for (size_t i = 0; i < n; ++i) out[i] = x[i] + tmp[i];
+  rms_norm_rows(out, norm, scratch.normed, T, Dm, eps, false);
+  affine_product(scratch.normed, T, Dm, gate_up, tmp);
+  silu_gate(tmp, T, I, scratch.act);
+  affine_product(scratch.act, T, I, down, tmp);
+  for (size_t i = 0; i < n; ++i) out[i] += tmp[i];
 }
 
 // The step's arrays as the layers read them (strided ones copied into rows once).
@@ -185,22 +209,24 @@ AttentionArgs attention_args(const LayerWeights& lw, const std::vector<mx::array
 }
 
 // One layer of a step: out [T, D] = the block of x, its K/V rows written into attn's pools.
-void layer_step(const LayerWeights& lw, AttentionArgs attn, const StepRows& in, const float* x, float* out) {
+void layer_step(const LayerWeights& lw, AttentionArgs attn, const StepRows& in, const LayerScratch& scratch,
+                const float* x, float* out) {
   const LayerShape sh = lw.shape;
   const int T = attn.T, W = sh.width();
-  const Buffer<float> qkv(static_cast<size_t>(T) * W);
+  float* qkv = scratch.qkv;
   qkv_rows(x, T, lw.hidden, lw.norm, lw.eps, lw.qkv, lw.bias, lw.q_norm, lw.k_norm, lw.qk_eps, in.cos, in.sin, sh,
-           lw.rope_dims, qkv.get());
+           lw.rope_dims, scratch.normed, qkv);
   const size_t k_column = static_cast<size_t>(sh.H) * sh.D;
   const size_t v_column = k_column + static_cast<size_t>(sh.n_kv) * sh.D;
-  store_kv_rows(qkv.get() + k_column, W, in.slots, T, attn.kv_type, sh.n_kv, sh.D, const_cast<uint8_t*>(attn.keys));
-  store_kv_rows(qkv.get() + v_column, W, in.slots, T, attn.kv_type, sh.n_kv, sh.D, const_cast<uint8_t*>(attn.values));
-  attn.q = qkv.get();
+  store_kv_rows(qkv + k_column, W, in.slots, T, attn.kv_type, sh.n_kv, sh.D, const_cast<uint8_t*>(attn.keys));
+  store_kv_rows(qkv + v_column, W, in.slots, T, attn.kv_type, sh.n_kv, sh.D, const_cast<uint8_t*>(attn.values));
+  attn.q = qkv;
   attn.block_tables = in.tables;
   attn.context_lens = in.lens;
   attn.positions = in.positions;
   attn.token_seq = in.seqs;
-  out_rows(attn, x, T, lw.hidden, lw.intermediate, lw.o, lw.post_norm, lw.post_eps, lw.gate_up, lw.down, out);
+  out_rows(attn, x, T, lw.hidden, lw.intermediate, lw.o, lw.post_norm, lw.post_eps, lw.gate_up, lw.down, scratch,
+           out);
 }
 
 // Blocks one after another as one primitive: outputs [out, key pool 0, value pool 0, key pool 1, ...], each
@@ -230,13 +256,18 @@ class LayerStack : public mx::Primitive {
     encoder.dispatch([attn = std::move(attn), weights = weights_, floats = std::move(floats), ints = std::move(ints),
                       op = out.data<float>(), size = out.size()]() {
       const StepRows in(floats, ints);
-      // Layers between the first and the last read and write two buffers in turn.
-      const size_t layers = weights.size();
-      const Buffer<float> a(layers > 1 ? size : 0), b(layers > 2 ? size : 0);
+      // One buffer a step for every layer's scratch, and for the two outputs the layers between the first
+      // and the last write in turn.
+      const size_t layers = weights.size(), lines = (size + 15) / 16 * 16;
+      const std::array<size_t, 5> parts = LayerScratch::sizes(weights, attn[0].T);
+      const size_t used = std::accumulate(parts.begin(), parts.end(), size_t{0});
+      const CountedBuffer<float> step(used + (layers > 1 ? 2 * lines : 0));
+      const LayerScratch scratch(step.get(), parts);
+      float* between[2] = {step.get() + used, step.get() + used + lines};
       const float* x = in.x;
       for (size_t i = 0; i < layers; ++i) {
-        float* y = i + 1 == layers ? op : (i % 2 == 0 ? a.get() : b.get());
-        layer_step(*weights[i], attn[i], in, x, y);
+        float* y = i + 1 == layers ? op : between[i % 2];
+        layer_step(*weights[i], attn[i], in, scratch, x, y);
         x = y;
       }
     });
