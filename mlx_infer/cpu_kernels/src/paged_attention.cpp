@@ -269,8 +269,9 @@ void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const in
       krows[i] = p.keys + slot * slot_bytes;
       vrows[i] = p.values + slot * v_slot_bytes;
       if (fetched) continue;
+      // Into L2: it takes more lines in flight than L1 would, and a chunk's rows fit it.
       const char* row = reinterpret_cast<const char*>(krows[i]);
-      for (size_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+      for (size_t b = 0; b < slot_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
     }
   }
   // The query rows of KV head kv: (token j, head kv * rep + r) for the tokens taking part.
@@ -299,7 +300,7 @@ void attend_group(const AttentionArgs& p, int t0, int g, int first_key, const in
     });
   }
   for (int i = 0; i < keys && !fetched; ++i) {
-    for (size_t b = 0; b < v_slot_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vrows[i]) + b, _MM_HINT_T0);
+    for (size_t b = 0; b < v_slot_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vrows[i]) + b, _MM_HINT_T1);
   }
   const size_t out_size = static_cast<size_t>(p.H) * p.Dv;
   for (const int j : tokens) {
@@ -522,7 +523,10 @@ void attend_by_chunk(const AttentionArgs& p, ThreadPool& threads) {
       attend_group_chunk(p, *at.group, at.c, item > begin, next, first.data() + at.group->t0, partial.data(),
                          scratch);
     }
-  });
+    // One range a thread: a range's first chunk waits for memory (the chunks after it were fetched during
+    // the one before), and at batch 1 with four ranges a thread half the chunks were first ones (decode
+    // steps' K/V are cold, the weights having passed through the caches since).
+  }, 1);
   for (int t = 0; t < p.T; ++t) {
     merge(p, t, partial.data() + static_cast<size_t>(first[t]) * partial_size(p), first[t + 1] - first[t]);
   }

@@ -30,18 +30,18 @@ class ThreadPool {
 
   // f(begin, end) over chunks covering [0, n), each a multiple of `align` long (8 output features
   // keep each thread's writes on their own cache lines) but the last. The calling thread and the
-  // workers that join in time take the chunks in turn, kChunksPerThread of them each when all run.
+  // workers that join in time take the chunks in turn, chunks_per_thread of them each when all run.
   // Why chunks taken in turn rather than one fixed share per thread: with as many busy threads as
   // cores (MLX's own, Python building the next step), a worker is often descheduled or still waking
   // when a job starts, and the others then spun until it came back.
   template <class F>
-  void for_range(int n, int align, F&& f) {
+  void for_range(int n, int align, F&& f, int chunks_per_thread = kChunksPerThread) {
     const int parts = size();
     if (parts == 1 || n <= align) {
       if (n > 0) f(0, n);
       return;
     }
-    const int chunk = ((n + parts * kChunksPerThread - 1) / (parts * kChunksPerThread) + align - 1) / align * align;
+    const int chunk = ((n + parts * chunks_per_thread - 1) / (parts * chunks_per_thread) + align - 1) / align * align;
     const int chunks = (n + chunk - 1) / chunk;
     std::atomic<int> next{0};
     help([&] {
