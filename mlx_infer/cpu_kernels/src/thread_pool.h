@@ -28,6 +28,9 @@ class ThreadPool {
 
   int size() const { return static_cast<int>(workers_.size()) + 1; }
 
+  // for_range's chunks a thread unless the caller asks for others.
+  static constexpr int kChunksPerThread = 4;
+
   // f(begin, end) over chunks covering [0, n), each a multiple of `align` long (8 output features
   // keep each thread's writes on their own cache lines) but the last. The calling thread and the
   // workers that join in time take the chunks in turn, chunks_per_thread of them each when all run.
@@ -61,7 +64,6 @@ class ThreadPool {
   void worker_loop();
 
   static constexpr std::chrono::microseconds kSpin{200};
-  static constexpr int kChunksPerThread = 4;
   // state_: the job's generation in the high 32 bits, kClosed once the caller's call has returned
   // (no worker may join after it), and the number of workers inside the job in the low bits.
   static constexpr uint64_t kClosed = uint64_t{1} << 31;
