@@ -34,7 +34,7 @@ _PARAMS = ("weight", "scales", "biases")
 
 def native_blocks(model: nn.Module) -> int:
     """Swap every eligible block of ``model`` for a :class:`NativeBlock`; returns how many. When every
-    block was swapped, the model's ``native_stack`` runs them all in one call a step."""
+    block was swapped, the model's ``native_stack`` runs them all as one op a step."""
     layers = model.layers
     swapped = 0
     for i, block in enumerate(layers):
