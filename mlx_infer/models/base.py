@@ -234,7 +234,7 @@ class CausalLM(nn.Module):
         """The last block's output and the metadata whose ``logits_index`` picks its logit rows: the
         forward without the head, which a tensor-parallel follower runs (it samples nothing)."""
         h = self.embed(tokens)
-        # CPU kernels: blocks that are all native run as one call (models/native_block.py's NativeStack).
+        # CPU kernels: blocks that are all native run as one op (models/native_block.py's NativeStack).
         stack = self.__dict__.get("native_stack")
         if stack is not None and (out := stack(h, self.layers, cache, meta)) is not None:
             return out, meta

@@ -38,7 +38,7 @@ def native_blocks(model: nn.Module) -> int:
     layers = model.layers
     swapped = 0
     for i, block in enumerate(layers):
-        if type(block) in _BLOCKS and _eligible(block):
+        if _kind_fits(block) and _eligible(block):
             layers[i] = NativeBlock(block)
             swapped += 1
     if layers and swapped == len(layers) and NativeStack.uniform(layers):
@@ -49,16 +49,17 @@ def native_blocks(model: nn.Module) -> int:
 def stacked(model: nn.Module) -> bool:
     """Whether ``model``'s blocks are all of the kinds :func:`native_blocks` can stack, judged by their
     types alone (``plan``: no weights, no fusing; whether the kernels cover its layers is the caller's)."""
-    return bool(model.layers) and all(
-        type(b) in _BLOCKS and not getattr(b.self_attn, "rope_traditional", False) for b in model.layers
-    )
+    return bool(model.layers) and all(map(_kind_fits, model.layers))
+
+
+def _kind_fits(block: nn.Module) -> bool:
+    """A Llama/Qwen2 block with half-split RoPE: the kinds the native op computes (before its layers)."""
+    return type(block) in _BLOCKS and not getattr(block.get("self_attn"), "rope_traditional", False)
 
 
 def _eligible(block: nn.Module) -> bool:
     attn, mlp = block.get("self_attn"), block.get("mlp")
     if type(attn) not in _ATTENTIONS or type(mlp) is not FusedMLP or mlp._gate_fn is not silu_gate:
-        return False
-    if getattr(attn, "rope_traditional", False):
         return False
     qkv = [attn.get(n) for n in ("q_proj", "k_proj", "v_proj")]
     gate_up = [mlp.get(n) for n in ("gate_proj", "up_proj")]
@@ -156,7 +157,8 @@ class NativeStack:
         self.blocks = list(blocks)
         self._rope = blocks[0]._rope
         self._ops = [b._ops for b in blocks]
-        # Every block's watched parameters in three flat lists: one C loop checks them all a step.
+        # Every block's watched parameters in three flat lists: one C loop checks them all, in the steps
+        # after a watched layer's entry was set (_unreplaced).
         self._watched = tuple([item for b in blocks for item in b._watched[i]] for i in range(3))
         self._generation = watched.generation()
 

@@ -261,7 +261,7 @@ class LayerStack : public mx::Primitive {
       const size_t layers = weights.size(), lines = (size + 15) / 16 * 16;
       const std::array<size_t, 5> parts = LayerScratch::sizes(weights, attn[0].T);
       const size_t used = std::accumulate(parts.begin(), parts.end(), size_t{0});
-      const CountedBuffer<float> step(used + (layers > 1 ? 2 * lines : 0));
+      const CountedBuffer<float> step(used + std::min<size_t>(layers - 1, 2) * lines);
       const LayerScratch scratch(step.get(), parts);
       float* between[2] = {step.get() + used, step.get() + used + lines};
       const float* x = in.x;

@@ -162,6 +162,10 @@ inline void reduce_quads(const __m512i (&acc)[16], __m512i (&out)[4]) {
   out[3] = _mm512_shuffle_i32x4(p1, p3, 0xDD);
 }
 
+// The blocks of a row_dots span: 64 bytes of a weight row.
+template <int BITS>
+constexpr int kSpanBlocks = BITS == 4 ? 4 : 2;
+
 // Row m's exact dot products with 64 bytes of each of the 16 weight rows from block b: blocks b..b + 3
 // of 4-bit weights (dots[k] for block b + k) or b, b + 1 of 8-bit ones (dots[0], dots[1]). A row's last
 // span may hold fewer blocks (`blocks`): the bytes past them are read as zeros (masked loads) and their
@@ -169,8 +173,7 @@ inline void reduce_quads(const __m512i (&acc)[16], __m512i (&out)[4]) {
 template <int BITS, bool X16>
 inline void row_dots(const Int8Problem& p, const uint8_t* base, size_t row_bytes, int m, int b, int blocks,
                      __m512i* dots) {
-  constexpr int kSpanBlocks = BITS == 4 ? 4 : 2;
-  const bool whole = blocks == kSpanBlocks;
+  const bool whole = blocks == kSpanBlocks<BITS>;
   // The first `valid` of 64 bytes at `at` (x: 32 bytes a block; a weight row: BITS * 4), the rest zeros.
   auto load = [&](const void* at, int valid) {
     if (whole || valid >= 64) return _mm512_loadu_si512(at);
@@ -361,7 +364,6 @@ void lanes16(const Int8Problem& p, int n0, int m0, int m1) {
 // spilled the totals and weights to the stack and ran at half this speed.
 template <int BITS, bool X16>
 void row16(const Int8Problem& p, int n0, int m) {
-  constexpr int kSpanBlocks = BITS == 4 ? 4 : 2;  // the blocks of a row_dots span (64 bytes a weight row)
   const int groups = p.K / p.group, bpg = p.group / 32, blocks = p.K / 32;
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const uint8_t* base = reinterpret_cast<const uint8_t*>(p.w) + static_cast<size_t>(n0) * row_bytes;
@@ -378,9 +380,9 @@ void row16(const Int8Problem& p, int n0, int m) {
   // Block b is block `in_group` of group g, whose scales and biases are column `column` of the loaded ones
   // (counted, not divided: a division a block cost as much as its arithmetic).
   int g = 0, in_group = 0, column = 0;
-  for (int b0 = 0; b0 < blocks; b0 += kSpanBlocks) {
-    const int span = std::min(kSpanBlocks, blocks - b0);
-    __m512i dots[kSpanBlocks];
+  for (int b0 = 0; b0 < blocks; b0 += kSpanBlocks<BITS>) {
+    const int span = std::min(kSpanBlocks<BITS>, blocks - b0);
+    __m512i dots[kSpanBlocks<BITS>];
     row_dots<BITS, X16>(p, base, row_bytes, m, b0, span, dots);
     for (int k = 0; k < span; ++k) {
       const int b = b0 + k;
