@@ -481,9 +481,6 @@ void attend_group_chunk(const AttentionArgs& p, const Group& group, int c, bool 
   attend_chunk(p, group, c, fetched, next, scratch, at);
 }
 
-// The most tokens a step has that is taken for a decode step of a batch of sequences.
-constexpr int kDecodeTokens = 16;
-
 // Each group one task: its chunks in turn into the task's own buffer, then its tokens merged.
 void attend_by_group(const AttentionArgs& p, ThreadPool& threads) {
   const std::vector<Group> groups = groups_of(p);
@@ -506,7 +503,7 @@ void attend_by_group(const AttentionArgs& p, ThreadPool& threads) {
     }
     // A decode step's tokens: one range a thread, as attend_by_chunk's (a range's first chunk waits for
     // memory); a prefill's keep four (a late worker costs more there).
-  }, p.T <= kDecodeTokens ? 1 : ThreadPool::kChunksPerThread);
+  }, p.T <= ThreadPool::kDecodeRows ? 1 : ThreadPool::kChunksPerThread);
 }
 
 // Each chunk of each group one task (a decode step of a few sequences), then each token's chunks merged.

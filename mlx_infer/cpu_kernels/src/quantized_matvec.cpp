@@ -363,9 +363,8 @@ void run_int8(const float* x, const AffineView& w, int M, int K, float* out, Int
   // a thread each product waited four times (batch 4 decode: 0.93-0.96 of the step, batch 1 0.90-1.01).
   // Long products (a head: ~1 ms) keep four, whose first tiles cost little beside the time a worker
   // descheduled while holding half of the product would.
-  constexpr int kDecodeRows = 16;
   constexpr size_t kShortBytes = size_t{4} << 20;
-  const bool short_product = M <= kDecodeRows && static_cast<size_t>(w.rows) * K * BITS / 8 <= kShortBytes;
+  const bool short_product = M <= ThreadPool::kDecodeRows && static_cast<size_t>(w.rows) * K * BITS / 8 <= kShortBytes;
   pool().for_range(w.rows, 16, [&](int n0, int n1) { features(ip, n0, n1); },
                    short_product ? 1 : ThreadPool::kChunksPerThread);
 }

@@ -30,6 +30,9 @@ class ThreadPool {
 
   // for_range's chunks a thread unless the caller asks for others.
   static constexpr int kChunksPerThread = 4;
+  // The most rows (tokens) a decode step of a batch has: the products and attention of a step that small
+  // take one range a thread (a range's first chunk waits for memory; the ones after it are prefetched).
+  static constexpr int kDecodeRows = 16;
 
   // f(begin, end) over chunks covering [0, n), each a multiple of `align` long (8 output features
   // keep each thread's writes on their own cache lines) but the last. The calling thread and the
