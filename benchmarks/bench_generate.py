@@ -9,7 +9,9 @@ With ``--speculative``, plain and speculative greedy decoding are compared inste
 and a summarisation prompt (run_speculative.py): decode tok/s, acceptance, and whether the texts agree.
 
 Each decode figure is printed next to its bound: the machine's single-threaded memory read bandwidth
-divided by the bytes a decode step reads (weights + KV cache), times the batch size. See README.md.
+divided by the bytes a decode step reads (weights + KV cache), times the batch size. The bandwidth is
+measured again right before each repetition of each engine and setting, and each repetition is set
+against its own bound (a shared VM's speed drifts by tens of percent within minutes). See README.md.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 150)
     logging.basicConfig(level=logging.WARNING)
     console.print(f"BLAS: {blas.active()}")
-    bandwidth = hardware.read_bandwidth()
+    probe = hardware.BandwidthProbe()
+    bandwidth = probe()
     console.print(f"memory read bandwidth (1 thread): {bandwidth / 1e9:.1f} GB/s")
 
     lm = load(args.model, keep_quantized=args.keep_quantized)
@@ -76,14 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[tuple[str, str], str] = {}  # (peer, KV type) -> why it was not run
     for _ in range(args.r):
         _add_samples(rows, run_mlx_infer.run(
-            lm, args.p, args.n, 1, args.b, kv_dtypes=args.kv_cache_dtype, activations=args.cpu_activations
+            lm, args.p, args.n, 1, args.b, kv_dtypes=args.kv_cache_dtype, activations=args.cpu_activations,
+            bandwidth=probe,
         ))
         for peer in args.compare:
             for kv_dtype in args.kv_cache_dtype if peer == "llama.cpp" else ["auto"]:
                 if (peer, kv_dtype) in skipped:
                     continue
                 try:
+                    before = probe()
                     result, why = _run_peer(peer, lm, args, kv_dtype)
+                    if result is not None:
+                        result.bandwidth = [before] * len(result.decode)
                 except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                     # A broken peer must not cost the figures already measured.
                     result, why = None, f"failed: {e}"
@@ -95,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     profiles = [run_mlx_infer.profile_ops(lm, b, args.p) for b in args.b] if args.profile else []
 
     _print_table(console, results, bandwidth)
+    _print_bandwidths(console, results)
     _print_ratios(console, results)
     skipped_lines = list(dict.fromkeys(skipped.values()))
     for line in skipped_lines:
@@ -185,6 +193,7 @@ def _add_samples(rows: dict[tuple, Result], new: list[Result]) -> None:
         if row is not r:
             row.prefill += r.prefill
             row.decode += r.decode
+            row.bandwidth += r.bandwidth
 
 
 def _run_peer(peer: str, lm, args: argparse.Namespace, kv_dtype: str) -> tuple[Result | None, str]:
@@ -234,16 +243,26 @@ def _print_table(console: Console, results: list[Result], bandwidth: float) -> N
     for name in columns:
         table.add_column(name, justify="left" if name in ("engine", "weights", "KV") else "right")
     for r in results:
-        bound = _bound(r, bandwidth)
-        share = mean(r.decode) / bound if r.decode else math.nan
+        bound, share = _bound(r, bandwidth), _share(r, bandwidth)
         table.add_row(
             r.engine, r.weights, r.kv or "-", str(r.batch), _fmt(r.prefill), _fmt(r.decode), f"{bound:.1f}",
             f"{share:.0%}",
         )
     console.print(table)
     console.print(
-        "decode bound = batch × bandwidth ÷ (weight bytes + batch × KV bytes at the mean context) per step"
+        "decode bound = batch × bandwidth ÷ (weight bytes + batch × KV bytes at the mean context) per step, "
+        "the bandwidth measured right before each repetition; of bound = the mean of each repetition's "
+        "decode ÷ its own bound"
     )
+
+
+def _print_bandwidths(console: Console, results: list[Result]) -> None:
+    measured = [bw for r in results for bw in r.bandwidth]
+    if measured:
+        console.print(
+            f"memory read bandwidth before the {len(measured)} repetitions: {min(measured) / 1e9:.1f} to "
+            f"{max(measured) / 1e9:.1f} GB/s (mean {mean(measured) / 1e9:.1f})"
+        )
 
 
 # The KV cache of ours that llama.cpp's equals (its q8_0: our int8, with a scale per 32 values, ours per row).
@@ -264,8 +283,26 @@ def _print_ratios(console: Console, results: list[Result]) -> None:
             )
 
 
-def _bound(r: Result, bandwidth: float) -> float:
+def _bound_at(r: Result, bandwidth: float) -> float:
     return hardware.decode_bound(bandwidth, r.weight_bytes, r.kv_bytes_per_token, r.batch, r.decode_context)
+
+
+def _bounds(r: Result, bandwidth: float) -> list[float]:
+    """Each decode repetition's bound, from the bandwidth measured right before it (else ``bandwidth``)."""
+    measured = r.bandwidth if len(r.bandwidth) == len(r.decode) else [bandwidth] * len(r.decode)
+    return [_bound_at(r, bw) for bw in measured]
+
+
+def _bound(r: Result, bandwidth: float) -> float:
+    """The mean of the repetitions' bounds (the bound at ``bandwidth`` when none was decoded)."""
+    bounds = _bounds(r, bandwidth)
+    return mean(bounds) if bounds else _bound_at(r, bandwidth)
+
+
+def _share(r: Result, bandwidth: float) -> float:
+    """The mean over the repetitions of decode tok/s ÷ that repetition's bound."""
+    shares = [d / b for d, b in zip(r.decode, _bounds(r, bandwidth), strict=True)]
+    return mean(shares) if shares else math.nan
 
 
 def _fmt(values: list[float]) -> str:
@@ -281,7 +318,10 @@ def _write_json(path: Path, args, results, profiles, bandwidth: float, skipped: 
         "args": {"model": args.model, "p": args.p, "n": args.n, "r": args.r, "b": args.b,
                  "compare": args.compare, "keep_quantized": args.keep_quantized,
                  "kv_cache_dtype": args.kv_cache_dtype},
-        "results": [dict(r.to_json(), decode_bound=_bound(r, bandwidth)) for r in results],
+        "results": [
+            dict(r.to_json(), decode_bound=_bound(r, bandwidth), of_bound=_share(r, bandwidth))
+            for r in results
+        ],
         "profile": [
             {"batch": p.batch, "ops_per_step": p.ops_per_step, "ops_per_token": p.ops_per_token,
              "by_op": p.by_op}

@@ -14,21 +14,35 @@ import numpy as np
 BUFFER_BYTES = 512 * 2**20  # far larger than any last-level cache, so every read comes from DRAM
 
 
-def read_bandwidth(repeats: int = 5) -> float:
-    """Single-threaded read bandwidth in bytes/s: best of ``repeats`` full reductions of a 512 MiB buffer.
+class BandwidthProbe:
+    """Single-threaded read bandwidth in bytes/s, measured as often as asked on one 512 MiB buffer.
 
-    Two NumPy reductions (SIMD ``max`` and pairwise ``sum``) and the faster one wins, because either
-    can be compute-bound on some CPUs; neither uses more than one thread.
+    Each measurement is the best of ``repeats`` full reductions of the buffer with each of two NumPy
+    reductions (SIMD ``max`` and pairwise ``sum``), because either can be compute-bound on some CPUs;
+    neither uses more than one thread. On a shared VM whose speed drifts by tens of percent within
+    minutes, a bound taken once at the start describes the machine of that moment only: a benchmark
+    measures again right before each sample, and each sample is set against its own bound.
     """
-    buf = np.ones(BUFFER_BYTES // 4, dtype=np.float32)
-    best = float("inf")
-    for reduce in (np.max, np.sum):
-        reduce(buf)  # fault the pages in before timing
-        for _ in range(repeats):
-            start = time.perf_counter()
-            reduce(buf)
-            best = min(best, time.perf_counter() - start)
-    return buf.nbytes / best
+
+    def __init__(self, repeats: int = 3) -> None:
+        self.repeats = repeats
+        self._buf = np.ones(BUFFER_BYTES // 4, dtype=np.float32)
+        for reduce in (np.max, np.sum):
+            reduce(self._buf)  # fault the pages in before any timing
+
+    def __call__(self) -> float:
+        best = float("inf")
+        for reduce in (np.max, np.sum):
+            for _ in range(self.repeats):
+                start = time.perf_counter()
+                reduce(self._buf)
+                best = min(best, time.perf_counter() - start)
+        return self._buf.nbytes / best
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """Single-threaded read bandwidth in bytes/s, measured once (:class:`BandwidthProbe`)."""
+    return BandwidthProbe(repeats)()
 
 
 def decode_bound(

@@ -18,6 +18,8 @@ class Result:
     decode_context: float = 0.0  # mean context length during the timed decode steps
     note: str = ""
     kv: str = ""  # the KV cache's type, e.g. "float16", "int8", llama.cpp's "q8_0"
+    # the memory read bandwidth (bytes/s) measured right before each repetition, where one was
+    bandwidth: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict:
         out = asdict(self)

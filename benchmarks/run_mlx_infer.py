@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,16 +63,18 @@ def weights_label(model: nn.Module) -> str:
 def run(
     lm: LoadedModel, prompt_len: int, gen_len: int, repeats: int, batches: list[int], seed: int = 0,
     kv_dtypes: tuple[str, ...] = ("auto",), activations: tuple[str | None, ...] = (None,),
+    bandwidth: Callable[[], float] | None = None,
 ) -> list[Result]:
     """Each CPU activation kind (``--cpu-activations`` values; None: the process's) with each KV cache
-    dtype (``--kv-cache-dtype`` values) at each batch size."""
+    dtype (``--kv-cache-dtype`` values) at each batch size; ``bandwidth`` (a memory bandwidth probe), if
+    given, is measured right before each repetition (Result.bandwidth)."""
     results = []
     initial = cpu_kernels.activations() if cpu_kernels.applies() else None
     try:
         for kind in activations:
             if kind is not None:
                 cpu_kernels.set_activations(kind)
-            results += _run_kind(lm, prompt_len, gen_len, repeats, batches, seed, kv_dtypes)
+            results += _run_kind(lm, prompt_len, gen_len, repeats, batches, seed, kv_dtypes, bandwidth)
     finally:
         if initial is not None and any(activations):
             # activations() names the build ("int8-avx512"); a kind that is not one was chosen by "int8"
@@ -82,7 +85,7 @@ def run(
 
 def _run_kind(
     lm: LoadedModel, prompt_len: int, gen_len: int, repeats: int, batches: list[int], seed: int,
-    kv_dtypes: tuple[str, ...],
+    kv_dtypes: tuple[str, ...], bandwidth: Callable[[], float] | None,
 ) -> list[Result]:
     weight_bytes = weight_bytes_per_step(lm.model)
     label = weights_label(lm.model)
@@ -99,6 +102,8 @@ def _run_kind(
             decode_context=prompt_len + gen_len / 2, kv=dtype_name(engine.kv_dtype),
         )
         for _ in range(repeats):
+            if bandwidth is not None:
+                result.bandwidth.append(bandwidth())
             prefill_s, decode_s = _generate(engine, rng, lm, b, prompt_len, gen_len)
             result.prefill.append(b * prompt_len / prefill_s)
             if gen_len > 1:

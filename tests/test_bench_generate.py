@@ -21,6 +21,20 @@ def test_decode_bound_counts_weights_once_and_kv_per_sequence() -> None:
     assert hardware.decode_bound(1e9, 100_000_000, 1000, 4, 1000) == pytest.approx(4e9 / 104e6)
 
 
+def test_each_repetition_is_set_against_the_bandwidth_measured_before_it() -> None:
+    import bench_generate
+    from measure import Result
+
+    # 100 MB of weights, no KV: 10 and 20 tok/s against bounds of 10 (1 GB/s) and 40 (4 GB/s).
+    r = Result("mlx-infer", "q4", 1, decode=[10.0, 20.0], weight_bytes=100_000_000, bandwidth=[1e9, 4e9])
+    assert bench_generate._bound(r, 2e9) == pytest.approx(25.0)
+    assert bench_generate._share(r, 2e9) == pytest.approx((1.0 + 0.5) / 2)
+    # no bandwidth measured per repetition: the one given (2 GB/s, a bound of 20)
+    r.bandwidth = []
+    assert bench_generate._bound(r, 2e9) == pytest.approx(20.0)
+    assert bench_generate._share(r, 2e9) == pytest.approx((0.5 + 1.0) / 2)
+
+
 @pytest.mark.slow
 def test_bench_generate_smoke(smollm2_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
@@ -49,6 +63,12 @@ def test_bench_generate_smoke(smollm2_path: Path, tmp_path: Path) -> None:
         # scales and biases, the tied head 8-bit): ~98 MB per step, where float32 would be ~540 MB.
         assert 90e6 < r["weight_bytes"] < 105e6
         assert 0 < r["decode_bound"] < float("inf")
+        # the bandwidth measured before each repetition, and each repetition against its own bound
+        assert len(r["bandwidth"]) == 2 and all(bw > 1e8 for bw in r["bandwidth"])
+        bounds = [hardware.decode_bound(bw, r["weight_bytes"], r["kv_bytes_per_token"], r["batch"],
+                                        r["decode_context"]) for bw in r["bandwidth"]]
+        assert r["decode_bound"] == pytest.approx(sum(bounds) / 2)
+        assert r["of_bound"] == pytest.approx(sum(d / b for d, b in zip(r["decode"], bounds)) / 2)
     profile = {p["batch"]: p for p in data["profile"]}
     # The 30 layers are one native op (each: norm, q/k/v, RoPE, K/V writes, attention, o_proj, MLP); the
     # rest is the embedding (one op), RoPE tables, final norm, head and sampling: 15 ops measured.
