@@ -119,6 +119,17 @@ def supports_quantized(scales: mx.array, group_size: int, bits: int) -> bool:
     return bits in (4, 8) and group_size % 8 == 0 and scales.dtype in SCALE_DTYPES and applies()
 
 
+def pack_on_huge_pages(arrays: list[mx.array]) -> tuple[mx.array, list[int]]:
+    """``arrays`` copied into one new uint8 buffer advised for transparent huge pages before its first
+    touch (Linux), each at a multiple of 64 bytes: the buffer and each array's byte offset in it."""
+    return _native.pack_on_huge_pages(arrays)
+
+
+def huge_page_bytes(a: mx.array) -> int:
+    """The bytes of ``a``'s memory mapping(s) on huge pages (``AnonHugePages``; 0 off Linux)."""
+    return _native.huge_page_bytes(a)
+
+
 def quantized_matmul(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
 ) -> mx.array:

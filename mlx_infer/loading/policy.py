@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_infer import cpu_kernels
+from mlx_infer.loading.huge_pages import move_to_huge_pages
 from mlx_infer.metal_kernels import dispatch
 from mlx_infer.metal_kernels.layers import (
     GGUFEmbedding,
@@ -54,10 +55,11 @@ def prepare_for_backend(model: nn.Module) -> None:
     if not cpu_backend():
         return
     summary = fuse_projections(model)
+    on_huge_pages = move_to_huge_pages(model)  # before the native blocks bind the arrays
     blocks = native_blocks(model)
     log.info(
-        "CPU decode step: %s, %d blocks as native block ops, %s matvec activations",
-        summary, blocks, cpu_kernels.activations(),
+        "CPU decode step: %s, %d blocks as native block ops, %s matvec activations, %.0f MiB of weights on "
+        "huge pages", summary, blocks, cpu_kernels.activations(), on_huge_pages / 2**20,
     )
 
 

@@ -1,12 +1,14 @@
 // The Python module of the native CPU kernels: mlx_infer.cpu_kernels loads it (see build.py).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "sampling_ops.h"
 #include "decoder_block.h"
 #include "gated_delta.h"
+#include "huge_pages.h"
 #include "kv_write.h"
 #include "norm_rope.h"
 #include "paged_attention.h"
@@ -25,6 +27,8 @@ NB_MODULE(_cpu_kernels, m) {
         "pending"_a);
   m.def("affine_qmv", &mlx_infer::affine_qmv, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a);
   m.def("embed_rows", &mlx_infer::embed_rows, "ids"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a);
+  m.def("pack_on_huge_pages", &mlx_infer::pack_on_huge_pages, "arrays"_a);
+  m.def("huge_page_bytes", &mlx_infer::huge_page_bytes, "a"_a);
   m.def("set_activations", &mlx_infer::set_activations, "kind"_a);
   m.def("activations", &mlx_infer::activations);
   m.def("kv_write", &mlx_infer::kv_write, "pool"_a, "rows"_a, "slots"_a, "column"_a = 0, "in_place"_a = false);
