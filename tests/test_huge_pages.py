@@ -128,3 +128,31 @@ def test_the_move_adds_at_most_one_pack_of_memory(smollm2_path: Path) -> None:
     head = loaded.model.model.embed_tokens
     largest = max(huge_pages.PACK_BYTES, sum(head[n].nbytes for n in ("weight", "scales", "biases")))
     assert peak <= unmoved_peak + largest * 1.05
+
+
+def test_no_memory_for_a_pack_leaves_the_rest_where_it_was(smollm2_path: Path, loaded_both, monkeypatch):
+    """A pack that cannot be allocated stops the move there: the load goes on, the weights all hold their
+    values, those already moved stay views into their pack."""
+    packs = []
+    real = cpu_kernels.pack_on_huge_pages
+
+    def second_fails(arrays):
+        if packs:
+            raise RuntimeError("[malloc] Unable to allocate")
+        packs.append(real(arrays))
+        return packs[-1]
+
+    monkeypatch.setattr(cpu_kernels, "pack_on_huge_pages", second_fails)
+    partly = load(str(smollm2_path))
+    _, unmoved = loaded_both
+    reference = dict(tree_flatten(unmoved.model.parameters()))
+    for name, a in tree_flatten(partly.model.parameters()):
+        assert mx.array_equal(a, reference[name]).item(), name
+    start = np.array(packs[0][0], copy=False).ctypes.data
+
+    def in_first_pack(a: mx.array) -> bool:
+        return start <= np.array(a, copy=False).ctypes.data < start + packs[0][0].nbytes
+
+    # model order: the (tied) embedding table first, the last layer's arrays last
+    assert in_first_pack(partly.model.model.embed_tokens["weight"])
+    assert not in_first_pack(partly.model.model.layers[-1].mlp.down_proj["weight"])

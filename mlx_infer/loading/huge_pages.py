@@ -57,15 +57,18 @@ def move_to_huge_pages(model: nn.Module) -> int:
     that landed on them (0 where nothing was moved: not Linux, no native kernels, THP off)."""
     if sys.platform != "linux" or not cpu_kernels.applies() or not _thp_enabled():
         return 0
-    holders = _holders(model)
-    on_huge, batch = 0, []
-    for holder in holders:
-        if batch and sum(h.nbytes for h in batch) + holder.nbytes > PACK_BYTES:
-            on_huge += _pack(batch)
-            batch = []
-        batch.append(holder)
-    if batch:
-        on_huge += _pack(batch)
+    batches: list[list[_Holder]] = [[]]
+    for holder in _holders(model):
+        if batches[-1] and sum(h.nbytes for h in batches[-1]) + holder.nbytes > PACK_BYTES:
+            batches.append([])
+        batches[-1].append(holder)
+    on_huge = 0
+    for batch in batches:
+        try:
+            on_huge += _pack(batch) if batch else 0
+        except RuntimeError as e:  # no memory for one more buffer: the rest stays where it is, as it was
+            log.warning("weights left on 4 KiB pages from here (%s)", e)
+            break
     return on_huge
 
 
@@ -81,7 +84,7 @@ def _thp_enabled() -> bool:
 def _holders(model: nn.Module) -> list[_Holder]:
     """The quantized layers' arrays in model order: a fused group's once (its members' are views into
     them), each other kernel-computed layer's (a tied head's embedding table too)."""
-    modules = [m for _, m in model.named_modules()]
+    modules = [m for _, m in reversed(model.named_modules())]  # MLX lists them last first
     members: dict[int, list[FusedQuantizedLinear]] = {}
     for module in modules:
         if isinstance(module, FusedQuantizedLinear):
