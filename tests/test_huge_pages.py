@@ -20,15 +20,8 @@ from mlx_infer.loading import huge_pages, load, policy
 pytestmark = pytest.mark.skipif(not cpu_kernels.applies(), reason="the native CPU kernels are not built here")
 
 
-def thp_available() -> bool:
-    try:
-        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
-
-
 needs_thp = pytest.mark.skipif(
-    sys.platform != "linux" or not thp_available(), reason="transparent huge pages are off here"
+    sys.platform != "linux" or not huge_pages._thp_enabled(), reason="transparent huge pages are off here"
 )
 
 

@@ -2,8 +2,9 @@
 
 A decode step reads every weight once, and from 4 KiB pages each 4 KiB costs a TLB miss and stops the
 hardware prefetcher at its edge: on the 2-vCPU Zen 4 VM a cold 8-bit 49152 x 576 head read 16.3 GB/s
-from 4 KiB pages and 20.1 GB/s from 2 MiB ones, and SmolLM2's batch-1 decode step took 0.90-0.98 of its
-time with the layers' weights on huge pages (two engines in one process, steps alternating). Linux
+from 4 KiB pages and 20.1 GB/s from 2 MiB ones, and SmolLM2's batch-1 decode step took 0.88-0.94 of its
+time with its weights on huge pages (two engines in one process, steps alternating; batch 16, bound by
+arithmetic, 0.99-1.03). Linux
 gives anonymous memory huge pages only where they were asked for (``madvise``) when its THP mode is
 ``madvise``, a common default, and MLX's buffers do not ask; one layer's arrays (0.2-1 MB for SmolLM2)
 could not fill a 2 MiB page alone anyway.
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 # while it runs, as the arrays it copies are freed only once their views are in place. Smaller buffers
 # lose more of their ends to 4 KiB pages (a buffer's first and last 2 MiB windows are partial).
 PACK_BYTES = 32 << 20
+# A buffer is one MLX array, whose dimensions are int32: a layer's arrays beyond that stay where they are.
+_MOST_BYTES = 2**31 - 1
 _NAMES = ("weight", "scales", "biases", "bias")
 
 
@@ -59,6 +62,8 @@ def move_to_huge_pages(model: nn.Module) -> int:
         return 0
     batches: list[list[_Holder]] = [[]]
     for holder in _holders(model):
+        if holder.nbytes > _MOST_BYTES:
+            continue
         if batches[-1] and sum(h.nbytes for h in batches[-1]) + holder.nbytes > PACK_BYTES:
             batches.append([])
         batches[-1].append(holder)
