@@ -49,7 +49,6 @@ def test_a_large_pack_lands_on_huge_pages() -> None:
     a = mx.ones((16 << 20,), dtype=mx.uint8)  # 16 MiB: at least six whole 2 MiB windows
     buffer, _ = cpu_kernels.pack_on_huge_pages([a])
     assert cpu_kernels.huge_page_bytes(buffer) >= 6 << 21
-    assert cpu_kernels.huge_page_bytes(a) == 0  # MLX's own buffers are not advised
 
 
 @pytest.fixture(scope="module")
