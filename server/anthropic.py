@@ -14,6 +14,7 @@ and ``cache_read_input_tokens`` those the prefix cache supplied; their sum is th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -25,9 +26,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from mlx_infer import tool_calls
 from mlx_infer.engine.request import RequestOutput
 from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
 from mlx_infer.sampling import SamplingParams
+from mlx_infer.server import chat_output
 from mlx_infer.server.engine_call import LatencyClock, collect
 from mlx_infer.server.errors import (
     anthropic_error_body,
@@ -39,6 +42,7 @@ from mlx_infer.server.schemas import INT32_MAX, MAX_STOP_LENGTH
 
 if TYPE_CHECKING:
     from mlx_infer.server.app import OpenAIServer
+    from mlx_infer.tool_calls import ChatPlan, OutputParser
 
 log = logging.getLogger("mlx_infer")
 
@@ -129,6 +133,12 @@ class ToolChoice(_Lenient):
         if self.type == "tool" and not self.name:
             raise ValueError("tool_choice of type 'tool' needs a name")
         return self
+
+    def as_openai(self) -> tool_calls.ToolChoice:
+        """The same choice as the chat route's: any is required, tool a named function."""
+        if self.type == "tool":
+            return tool_calls.ToolChoice("required", self.name)
+        return tool_calls.ToolChoice("required" if self.type == "any" else self.type)
 
 
 class Thinking(_Lenient):
@@ -294,7 +304,7 @@ class _Blocks:
         self.content[-1]["text"] += text
         return [*events, self._delta({"type": "text_delta", "text": text})]
 
-    def thinking(self, text: str) -> list[str]:
+    def reasoning(self, text: str) -> list[str]:
         if not text:
             return []
         block = {"type": "thinking", "thinking": "", "signature": ""}
@@ -302,10 +312,10 @@ class _Blocks:
         self.content[-1]["thinking"] += text
         return [*events, self._delta({"type": "thinking_delta", "thinking": text})]
 
-    def tool_use(self, call_id: str, name: str) -> list[str]:
+    def call(self, call_id: str, name: str) -> list[str]:
         return self._start({"type": "tool_use", "id": call_id, "name": name, "input": {}}, "tool_use")
 
-    def tool_arguments(self, fragment: str) -> list[str]:
+    def call_arguments(self, fragment: str) -> list[str]:
         self._json.append(fragment)
         return [self._delta({"type": "input_json_delta", "partial_json": fragment})]
 
@@ -337,25 +347,34 @@ class _Blocks:
 class _Call:
     """One /v1/messages call: its request's outputs, turned into blocks, a stop reason and usage."""
 
-    def __init__(self, routes: AnthropicRoutes, body: MessagesRequest, prompt_ids: list[int], group):
+    def __init__(
+        self,
+        routes: AnthropicRoutes,
+        body: MessagesRequest,
+        prompt_ids: list[int],
+        group,
+        parser: OutputParser,
+    ):
         self.server = routes.server
         self.body = body
         self.prompt_ids = prompt_ids
         self.group = group
+        self.parser = parser  # the answer split into text, thinking and tool calls as it arrives
         self.id = new_id("msg").replace("-", "_")
         self.blocks = _Blocks()
         self.clock = LatencyClock(self.server.metrics, 1)
         self.output_ids: list[int] = []
-        self.text: list[str] = []
         self.last: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> list[str]:
         """Take one engine output; the stream events it makes."""
         self.clock.record(0, out)
         self.output_ids.extend(out.token_ids)
-        self.text.append(out.text)
         self.last = out
-        return self.blocks.text(out.text)
+        events = self.parser.feed(out.text) if out.text else []
+        if out.finished:
+            events += self.parser.finish()
+        return chat_output.build(events, self.blocks)
 
     def usage(self) -> dict[str, int]:
         cached = self.last.num_cached_tokens if self.last else 0
@@ -445,28 +464,35 @@ class AnthropicRoutes:
             )
         return body
 
-    async def _prompt(self, body: _Conversation) -> list[int]:
+    async def _prompt(self, body: _Conversation) -> tuple[ChatPlan, list[int]]:
+        """The request's plan (tools as the chat route writes them into the prompt, the call tool_choice
+        forces) and its prompt ids."""
         messages, prefill = chat_messages(body)
         kwargs: dict[str, Any] = {}
         if body.thinking is not None and body.thinking.type != "adaptive":
             kwargs["enable_thinking"] = body.thinking.type == "enabled"
-        tokenizer = self.server.tokenizer
-        tools = None if body.tool_choice and body.tool_choice.type == "none" else openai_tools(body.tools)
+        choice = body.tool_choice or ToolChoice(type="auto")
+        plan = self.server.plan_chat(
+            openai_tools(body.tools), choice.as_openai(), not choice.disable_parallel_tool_use, kwargs
+        )
         # Templating and tokenizing a long prompt takes a while: off the loop that feeds every stream.
-        ids = await run_in_threadpool(tokenizer.encode_chat, messages, tools=tools, **kwargs)
+        ids = await run_in_threadpool(plan.render, messages)
         if prefill:
-            ids += await run_in_threadpool(tokenizer.encode, prefill, False)
-        return ids
+            ids += await run_in_threadpool(self.server.tokenizer.encode, prefill, False)
+        return plan, ids
 
     async def count_tokens(self, request: Request) -> Response:
         body = await self._body(request, _Conversation)
-        return JSONResponse({"input_tokens": len(await self._prompt(body))})
+        _, ids = await self._prompt(body)
+        return JSONResponse({"input_tokens": len(ids)})
 
     async def messages(self, request: Request) -> Response:
         body: MessagesRequest = await self._body(request, MessagesRequest)
-        prompt_ids = await self._prompt(body)
-        group = self.server.engine.submit([(prompt_ids, body.sampling_params())])
-        call = _Call(self, body, prompt_ids, group)
+        plan, prompt_ids = await self._prompt(body)
+        constraint = await self.server.output_constraint(plan)
+        params = dataclasses.replace(body.sampling_params(), constraint=constraint)
+        group = self.server.engine.submit([(prompt_ids, params)])
+        call = _Call(self, body, prompt_ids, group, plan.parser(prompt_ids))
         if body.stream:
             return StreamingResponse(
                 call.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlx_infer.constraints import compile_constraint
+from mlx_infer.constraints import ConstraintSpec, compile_constraint
 from mlx_infer.context_policy import fit_for_engine, request_policy
 from mlx_infer.engine.async_engine import AsyncEngine, RequestGroup
 from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
@@ -44,6 +44,7 @@ from mlx_infer.server.responses import Choice, LogprobFormatter, new_id, now, us
 from mlx_infer.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlx_infer.server.web import routes as web_routes
 from mlx_infer.tool_calls import ChatPlan, Event, ToolChoice, model_parsers, prepare_chat
+from mlx_infer.tool_calls.forcing import function_of
 
 log = logging.getLogger("mlx_infer")
 
@@ -182,6 +183,60 @@ class OpenAIServer:
         }
         return JSONResponse({"object": "list", "data": [model]})
 
+    # ---- what every chat-like route shares --------------------------------------------------------
+    def plan_chat(
+        self,
+        tools: list[dict[str, Any]] | None,
+        tool_choice: ToolChoice,
+        parallel: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> ChatPlan:
+        """How a chat request's prompt is rendered (tools written in for templates without them) and its
+        answer parsed into text, reasoning and calls, with this model's parsers."""
+        return prepare_chat(
+            self.tokenizer,
+            family=self.tool_family,
+            reasoning=self.reasoning,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel=parallel,
+            template_kwargs=template_kwargs,
+        )
+
+    async def output_constraint(
+        self, plan: ChatPlan | None, requested: ConstraintSpec | None = None, field: str | None = None
+    ) -> ConstraintSpec | None:
+        """The one constraint an answer follows: the call ``plan`` forces (tool_choice required or a named
+        function) or the format the request's ``field`` asks for (both: a 400), compiled off the event
+        loop (a large schema compiles for a while; the engine then finds it cached) so that one that
+        does not compile is a 400 naming its field before anything is submitted."""
+        forced = plan.constraint if plan is not None else None
+        if forced is not None and requested is not None:
+            raise InvalidRequest("a forced tool call cannot also follow an output constraint", "tool_choice")
+        if requested is not None:
+            try:
+                await run_in_threadpool(compile_constraint, requested, self.tokenizer)
+            except InvalidRequest as e:
+                raise InvalidRequest(f"{field}: {e}", param=field) from None
+            return requested
+        if forced is not None:
+            try:
+                await run_in_threadpool(compile_constraint, forced, self.tokenizer)
+            except InvalidRequest:
+                # The grammar of the calls is long and its error says little: name the tool at fault.
+                for i, tool in enumerate(plan.tools):
+                    parameters = function_of(tool).get("parameters") or {}
+                    try:
+                        await run_in_threadpool(
+                            compile_constraint, ConstraintSpec("json_schema", parameters), self.tokenizer
+                        )
+                    except InvalidRequest as e:
+                        raise InvalidRequest(f"tools.{i}.function.parameters: {e}", param="tools") from None
+                raise InvalidRequest(
+                    "tools: the calls they allow do not compile to a grammar", "tools"
+                ) from None
+        return forced
+
     # ---- completions ----------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
@@ -194,14 +249,11 @@ class OpenAIServer:
         policy, max_prompt = request_policy(
             self.config.context_overflow, body.context_overflow, body.truncate_prompt_tokens
         )
-        plan = prepare_chat(
-            self.tokenizer,
-            family=self.tool_family,
-            reasoning=self.reasoning,
-            tools=body.tools,
-            tool_choice=ToolChoice.parse(body.tool_choice),
-            parallel=body.parallel_tool_calls,
-            template_kwargs=template_kwargs(body.chat_template_kwargs),
+        plan = self.plan_chat(
+            body.tools,
+            ToolChoice.parse(body.tool_choice),
+            body.parallel_tool_calls,
+            template_kwargs(body.chat_template_kwargs),
         )
         engine, max_new = self.engine.engine, body.max_new_tokens()
         fitted = await run_in_threadpool(
@@ -226,14 +278,8 @@ class OpenAIServer:
     ) -> Response:
         max_tokens = body.max_new_tokens() or default_max_tokens(self.engine.engine, len(prompt_ids))
         logprobs = body.logprobs_count()
-        constraint = body.constraint()
         forced = plan.constraint if plan is not None else None  # tool_choice required / a named function
-        if forced is not None and constraint is not None:
-            raise InvalidRequest("a forced tool call cannot also follow an output constraint", "tool_choice")
-        constraint = forced or constraint
-        if constraint is not None:
-            # A large schema compiles for a while: off the event loop (the engine then finds it cached).
-            await run_in_threadpool(compile_constraint, constraint, self.tokenizer)
+        await self.output_constraint(plan, body.constraint(), body.constraint_field())
         params = [body.sampling_params(max_tokens, logprobs, i) for i in range(body.n)]
         if forced is not None:
             params = [dataclasses.replace(p, constraint=forced) for p in params]

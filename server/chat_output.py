@@ -1,8 +1,9 @@
-"""Parsed chat output in OpenAI's chat completion shapes: the final ``message`` and the stream deltas."""
+"""Parsed chat output in OpenAI's chat completion shapes (the final ``message`` and the stream deltas),
+and handed to the other surfaces' builders (Anthropic's content blocks, the Responses API's items)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from mlx_infer.tool_calls import (
     Event,
@@ -44,3 +45,27 @@ def delta(event: Event) -> dict[str, Any]:
         return {"tool_calls": [{**call, "function": {"name": event.name, "arguments": ""}}]}
     assert isinstance(event, ToolCallArgumentsDelta)
     return {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
+
+
+class AnswerBuilder(Protocol):
+    """What a surface builds its answer from, each method returning the stream events it makes."""
+
+    def text(self, text: str) -> list[str]: ...
+    def reasoning(self, text: str) -> list[str]: ...
+    def call(self, call_id: str, name: str) -> list[str]: ...
+    def call_arguments(self, fragment: str) -> list[str]: ...
+
+
+def build(events: list[Event], builder: AnswerBuilder) -> list[str]:
+    """The parser's events given to ``builder`` in order; the stream events they make."""
+    out: list[str] = []
+    for event in events:
+        if isinstance(event, TextDelta):
+            out += builder.text(event.text)
+        elif isinstance(event, ReasoningDelta):
+            out += builder.reasoning(event.text)
+        elif isinstance(event, ToolCallStart):
+            out += builder.call(event.id, event.name)
+        else:
+            out += builder.call_arguments(event.arguments)
+    return out

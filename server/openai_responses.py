@@ -15,6 +15,7 @@ the whole conversation as ``input`` (the prefix cache makes resending it cheap).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -26,16 +27,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from mlx_infer.constraints import ConstraintSpec
 from mlx_infer.engine.request import RequestOutput
 from mlx_infer.errors import InvalidRequest, MlxInferError
 from mlx_infer.sampling import SamplingParams
+from mlx_infer.server import chat_output
 from mlx_infer.server.engine_call import LatencyClock, collect, default_max_tokens
 from mlx_infer.server.errors import describe
 from mlx_infer.server.responses import new_id, now
 from mlx_infer.server.schemas import INT32_MAX
+from mlx_infer.server.structured import text_format_constraint
+from mlx_infer.tool_calls import ToolChoice
 
 if TYPE_CHECKING:
     from mlx_infer.server.app import OpenAIServer
+    from mlx_infer.tool_calls import OutputParser
 
 log = logging.getLogger("mlx_infer")
 
@@ -159,6 +165,16 @@ class ResponsesRequest(_Lenient):
     seed: int | None = None
     ignore_eos: bool = False
     speculative: bool = True  # false: this request never speculates (when the server does)
+
+    def openai_tool_choice(self) -> ToolChoice:
+        if isinstance(self.tool_choice, str):
+            return ToolChoice(self.tool_choice)
+        return ToolChoice("required", self.tool_choice.name)
+
+    def format_constraint(self) -> ConstraintSpec | None:
+        """``text.format`` as the constraint the answer follows (json_schema, json_object), or None."""
+        fmt = self.text.format if self.text else None
+        return None if fmt is None else text_format_constraint(fmt.type, fmt.schema_)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -292,13 +308,13 @@ class _Items:
         self.output[-1]["content"][0]["text"] += text
         return [*events, self._part_event("response.reasoning_text.delta", delta=text)]
 
-    def function_call(self, call_id: str, name: str) -> list[str]:
+    def call(self, call_id: str, name: str) -> list[str]:
         item_id = new_id("fc").replace("-", "_")
         return self._start(
             {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": ""}
         )
 
-    def function_arguments(self, fragment: str) -> list[str]:
+    def call_arguments(self, fragment: str) -> list[str]:
         self.output[-1]["arguments"] += fragment
         item = self.output[-1]
         return [
@@ -343,11 +359,14 @@ class _Items:
 class _Call:
     """One /v1/responses call: its request's outputs, turned into output items, a status and usage."""
 
-    def __init__(self, server: OpenAIServer, body: ResponsesRequest, prompt_ids: list[int], group):
+    def __init__(
+        self, server: OpenAIServer, body: ResponsesRequest, prompt_ids: list[int], group, parser: OutputParser
+    ):
         self.server = server
         self.body = body
         self.prompt_ids = prompt_ids
         self.group = group
+        self.parser = parser  # the answer split into text, reasoning and function calls as it arrives
         self.id = new_id("resp").replace("-", "_")
         self.created = now()
         self.items = _Items()
@@ -357,7 +376,10 @@ class _Call:
     def add(self, out: RequestOutput) -> list[str]:
         self.clock.record(0, out)
         self.last = out
-        return self.items.text(out.text)
+        events = self.parser.feed(out.text) if out.text else []
+        if out.finished:
+            events += self.parser.finish()
+        return chat_output.build(events, self.items)
 
     def response(self, final: bool) -> dict[str, Any]:
         body = self.body
@@ -447,12 +469,14 @@ class ResponsesRoute:
                 param=field,
             )
         messages = chat_messages(body)
-        tokenizer = self.server.tokenizer
+        plan = self.server.plan_chat(chat_tools(body), body.openai_tool_choice(), body.parallel_tool_calls)
         # Templating and tokenizing a long prompt takes a while: off the loop that feeds every stream.
-        prompt_ids = await run_in_threadpool(tokenizer.encode_chat, messages, tools=chat_tools(body))
+        prompt_ids = await run_in_threadpool(plan.render, messages)
         max_tokens = body.max_output_tokens or default_max_tokens(self.server.engine.engine, len(prompt_ids))
-        group = self.server.engine.submit([(prompt_ids, body.sampling_params(max_tokens))])
-        call = _Call(self.server, body, prompt_ids, group)
+        constraint = await self.server.output_constraint(plan, body.format_constraint(), "text.format")
+        params = dataclasses.replace(body.sampling_params(max_tokens), constraint=constraint)
+        group = self.server.engine.submit([(prompt_ids, params)])
+        call = _Call(self.server, body, prompt_ids, group, plan.parser(prompt_ids))
         if body.stream:
             return StreamingResponse(
                 call.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

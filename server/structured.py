@@ -30,6 +30,15 @@ class StructuredOutputFields(BaseModel):
     def constraint(self) -> ConstraintSpec | None:
         """The request's constraint, or None; InvalidRequest (a 400 naming the field) when a field is
         malformed or more than one asks for a constraint."""
+        found = self._constraints()
+        return found[0][1] if found else None
+
+    def constraint_field(self) -> str | None:
+        """The field the constraint came from (for an error when it does not compile), or None."""
+        found = self._constraints()
+        return found[0][0] if found else None
+
+    def _constraints(self) -> list[tuple[str, ConstraintSpec]]:
         found: list[tuple[str, ConstraintSpec]] = []
         if self.response_format is not None:
             spec = _response_format(self.response_format)
@@ -49,7 +58,7 @@ class StructuredOutputFields(BaseModel):
         if len(found) > 1:
             names = ", ".join(name for name, _ in found)
             raise InvalidRequest(f"give one output constraint, not several ({names})", param=found[1][0])
-        return found[0][1] if found else None
+        return found
 
 
 def _spec(param: str, kind: str, value: Any) -> ConstraintSpec:
@@ -84,6 +93,17 @@ def _response_format(fmt: dict[str, Any]) -> ConstraintSpec | None:
         f"response_format.type must be text, json_object or json_schema, not {kind!r}",
         param="response_format",
     )
+
+
+def text_format_constraint(kind: str, schema: dict[str, Any] | None) -> ConstraintSpec | None:
+    """The Responses API's ``text.format`` (flat: type, name, schema, strict) as a constraint."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _spec("text.format", "json_object", None)
+    if schema is None:
+        raise InvalidRequest("text.format: a json_schema format needs its schema", param="text.format.schema")
+    return _spec("text.format.schema", "json_schema", schema)
 
 
 _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "gbnf"}

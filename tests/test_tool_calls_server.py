@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -203,6 +204,25 @@ def test_reasoning_content_split_whole_and_streamed(client: openai.OpenAI):
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "forced tool",
         ),
+        (
+            {
+                "tools": [
+                    TIME,
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}},
+                ],
+                "tool_choice": "required",
+            },
+            "tools.1.function.parameters: the JSON schema does not compile",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "frob"}},
+                }
+            },
+            "response_format: the JSON schema does not compile",
+        ),
     ],
 )
 def test_bad_tool_requests_are_400(server: LiveServer, extra, needle):
@@ -210,6 +230,114 @@ def test_bad_tool_requests_are_400(server: LiveServer, extra, needle):
     response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert needle in response.json()["error"]["message"]
+
+
+# ---- the same tools through Anthropic's Messages API and the Responses API ------------------------
+ANTHROPIC_TOOLS = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": SCHEMAS[name],
+    }
+    for t in TOOLS
+    for name in [t["function"]["name"]]
+]
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def claude(server: LiveServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _tool_uses(content, names: set[str]) -> list[tuple[str, dict]]:
+    uses = [b for b in content if b.type == "tool_use"]
+    assert uses, content
+    for block in uses:
+        assert block.name in names and block.id
+        jsonschema.validate(block.input, SCHEMAS[block.name])
+    return [(b.name, b.input) for b in uses]
+
+
+@pytest.mark.parametrize(
+    "tool_choice, names",
+    [({"type": "any"}, set(SCHEMAS)), ({"type": "tool", "name": "get_time"}, {"get_time"})],
+)
+def test_anthropic_forced_tool_use_whole_and_streamed(claude: anthropic.Anthropic, tool_choice, names):
+    kwargs = dict(
+        model="smollm2",
+        max_tokens=80,
+        messages=QUESTION,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice=tool_choice,
+        extra_body={"temperature": 0},
+    )
+    whole = claude.messages.create(**kwargs)
+    assert whole.stop_reason == "tool_use"
+    calls = _tool_uses(whole.content, names)
+    with claude.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()  # the SDK rebuilds each input from its input_json_delta events
+    assert final.stop_reason == "tool_use" and _tool_uses(final.content, names) == calls
+    # The tools are in the prompt as the chat route writes them, unless tool_choice is none.
+    count = dict(model="smollm2", messages=QUESTION)
+    plain = claude.messages.count_tokens(**count).input_tokens
+    assert claude.messages.count_tokens(**count, tools=ANTHROPIC_TOOLS).input_tokens > plain
+    none = claude.messages.count_tokens(**count, tools=ANTHROPIC_TOOLS, tool_choice={"type": "none"})
+    assert none.input_tokens == plain
+
+
+@pytest.mark.parametrize(
+    "tool_choice, names",
+    [("required", set(SCHEMAS)), ({"type": "function", "name": "get_weather"}, {"get_weather"})],
+)
+def test_responses_forced_function_calls_whole_and_streamed(client: openai.OpenAI, tool_choice, names):
+    kwargs = dict(
+        model="smollm2",
+        input=QUESTION[0]["content"],
+        tools=RESPONSES_TOOLS,
+        tool_choice=tool_choice,
+        temperature=0,
+        max_output_tokens=80,
+    )
+    whole = client.responses.create(**kwargs)
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert calls and whole.status == "completed"
+    for call in calls:
+        assert call.name in names and call.call_id
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    with client.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    assert [(c.name, c.arguments) for c in final.output if c.type == "function_call"] == [
+        (c.name, c.arguments) for c in calls
+    ]
+    assert (
+        whole.usage.input_tokens
+        > client.responses.create(**{**kwargs, "tools": None, "tool_choice": "auto"}).usage.input_tokens
+    )
+
+
+def test_responses_text_format_json_schema(client: openai.OpenAI, server: LiveServer):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "name": "city", "strict": True, "schema": schema}
+    kwargs = dict(
+        model="smollm2", input="Name a city and its population.", temperature=0, max_output_tokens=60
+    )
+    reply = client.responses.create(**kwargs, text={"format": fmt})
+    jsonschema.validate(json.loads(reply.output_text), schema)
+    assert (
+        json.loads(client.responses.create(**kwargs, text={"format": {"type": "json_object"}}).output_text)
+        is not None
+    )
+    for bad in ({**fmt, "schema": {"type": "frobnicate"}}, {"type": "json_schema", "name": "x"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**kwargs, text={"format": bad})
+        assert e.value.body["param"].startswith("text.format")
+    assert wait_for_idle(server)["mlx_infer_kv_blocks_used"] == 0
 
 
 def test_smollm2_is_detected_from_its_gguf(smollm2_path: Path):
