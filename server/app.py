@@ -104,6 +104,7 @@ class OpenAIServer:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.render_metrics, methods=["GET"]),
             Route("/v1/models", self.guarded(self.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.guarded(self.model), methods=["GET"]),
             Route("/v1/chat/completions", self.guarded(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self.guarded(self.completions), methods=["POST"]),
             *EmbeddingRoutes(self).routes(),  # a 400 here; server/embedding_server.py serves embeddings
@@ -172,16 +173,34 @@ class OpenAIServer:
     async def render_metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_cards(self) -> list[dict[str, Any]]:
+        """What ``/v1/models`` lists: the served model."""
+        return [
+            {
+                "id": self.config.model_name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "mlx-infer",
+                "context_length": self.context_length(),
+                **self.config.model_details,
+            }
+        ]
+
+    def context_length(self) -> int:
+        return self.engine.engine.max_context
+
     async def models(self, request: Request) -> Response:
-        model = {
-            "id": self.config.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "mlx-infer",
-            "context_length": self.engine.engine.max_context,
-            **self.config.model_details,
-        }
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": self.model_cards()})
+
+    async def model(self, request: Request) -> Response:
+        """``/v1/models/{id}`` (the OpenAI client's ``models.retrieve``): one card of the list."""
+        wanted = request.path_params["model_id"]
+        cards = self.model_cards()
+        for card in cards:
+            if card["id"] == wanted:
+                return JSONResponse(card)
+        offered = ", ".join(repr(c["id"]) for c in cards)
+        raise ModelNotFound(f"model: {wanted!r} does not exist; this server has {offered}", param="model")
 
     # ---- what every chat-like route shares --------------------------------------------------------
     def plan_chat(

@@ -50,12 +50,16 @@ class EmbeddingServer(OpenAIServer):
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.render_metrics, methods=["GET"]),
             Route("/v1/models", self.guarded(self.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.guarded(self.model), methods=["GET"]),
             *EmbeddingRoutes(self, self.embedder).routes(),
             Route("/v1/{path:path}", self.guarded(self.not_served), methods=["POST"]),
         ]
         return Starlette(
             routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error}
         )
+
+    def context_length(self) -> int:
+        return self.embedder.model.max_tokens  # the longest input embedded
 
     async def not_served(self, request: Request) -> Response:
         raise InvalidRequest(

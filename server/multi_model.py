@@ -74,6 +74,7 @@ class MultiModelServer(OpenAIServer):
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.render_metrics, methods=["GET"]),
             Route("/v1/models", self.guarded(self.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.guarded(self.model), methods=["GET"]),
         ]
         if self.config.web:
             routes += web_routes()
@@ -140,7 +141,8 @@ class MultiModelServer(OpenAIServer):
     async def render_metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics_registry), media_type="text/plain; version=0.0.4")
 
-    async def models(self, request: Request) -> Response:
+    def model_cards(self) -> list[dict]:
+        """Every model offered, with its state (loaded or not) and size."""
         loaded = self.registry.loaded()
         data = []
         for name, spec in self.registry.specs.items():
@@ -157,7 +159,7 @@ class MultiModelServer(OpenAIServer):
                     "size_bytes": spec.size,
                 }
             )
-        return JSONResponse({"object": "list", "data": data})
+        return data
 
 
 def _replay(raw: bytes, receive: Receive) -> Receive:

@@ -105,6 +105,11 @@ def declared_context(path: str) -> int | None:
             value = config.get("max_position_embeddings") or config.get("text_config", {}).get(
                 "max_position_embeddings"
             )
+            # A sentence-transformers model embeds at most its max_seq_length (as the loaded one says).
+            sentence = p / "sentence_bert_config.json"
+            if sentence.is_file():
+                limit = json.loads(sentence.read_text()).get("max_seq_length")
+                value = min(int(v) for v in (value, limit) if v) if value or limit else None
         return int(value) if value else None
     except (OSError, ValueError, TypeError):
         return None

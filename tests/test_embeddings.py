@@ -213,6 +213,12 @@ def test_openai_client_float_and_base64(minilm_server):
     raw = client.embeddings.create(model="minilm", input=SENTENCES[0], encoding_format="base64")
     vector = np.frombuffer(base64.b64decode(raw.data[0].embedding), dtype="<f4")
     np.testing.assert_allclose(vector, plain.data[0].embedding, atol=1e-6)
+    # /v1/models reports the longest input embedded (sentence-transformers' max_seq_length, 256), not the
+    # encoder's 512 positions.
+    card = client.models.retrieve("minilm")
+    assert [m.id for m in client.models.list().data] == ["minilm"] and card.context_length == 256
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
 
 
 def test_token_id_inputs_equal_text_inputs(minilm_server):

@@ -196,6 +196,7 @@ def test_models_are_listed_and_loaded_on_first_request(two_models):
     assert listed.keys() == {SMOLLM2, "tiny"}
     assert listed["tiny"]["context_length"] == 256 and listed[SMOLLM2]["context_length"] == 8192
     assert listed[SMOLLM2]["quantization"] == "Q4_1"
+    assert client(two_models).models.retrieve("tiny").model_dump() == listed["tiny"]
     # ignore_eos: the tiny model samples its 64 tokens at random, EOS among them (~3 runs in 64 ended early)
     answer = client(two_models).completions.create(
         model="tiny", prompt="w1 w2", max_tokens=4, extra_body={"ignore_eos": True}

@@ -98,6 +98,10 @@ def random_words(seed: int, count: int) -> str:
 # ---- simple routes --------------------------------------------------------------------------------
 def test_models_health_and_metrics(server: LiveServer, client: openai.OpenAI):
     assert [m.id for m in client.models.list().data] == ["smollm2"]
+    card = client.models.retrieve("smollm2")  # GET /v1/models/{id}
+    assert card.id == "smollm2" and card.model_dump()["context_length"] == 8192
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
     assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
     text = httpx.get(f"{server.base_url}/metrics").text
     for name in METRIC_NAMES:
