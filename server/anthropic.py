@@ -491,8 +491,9 @@ class AnthropicRoutes:
         plan, prompt_ids = await self._prompt(body)
         constraint = await self.server.output_constraint(plan)
         params = dataclasses.replace(body.sampling_params(), constraint=constraint)
+        parser = plan.parser(prompt_ids)
         group = self.server.engine.submit([(prompt_ids, params)])
-        call = _Call(self, body, prompt_ids, group, plan.parser(prompt_ids))
+        call = _Call(self, body, prompt_ids, group, parser)
         if body.stream:
             return StreamingResponse(
                 call.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

@@ -278,32 +278,41 @@ class OpenAIServer:
         fitted = await run_in_threadpool(
             fit_for_engine, messages, plan.render, engine, max_new, policy, max_prompt
         )
-        return await self._generate(request, body, fitted.prompt_ids, chat=True, plan=plan)
+        return await self._generate(request, body, [fitted.prompt_ids], chat=True, plan=plan)
 
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = await self._body(request, CompletionRequest)
-        if isinstance(body.prompt, str):
-            prompt_ids = await run_in_threadpool(self.tokenizer.encode, body.prompt)
-        else:
-            if any(not 0 <= t < self.tokenizer.vocab_size for t in body.prompt):
+        prompts: list[list[int]] = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                prompts.append(await run_in_threadpool(self.tokenizer.encode, prompt))
+                continue
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt):
                 raise InvalidRequest(
                     f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt"
                 )
-            prompt_ids = list(body.prompt)
-        return await self._generate(request, body, prompt_ids, chat=False)
+            prompts.append(list(prompt))
+        return await self._generate(request, body, prompts, chat=False)
 
     async def _generate(
-        self, request: Request, body, prompt_ids: list[int], chat: bool, plan: ChatPlan | None = None
+        self, request: Request, body, prompts: list[list[int]], chat: bool, plan: ChatPlan | None = None
     ) -> Response:
-        max_tokens = body.max_new_tokens() or default_max_tokens(self.engine.engine, len(prompt_ids))
+        """Submit ``body.n`` choices of each prompt (a chat request has one; completions a batch) as one
+        group: choice ``k * n + j`` is choice ``j`` of prompt ``k``, as OpenAI numbers them."""
+        longest = max(len(p) for p in prompts)
+        max_tokens = body.max_new_tokens() or default_max_tokens(self.engine.engine, longest)
         logprobs = body.logprobs_count()
         forced = plan.constraint if plan is not None else None  # tool_choice required / a named function
         await self.output_constraint(plan, body.constraint(), body.constraint_field())
         params = [body.sampling_params(max_tokens, logprobs, i) for i in range(body.n)]
         if forced is not None:
             params = [dataclasses.replace(p, constraint=forced) for p in params]
-        group = self.engine.submit([(prompt_ids, p) for p in params])
-        call = _Call(self, body, prompt_ids, chat, group, plan)
+        group = self.engine.submit([(prompt, p) for prompt in prompts for p in params])
+        try:
+            call = _Call(self, body, prompts, chat, group, plan)
+        except BaseException:
+            group.close()  # its requests' KV blocks go back at once
+            raise
         if body.stream:
             return StreamingResponse(
                 call.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -325,24 +334,29 @@ class _Call:
         self,
         server: OpenAIServer,
         body,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         chat: bool,
         group: RequestGroup,
         plan: ChatPlan | None = None,
     ):
         self.server = server
         self.body = body
-        self.prompt_ids = prompt_ids
+        self.prompts = prompts
+        self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.chat = chat
         self.group = group
-        self.choices = [Choice() for _ in range(body.n)]
+        self.choices = [Choice() for _ in range(len(prompts) * body.n)]
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = now()
-        self.clock = LatencyClock(server.metrics, body.n)
+        self.clock = LatencyClock(server.metrics, len(self.choices))
         self.disconnected = False
-        self.echo = "" if chat or not body.echo else server.tokenizer.decode(prompt_ids)
+        # Each choice's echoed prompt (completions with echo), "" otherwise.
+        self.echoes = [
+            server.tokenizer.decode(prompts[i // body.n]) if not chat and body.echo else ""
+            for i in range(len(self.choices))
+        ]
         # Chat answers split into content, reasoning and tool calls as they arrive, one parser a choice.
-        self.parsers = [plan.parser(prompt_ids) for _ in range(body.n)] if plan is not None else None
+        self.parsers = [plan.parser(prompts[0]) for _ in range(body.n)] if plan is not None else None
 
     def _record(self, index: int, out) -> list[Event]:
         """Take one output in; returns what it adds to a chat answer (parsed events)."""
@@ -368,7 +382,7 @@ class _Call:
         choices = []
         for i, c in enumerate(self.choices):
             text = "".join(c.text)
-            lp = self._logprobs(c, c.logprobs, len(self.echo))
+            lp = self._logprobs(c, c.logprobs, len(self.echoes[i]))
             if self.chat:
                 parsed = self.parsers[i].result
                 message = chat_output.message(parsed)
@@ -376,7 +390,12 @@ class _Call:
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 choices.append(
-                    {"index": i, "text": self.echo + text, "logprobs": lp, "finish_reason": c.finish_reason}
+                    {
+                        "index": i,
+                        "text": self.echoes[i] + text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                    }
                 )
         return {
             "id": self.id,
@@ -384,7 +403,7 @@ class _Call:
             "created": self.created,
             "model": self.body.model,
             "choices": choices,
-            "usage": usage(len(self.prompt_ids), self.choices),
+            "usage": usage(self.num_prompt_tokens, self.choices),
             "system_fingerprint": None,
         }
 
@@ -424,16 +443,14 @@ class _Call:
         ]
 
     async def stream(self) -> AsyncIterator[str]:
-        offsets = [len(self.echo)] * self.body.n
+        offsets = [len(echo) for echo in self.echoes]
         try:
-            for i in range(self.body.n):
+            for i, echo in enumerate(self.echoes):
                 if self.chat:
                     delta = {"role": "assistant", "content": ""}
                     yield self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
-                elif self.echo:
-                    yield self._chunk(
-                        [{"index": i, "text": self.echo, "logprobs": None, "finish_reason": None}]
-                    )
+                elif echo:
+                    yield self._chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
             async for index, out in self.group:
                 events = self._record(index, out)
                 choice = self.choices[index]
@@ -448,7 +465,7 @@ class _Call:
                 body = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
                 yield self._chunk([body])
             if self.body.stream_options and self.body.stream_options.include_usage:
-                yield self._chunk([], usage(len(self.prompt_ids), self.choices))
+                yield self._chunk([], usage(self.num_prompt_tokens, self.choices))
             yield "data: [DONE]\n\n"
         except Exception as e:  # noqa: BLE001 - the 200 header is sent: report any failure in the stream
             if not isinstance(e, MlxInferError):

@@ -475,8 +475,9 @@ class ResponsesRoute:
         max_tokens = body.max_output_tokens or default_max_tokens(self.server.engine.engine, len(prompt_ids))
         constraint = await self.server.output_constraint(plan, body.format_constraint(), "text.format")
         params = dataclasses.replace(body.sampling_params(max_tokens), constraint=constraint)
+        parser = plan.parser(prompt_ids)
         group = self.server.engine.submit([(prompt_ids, params)])
-        call = _Call(self.server, body, prompt_ids, group, plan.parser(prompt_ids))
+        call = _Call(self.server, body, prompt_ids, group, parser)
         if body.stream:
             return StreamingResponse(
                 call.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

@@ -87,13 +87,17 @@ def parse_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
+
+
 def validate(schema: type[Schema], body: dict[str, Any]) -> Schema:
     """``body`` as ``schema``; the first invalid field becomes an InvalidRequest that names it."""
     try:
         return schema.model_validate(body)
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        # A union's error names the member type it tried ("prompt.str"): the client's field is "prompt".
+        param = ".".join(str(p) for p in first["loc"] if not _UNION_MEMBER.match(str(p))) or None
         raise InvalidRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
 
 

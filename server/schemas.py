@@ -134,10 +134,29 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+MAX_PROMPTS = 64  # prompts of one completions request (each gets n choices)
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = Field(min_length=1)
+    # One prompt (text or token ids) or a batch of them, as OpenAI's and vLLM's completions take.
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _batch(cls, value: str | list) -> str | list:
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts a request")
+            if any(len(p) == 0 for p in value):
+                raise ValueError("a prompt of the batch is empty")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or each of a batch."""
+        batch = isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list)
+        return list(self.prompt) if batch else [self.prompt]  # type: ignore[list-item]
 
     def max_new_tokens(self) -> int | None:
         # The legacy completions API defaults to 16 new tokens.

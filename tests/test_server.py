@@ -277,6 +277,27 @@ def test_completions_n2_stream(client: openai.OpenAI):
     assert finishes == ["length", "length"]
 
 
+def test_completions_of_a_batch_of_prompts(client: openai.OpenAI, tok: Tokenizer):
+    """A list of prompts (text or token ids) gets n choices each, numbered prompt by prompt, each the
+    answer its prompt gets alone; usage counts every prompt."""
+    prompts = ["The ocean is", "Once upon a time"]
+    kwargs = dict(model="smollm2", temperature=0, max_tokens=6)
+    alone = [client.completions.create(prompt=p, **kwargs).choices[0].text for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, echo=True, **kwargs)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [p + a for p, a in zip(prompts, alone) for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    assert batch.usage.completion_tokens == 4 * 6
+    ids = [tok.encode(p) for p in prompts]
+    texts = ["", ""]
+    for chunk in client.completions.create(prompt=ids, stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == alone
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(prompt=["w", ""], **kwargs)
+
+
 def test_completions_logprobs(client: openai.OpenAI):
     r = client.completions.create(
         model="smollm2", prompt="The sky is", temperature=0, max_tokens=8, logprobs=2
