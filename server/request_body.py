@@ -98,7 +98,8 @@ def validate(schema: type[Schema], body: dict[str, Any]) -> Schema:
         first = e.errors(include_url=False)[0]
         # A union's error names the member type it tried ("prompt.str"): the client's field is "prompt".
         param = ".".join(str(p) for p in first["loc"] if not _UNION_MEMBER.match(str(p))) or None
-        raise InvalidRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+        message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix to our validators' own words
+        raise InvalidRequest(f"{param}: {message}" if param else message, param=param) from None
 
 
 async def read_json(request: Request, schema: type[Schema], max_bytes: int) -> Schema:

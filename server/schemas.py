@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mlx_infer.context_policy import Policy
 from mlx_infer.sampling import SamplingParams
@@ -93,6 +93,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    @model_validator(mode="after")
+    def _complete(self) -> ChatMessage:
+        # As OpenAI: only an assistant turn (with tool calls) may leave out its content, and a tool
+        # result names the call it answers.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not isinstance(getattr(self, "tool_call_id", None), str):
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             # The text parts of a multi-part message; images and audio are not supported.
@@ -125,6 +135,13 @@ class ChatCompletionRequest(_SamplingFields):
     def _truncate_nonzero(cls, value: int | None) -> int | None:
         if value == 0:
             raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return value
 
     def max_new_tokens(self) -> int | None:
