@@ -313,7 +313,8 @@ class _Blocks:
         return [*events, self._delta({"type": "thinking_delta", "thinking": text})]
 
     def call(self, call_id: str, name: str) -> list[str]:
-        return self._start({"type": "tool_use", "id": call_id, "name": name, "input": {}}, "tool_use")
+        tool_use_id = "toolu_" + call_id.removeprefix("call_")  # Anthropic's id form
+        return self._start({"type": "tool_use", "id": tool_use_id, "name": name, "input": {}}, "tool_use")
 
     def call_arguments(self, fragment: str) -> list[str]:
         self._json.append(fragment)

@@ -1,7 +1,7 @@
 """``serve`` on an embedding model: the embeddings route over an ``AsyncEmbedder``, no generation engine.
 
 The app keeps the generation server's plumbing (API key, error shape, ``/health``, ``/v1/models``) and
-answers every other ``/v1`` POST route with a 400 that says this model only embeds.
+answers the generation routes with a 400 that says this model only embeds.
 """
 
 from __future__ import annotations
@@ -29,6 +29,15 @@ from mlx_infer.server.responses import now
 
 log = logging.getLogger("mlx_infer")
 
+# What a generation server answers: here a 400 that says this model only embeds (other paths 404).
+GENERATION_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+)
+
 
 class EmbeddingServer(OpenAIServer):
     def __init__(self, embedder: AsyncEmbedder, config: ServerConfig):
@@ -52,7 +61,7 @@ class EmbeddingServer(OpenAIServer):
             Route("/v1/models", self.guarded(self.models), methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.guarded(self.model), methods=["GET"]),
             *EmbeddingRoutes(self, self.embedder).routes(),
-            Route("/v1/{path:path}", self.guarded(self.not_served), methods=["POST"]),
+            *(Route(path, self.guarded(self.not_served), methods=["POST"]) for path in GENERATION_ROUTES),
         ]
         return Starlette(
             routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error}

@@ -21,7 +21,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -136,9 +136,15 @@ class NamedFunction(_Lenient):
 
 class TextFormat(_Lenient):
     type: Literal["text", "json_schema", "json_object"]
-    name: str | None = None
+    name: str | None = Field(default=None, pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> TextFormat:
+        if self.type == "json_schema" and self.name is None:
+            raise ValueError("a json_schema format needs a name")
+        return self
 
 
 class TextConfig(_Lenient):
@@ -326,7 +332,9 @@ class _Items:
             )
         ]
 
-    def close(self) -> list[str]:
+    def close(self, status: str = "completed") -> list[str]:
+        """Close the open item; ``status`` is the item's when it is a message or a call ("incomplete"
+        when max_output_tokens cut the answer off, as OpenAI marks it)."""
         kind, self._open = self._open, None
         if kind is None:
             return []
@@ -351,7 +359,7 @@ class _Items:
                 )
             )
         if kind != "reasoning":
-            item["status"] = "completed"
+            item["status"] = status
         return [*events, self._item_event("response.output_item.done")]
 
 
@@ -380,6 +388,11 @@ class _Call:
         if out.finished:
             events += self.parser.finish()
         return chat_output.build(events, self.items)
+
+    def item_status(self) -> str:
+        """The status of the item the answer ends in."""
+        cut = self.last is not None and self.last.finish_reason == "length"
+        return "incomplete" if cut else "completed"
 
     def response(self, final: bool) -> dict[str, Any]:
         body = self.body
@@ -438,7 +451,7 @@ class _Call:
             async for _, out in self.group:
                 for event in self.add(out):
                     yield event
-            for event in items.close():
+            for event in items.close(self.item_status()):
                 yield event
             final = self.response(final=True)
             yield items.event(f"response.{final['status']}", response=final)
@@ -484,5 +497,5 @@ class ResponsesRoute:
             )
         if not await collect(group, request, lambda _, out: call.add(out)):
             return Response(status_code=499)
-        call.items.close()
+        call.items.close(call.item_status())
         return JSONResponse(call.response(final=True))

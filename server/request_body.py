@@ -95,7 +95,10 @@ def validate(schema: type[Schema], body: dict[str, Any]) -> Schema:
     try:
         return schema.model_validate(body)
     except ValidationError as e:
-        first = e.errors(include_url=False)[0]
+        errors = e.errors(include_url=False)
+        # Of a union's failed members, the one that got furthest into the value says what is wrong
+        # (an item's missing field, not "should be a valid string"); the first of those otherwise.
+        first = max(errors, key=lambda err: len(err["loc"]))
         # A union's error names the member type it tried ("prompt.str"): the client's field is "prompt".
         param = ".".join(str(p) for p in first["loc"] if not _UNION_MEMBER.match(str(p))) or None
         message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix to our validators' own words

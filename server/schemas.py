@@ -141,7 +141,7 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise ValueError("needs logprobs: true")
         return value
 
     def max_new_tokens(self) -> int | None:

@@ -272,6 +272,7 @@ def test_hostile_inputs_get_4xx_and_the_server_stays_healthy(minilm_server):
         timeout=10,
     )
     assert chat.status_code == 400 and "embedding model" in chat.json()["error"]["message"]
+    assert httpx.post(f"{minilm_server.base_url}/v1/nowhere", json={}, timeout=10).status_code == 404
     assert httpx.get(f"{minilm_server.base_url}/health", timeout=10).json() == {"status": "ok"}
     ok = httpx.post(url, json={"model": "minilm", "input": "still fine"}, timeout=60)
     assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 384

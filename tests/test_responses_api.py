@@ -53,6 +53,8 @@ BAD_REQUESTS: list[tuple[object, int]] = [
     (_resp(tools=[{"type": "function"}]), 400),  # no name
     (_resp(tool_choice="sometimes"), 400),
     (_resp(text={"format": {"type": "xml"}}), 400),
+    (_resp(text={"format": {"type": "json_schema", "schema": {}}}), 400),  # no name
+    (_resp(text={"format": {"type": "json_schema", "name": "has space!", "schema": {}}}), 400),
     (_resp(store=True), 400),
     (_resp(previous_response_id="resp_123"), 400),
     (_resp(input="w1 " * 3_000_000), 413),
@@ -88,6 +90,9 @@ def test_bad_requests_get_openai_errors_and_server_stays_healthy(http: TestClien
         assert {"type", "param", "code"} <= set(error)
     stored = send(http, _resp(store=True)).json()["error"]
     assert stored["param"] == "store" and "store=false" in stored["message"]
+    # A union's error is its most specific member's: the item's missing field, not "a valid string".
+    missing = send(http, _resp(input=[{"role": "user", "content": "w1"}, {"type": "function_call_output"}]))
+    assert missing.json()["error"]["param"] == "input.1.function_call_output.call_id"
     assert async_engine.num_pending == 0
     assert http.get("/health").json() == {"status": "ok"}
     assert send(http, GOOD).status_code == 200
@@ -99,8 +104,9 @@ def test_stream_typed_events_and_equality_with_the_whole_response(http: TestClie
     assert whole["object"] == "response" and whole["id"].startswith("resp_")
     assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
     [message] = whole["output"]
+    # Cut off by max_output_tokens: the message item is incomplete too, as OpenAI marks it.
     assert (
-        message["type"] == "message" and message["role"] == "assistant" and message["status"] == "completed"
+        message["type"] == "message" and message["role"] == "assistant" and message["status"] == "incomplete"
     )
     [part] = message["content"]
     assert part["type"] == "output_text" and part["text"]
@@ -129,6 +135,7 @@ def test_stream_typed_events_and_equality_with_the_whole_response(http: TestClie
     text = "".join(e["delta"] for e in events[4:-4])
     assert text == events[-4]["text"] == part["text"]
     final = events[-1]["response"]
+    assert events[-2]["item"]["status"] == "incomplete" == final["output"][0]["status"]
     assert final["output"][0]["content"][0]["text"] == text
     assert final["usage"]["output_tokens"] == 8
     assert final["usage"]["input_tokens"] == whole["usage"]["input_tokens"]

@@ -254,7 +254,7 @@ def _tool_uses(content, names: set[str]) -> list[tuple[str, dict]]:
     uses = [b for b in content if b.type == "tool_use"]
     assert uses, content
     for block in uses:
-        assert block.name in names and block.id
+        assert block.name in names and block.id.startswith("toolu_")
         jsonschema.validate(block.input, SCHEMAS[block.name])
     return [(b.name, b.input) for b in uses]
 

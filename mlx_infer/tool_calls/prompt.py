@@ -101,7 +101,7 @@ def prepare_chat(
     for t in tools:
         function_of(t)
     if tool_choice.mode == "required" and not tools:
-        raise InvalidRequest("tool_choice 'required' or a named function needs tools", "tool_choice")
+        raise InvalidRequest("tool_choice forces a tool call, which needs tools", "tool_choice")
     if tool_choice.mode == "required" and family is None:
         raise InvalidRequest("this server parses no tool calls (--tool-call-parser none)", "tool_choice")
     active = tools if tool_choice.mode != "none" else []
