@@ -275,6 +275,18 @@ def test_truncated_call_keeps_what_arrived():
     assert _stripped(parsed) == ("", "", [("get_weather", '{"city": "Par')])
 
 
+@pytest.mark.parametrize("forced", [False, True])
+def test_call_cut_before_its_name_is_markup_only_when_not_forced(forced: bool):
+    """max_tokens can end an answer inside a call's marker, before its name: a free answer shows what
+    came, a forced one (a grammar allows calls only) drops the unparsed markup rather than return it
+    as content."""
+    text = '<tool_call>[{"name": "get_'
+    for cut in range(len(text) + 1):
+        parser = OutputParser(family=FAMILIES["smollm2"], tool_names=TOOLS, forced=forced)
+        parser.feed(text[:cut]), parser.feed(text[cut:]), parser.finish()
+        assert parser.result.content == ("" if forced else text) and parser.result.tool_calls == []
+
+
 def test_parallel_false_keeps_the_first_call():
     text = CASES[0][1]
     parsed = _check_every_split(text, family=FAMILIES["hermes"], tool_names=TOOLS, parallel=False)
@@ -489,8 +501,8 @@ def test_prompt_opened_think_block_unless_a_call_is_forced(forced):
     parser.finish()
     if forced is None:  # still thinking: all of it is reasoning
         assert _stripped(parser.result) == (text, "", [])
-    else:
-        assert _stripped(parser.result) == ("", "The call:", [("get_weather", "{}")])
+    else:  # not reasoning; and a forced answer is calls only (text there is cut-off markup: dropped)
+        assert _stripped(parser.result) == ("", "", [("get_weather", "{}")])
 
 
 NEW_FAMILIES = ("glm45", "deepseek_v3", "deepseek_v31", "kimi_k2")

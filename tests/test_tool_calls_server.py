@@ -162,6 +162,18 @@ def test_agent_loop_two_calls_then_an_answer(server: LiveServer, client: openai.
     assert wait_for_idle(server)["mlx_infer_kv_blocks_used"] == 0
 
 
+def test_forced_call_cut_by_max_tokens_leaks_no_markup(client: openai.OpenAI, claude: anthropic.Anthropic):
+    kwargs = dict(model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice="required", temperature=0)
+    cut = client.chat.completions.create(**kwargs, max_tokens=6).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.content
+    streamed = client.chat.completions.create(**kwargs, max_tokens=6, stream=True)
+    assert not "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    reply = claude.messages.create(
+        model="smollm2", max_tokens=6, messages=QUESTION, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"}
+    )
+    assert reply.stop_reason == "max_tokens" and all(b.type != "text" or not b.text for b in reply.content)
+
+
 def test_tool_choice_none_gives_text_without_tools_in_the_prompt(client: openai.OpenAI):
     kwargs = dict(model="smollm2", messages=QUESTION, temperature=0, max_tokens=12)
     plain = client.chat.completions.create(**kwargs)

@@ -22,7 +22,9 @@ class OutputParser:
 
     ``family`` None: no tool parsing (no tools, or ``tool_choice: none``); ``reasoning`` None: no split.
     ``parallel`` False keeps only the first call. ``parameters``: the tools' parameter schemas by name,
-    for families that type argument values by them.
+    for families that type argument values by them. ``forced``: a grammar makes the answer calls and
+    nothing else, so any text is the family's markup of a call cut off (by max_tokens) before it could
+    be parsed: it is dropped rather than shown as content.
     """
 
     def __init__(
@@ -33,10 +35,12 @@ class OutputParser:
         in_reasoning: bool = False,
         parallel: bool = True,
         parameters: Parameters = NO_PARAMETERS,
+        forced: bool = False,
     ):
         self.reasoning = ReasoningParser(in_reasoning) if reasoning else None
         self.tools: ToolParser | None = family.parser(tool_names, parameters) if family is not None else None
         self.parallel = parallel
+        self.forced = forced
         self.result = ParsedOutput()
 
     def feed(self, text: str) -> list[Event]:
@@ -58,6 +62,8 @@ class OutputParser:
                 out.append(e)
         if final and self.tools is not None:
             out.extend(self.tools.finish())
+        if self.forced:
+            out = [e for e in out if not isinstance(e, TextDelta)]
         if not self.parallel:
             calls = (ToolCallStart, ToolCallArgumentsDelta)
             out = [e for e in out if not isinstance(e, calls) or e.index == 0]

@@ -82,7 +82,8 @@ class ChatPlan:
         functions = [function_of(t) for t in self.tools]
         names = [f["name"] for f in functions]
         parameters = {f["name"]: f.get("parameters") or {} for f in functions}
-        return OutputParser(family, names, self.reasoning, in_reasoning, self.parallel, parameters)
+        forced = self.constraint is not None
+        return OutputParser(family, names, self.reasoning, in_reasoning, self.parallel, parameters, forced)
 
 
 def prepare_chat(
