@@ -305,11 +305,16 @@ def remove(name: str) -> tuple[str, int]:
     for root in roots:
         if path.exists() and path != root and path.is_relative_to(root) and path.name not in _CACHE_SKIP:
             size = _size(path)
-            if path.is_dir():
+            if path.is_symlink():
+                # A snapshot file links to its blob in the same cache: both go. A link to anything
+                # outside the cache (or to a folder) is removed alone: what it points at is not ours.
+                target = path.resolve()
+                if target.is_file() and target.is_relative_to(Path(os.path.realpath(root))):
+                    target.unlink()
+                path.unlink()
+            elif path.is_dir():
                 shutil.rmtree(path)
             else:
-                if path.is_symlink():
-                    path.resolve().unlink()
                 path.unlink()
             return str(path), size
     raise ModelNotFound(

@@ -309,6 +309,14 @@ def test_models_lists_every_place_and_rm_deletes_from_caches_only(env, hub: Fake
     assert refused.returncode == 2 and "yours to delete" in refused.stderr
     assert (own / "sub" / "gemma.gguf").exists()
     assert cli(env, "rm", "acme/never-pulled").returncode == 2
+    # A link in the cache to the user's own file or folder: the link goes, what it points at stays.
+    links = Path(env["MLX_INFER_CACHE"]) / "links"
+    links.mkdir()
+    (links / "mine.gguf").symlink_to(own / "sub" / "gemma.gguf")
+    (links / "mine-folder").symlink_to(own / "bf16-model")
+    for link in ("mine.gguf", "mine-folder"):
+        assert cli(env, "rm", str(links / link)).returncode == 0 and not (links / link).is_symlink()
+    assert (own / "sub" / "gemma.gguf").is_file() and (own / "bf16-model" / "config.json").is_file()
     assert json.loads(cli(env, "models", "--json").stdout) == []
 
 
