@@ -153,7 +153,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "--max-context": 1 if args.max_context is None else args.max_context,
     }
     for flag, value in positive.items():
-        if value <= 0:
+        if not value > 0:  # NaN too
             raise InvalidRequest(f"{flag} must be positive, not {value}")
     check_kv_dtype(args.kv_cache_dtype)
     speculative = SpeculativeConfig(

@@ -243,3 +243,21 @@ def test_server_memory_follows_load(smollm2_path):
         assert idle <= start * 1.2, (start, peak_rss, idle)
     finally:
         server.stop()
+
+
+def test_a_kv_budget_past_the_machines_memory_is_refused(model, monkeypatch: pytest.MonkeyPatch):
+    """The pool grows into --kv-memory as load comes, so a budget the machine cannot hold would end in
+    the OS killing the process long after the start: it is a clear error at once instead."""
+    from mlx_infer.errors import InvalidRequest
+    from mlx_infer.kv.memory import kv_budget_bytes
+
+    monkeypatch.setenv("MLX_INFER_MEMORY_BUDGET", "2GiB")
+    assert kv_budget_bytes(1) == 2**30
+    for too_much in (2, 1e6):
+        with pytest.raises(InvalidRequest, match="more than this machine has left for it"):
+            kv_budget_bytes(too_much)
+    for nonsense in (float("inf"), float("nan"), -1):
+        with pytest.raises(InvalidRequest, match="positive"):
+            kv_budget_bytes(nonsense)
+    with pytest.raises(InvalidRequest, match="more than this machine"):
+        Engine(model, CharTokenizer(), 64, EngineConfig(kv_memory=3))

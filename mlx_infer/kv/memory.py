@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlx_infer.errors import InvalidRequest
 from mlx_infer.kv.block_pool import BlockPool
 from mlx_infer.kv.pages import pages_droppable
 
@@ -27,8 +29,20 @@ def kv_budget_bytes(kv_memory_gib: float | None) -> int:
     """Bytes for the KV pool: ``kv_memory_gib`` if given, else a share of device memory minus the
     weights already loaded (``mx.get_active_memory``), capped so a small model does not grab GBs."""
     if kv_memory_gib is not None:
-        if kv_memory_gib <= 0:
-            raise ValueError("--kv-memory must be positive")
+        if not math.isfinite(kv_memory_gib) or kv_memory_gib <= 0:
+            raise InvalidRequest(f"--kv-memory must be a positive number of GiB, not {kv_memory_gib}")
+        # The pool grows into its budget as load comes: one past what the machine has left would be
+        # found out by the OS killing the process (or swapping), long after the start.
+        from mlx_infer.plan.planner import memory_budget  # the planner reads this module
+
+        budget, where = memory_budget()
+        left = max(budget - mx.get_active_memory(), 0)
+        if kv_memory_gib * 2**30 > left:
+            raise InvalidRequest(
+                f"--kv-memory {kv_memory_gib:g} GiB is more than this machine has left for it: "
+                f"{left / 2**30:.1f} GiB ({where} {budget / 2**30:.1f} GiB less "
+                f"{mx.get_active_memory() / 2**30:.1f} GiB loaded)"
+            )
         return int(kv_memory_gib * 2**30)
     free = max(device_memory_bytes() - mx.get_active_memory(), 0)
     return int(min(free * DEFAULT_FRACTION, MAX_DEFAULT_BYTES))
