@@ -243,3 +243,17 @@ def test_qwen35_q8_0_value_heads_move_with_their_scales(tmp_path: Path):
     same(values("in_proj_z"), untile(stored("attn_gate"), HK, HV))
     qkv = stored("attn_qkv")
     same(values("in_proj_qkv"), mx.concatenate([qkv[: 2 * HK * DK], untile(qkv[2 * HK * DK :], HK, HV)]))
+
+
+def test_plan_of_a_model_without_attention_layers(tmp_path: Path):
+    """No layer keeps K/V (0 B a token): the plan counts the recurrent states, not a division by zero, and
+    the sequences that fit are bounded by the states."""
+    path = tmp_path / "recurrent.gguf"
+    names = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out", "ffn_gate", "ffn_up", "ffn_down")
+    write_qwen35_layer(path, dict.fromkeys(names, Q.Q8_0), np.random.default_rng(0))
+    plan = make_plan(str(path), context=64, max_num_seqs=2)
+    assert plan.kv_bytes_per_token == 0 and plan.kv_bytes == 0 and plan.state_bytes > 0
+    assert plan.fits and plan.max_context_that_fits == plan.model_max_context
+    per_sequence = plan.state_bytes // 2
+    left = plan.budget_bytes - plan.weights_bytes
+    assert 2 < plan.max_num_seqs_that_fit <= left // per_sequence

@@ -209,7 +209,15 @@ def make_plan(
     # The most pool tokens the budget leaves once weights, states, the sliding-window pool and the fixed
     # scratch are counted.
     free = budget - weights_bytes - fixed_scratch - state_bytes - window_kv_bytes * (1 + pool_copies)
-    pool_tokens = int(free / (per_token * (1 + pool_copies))) if free > 0 else 0
+    if free <= 0:
+        pool_tokens = 0
+    elif per_token == 0:  # recurrent layers only: nothing grows with the context, states are counted
+        pool_tokens = max_num_seqs * model_max
+    else:
+        pool_tokens = int(free / (per_token * (1 + pool_copies)))
+    seqs_that_fit = pool_tokens // seq_tokens
+    if per_token == 0 and state_bytes:  # then each sequence's recurrent state is what bounds them
+        seqs_that_fit = int(max(free + state_bytes, 0) // (state_bytes // max_num_seqs))
     bandwidth, bandwidth_source = memory_bandwidth()
     # kv/memory.kv_budget_bytes without --kv-memory, the weights being what is loaded by then.
     default_pool = int(min(max(budget - weights_bytes, 0) * DEFAULT_FRACTION, MAX_DEFAULT_BYTES))
@@ -233,7 +241,7 @@ def make_plan(
         weights_fit=weights_bytes <= budget,
         model_max_context=model_max,
         max_context_that_fits=min(model_max, pool_tokens // max_num_seqs // BLOCK_SIZE * BLOCK_SIZE),
-        max_num_seqs_that_fit=pool_tokens // seq_tokens,
+        max_num_seqs_that_fit=seqs_that_fit,
         default_kv_pool_bytes=default_pool,
         decode_tok_s_bound=bandwidth / (read + context_read),
         decode_tok_s_bound_batch=max_num_seqs * bandwidth / (read + max_num_seqs * context_read),
