@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import sys
 
+from mlx_infer.cli_options import ring_port
 from mlx_infer.errors import DistributedError
 
 from . import hostfile as hf
@@ -79,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssh", default=DEFAULT_SSH, help=f"default: {DEFAULT_SSH!r}")
     parser.add_argument("--python", default="python3", help="python on the hosts (default: python3)")
     parser.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"first ring port (default: {DEFAULT_PORT})"
+        "--port", type=ring_port, default=DEFAULT_PORT, help=f"first ring port (default: {DEFAULT_PORT})"
     )
 
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_infer.cli_options import CPU_ACTIVATIONS
+from mlx_infer.cli_options import CPU_ACTIVATIONS, ring_port
 from mlx_infer.cpu_kernels import ACTIVATIONS_ENV_VAR
 from mlx_infer.errors import DistributedError
 
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cwd", default=None, help="working directory on the hosts (default: this one, if there)"
     )
     parser.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"first ring port (default: {DEFAULT_PORT})"
+        "--port", type=ring_port, default=DEFAULT_PORT, help=f"first ring port (default: {DEFAULT_PORT})"
     )
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="set on every rank")
     parser.add_argument(

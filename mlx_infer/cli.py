@@ -33,20 +33,29 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line (the usage block is what --help is for), as every other error is."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlx-infer", description="LLM inference on MLX.")
+    parser = _Parser(prog="mlx-infer", description="LLM inference on MLX.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(module).add_arguments(sub_parser)
-        sub_parser.set_defaults(_module=module)
+        sub_parser.set_defaults(_module=module, _parser=sub_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # named by the subcommand they were given to, not by the top-level parser
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return importlib.import_module(args._module).run(args)
     except MlxInferError as e:
@@ -54,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly as a Unix filter does, and keep Python's flush
+        # of stdout at exit from failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a filter the pipe stopped
     except Exception as e:  # noqa: BLE001 - the last line of defence: one line, not a traceback
         if os.environ.get("MLX_INFER_DEBUG"):
             raise

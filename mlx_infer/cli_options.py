@@ -19,6 +19,23 @@ from mlx_infer.sampling import SamplingParams
 CPU_ACTIVATIONS = ("int8", "int16", "float32")
 
 
+def tcp_port(text: str, lowest: int = 0) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535, caught at parsing rather than after a
+    model has loaded."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not lowest <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is {lowest} to 65535, not {port}")
+    return port
+
+
+def ring_port(text: str) -> int:
+    """The first of the ring's consecutive ports (launch, hosts): 1 to 65535."""
+    return tcp_port(text, lowest=1)
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, repeatable: bool = False) -> None:
     """``repeatable``: ``-m`` may be given several times (``serve``'s several models; a list then)."""
     g = parser.add_argument_group("model")

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_pooling_argument(parser)  # an embedding model serves /v1/embeddings (server/embedding_server.py)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    g.add_argument("--port", type=cli_options.tcp_port, default=8080, help="port (default: 8080)")
     g.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: the model's name)"
     )

@@ -80,6 +80,10 @@ def test_prompt_from_stdin_and_stop_string(smollm2_path):
     [
         (["generate", "-m", "/nonexistent/model.gguf", "-p", "hi"], "no such file or folder"),
         (["generate", "-m", "{model}", "-p", "hi", "--top-p", "0"], "top_p"),
+        (["generate", "-m", "{model}", "-p", "hi", "--kv-memory", "100000"], "more than this machine"),
+        (["generate", "-m", "{model}", "-p", "hi", "--kv-memory", "nan"], "--kv-memory must be positive"),
+        (["serve", "-m", "{model}", "--port", "70000"], "a port is 0 to 65535"),
+        (["launch", "--hosts", "127.0.0.1", "--port", "0", "--", "generate"], "a port is 1 to 65535"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(smollm2_path, args, message):
@@ -88,6 +92,18 @@ def test_bad_input_is_one_line_and_nonzero(smollm2_path, args, message):
     lines = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_reader_that_goes_away_stops_generate_quietly(smollm2_path):
+    """`generate ... | head -c 5`: the broken pipe ends it as it ends a Unix filter (141, no error)."""
+    command = [*CLI, "generate", "-m", str(smollm2_path), "-p", "Count to 50."]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as process:
+        assert process.stdout.read(3)
+        process.stdout.close()
+        stderr = process.stderr.read().decode()
+        assert process.wait(timeout=120) == 141
+    assert "error" not in stderr and "Traceback" not in stderr, stderr
 
 
 def test_too_long_prompt_names_both_numbers(smollm2):
