@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -150,6 +151,20 @@ def _check_flags(args: argparse.Namespace) -> bool:
     return several
 
 
+def check_address(host: str, port: int) -> None:
+    """Bind ``host:port`` once before the model loads: uvicorn finds a busy port or an unknown host only
+    when it starts, and then exits 3 or aborts."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as e:
+        raise InvalidRequest(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -170,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         with cli_options.open_engine(args):
             return 0
 
+    check_address(args.host, args.port)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     server_config = ServerConfig(
         "" if several else served_name(args.model, args.served_model_name),  # several: each its own

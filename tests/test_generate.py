@@ -83,6 +83,7 @@ def test_prompt_from_stdin_and_stop_string(smollm2_path):
         (["generate", "-m", "{model}", "-p", "hi", "--kv-memory", "100000"], "more than this machine"),
         (["generate", "-m", "{model}", "-p", "hi", "--kv-memory", "nan"], "--kv-memory must be positive"),
         (["serve", "-m", "{model}", "--port", "70000"], "a port is 0 to 65535"),
+        (["serve", "-m", "{model}", "--host", "999.1.1.1"], "cannot listen on 999.1.1.1:8080"),
         (["launch", "--hosts", "127.0.0.1", "--port", "0", "--", "generate"], "a port is 1 to 65535"),
     ],
 )
