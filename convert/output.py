@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -32,11 +33,19 @@ TOKENIZER_FILES = (
 
 
 def check_target(out: Path, force: bool) -> None:
-    """Refuse an existing output without --force (checked before any work, and again at the end)."""
+    """Refuse, before any work, an existing output without --force, one that is not a model folder (what
+    --force replaces is deleted: never a folder of other things), and a place that cannot be written."""
     if out.exists() and not force:
         raise InvalidRequest(f"{out} already exists (pass --force to replace it)")
     if out.exists() and not out.is_dir():
         raise InvalidRequest(f"{out} exists and is not a folder")
+    if out.exists() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise InvalidRequest(f"{out} is not a model folder (no config.json): --force replaces only those")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".check", dir=out.parent)).rmdir()
+    except OSError as e:
+        raise InvalidRequest(f"cannot write to {out.parent}: {e.strerror or e}") from None
 
 
 def check_not_source(out: Path, source: Path) -> None:
@@ -57,6 +66,10 @@ def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
         raise InvalidRequest(f"cannot write to {out.parent}: {e.strerror or e}") from None
     try:
         yield tmp
+        # mkdtemp's folder is private (0700); the model folder gets the mode mkdir would give it.
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)
         _replace(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -249,6 +250,23 @@ def test_shards_index_and_force(tiny_llama_folder: Path, tmp_path: Path, monkeyp
     convert(tiny_llama_folder, out, "--no-eval", "--force")
     assert (out / "model.safetensors").exists() and not (out / shards[0]).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sharded", "tiny-llama"]
+    assert out.stat().st_mode & 0o777 == 0o777 & ~_umask()  # not mkdtemp's private 0700
+    # --force replaces a model folder, never a folder of other things; nor is work done for nowhere.
+    other = tmp_path / "documents"
+    (other / "sub").mkdir(parents=True)
+    (other / "sub" / "data.txt").write_text("keep me")
+    with pytest.raises(InvalidRequest, match="not a model folder"):
+        convert(tiny_llama_folder, other, "--no-eval", "--force")
+    assert (other / "sub" / "data.txt").read_text() == "keep me"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InvalidRequest, match="cannot write to"):
+        convert(tiny_llama_folder, tmp_path / "file" / "out", "--no-eval")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_interrupted_write_leaves_nothing(tiny_llama_folder: Path, tmp_path: Path, monkeypatch):
