@@ -108,6 +108,33 @@ def test_abort_returns_blocks_at_once(model):
     assert not engine.has_unfinished()
 
 
+def test_a_long_prompts_chunks_run_one_step_at_a_time(model, monkeypatch):
+    """Steps of partial prefills have no sample to read, so nothing made the host wait for them: every
+    chunk of a long prompt was queued at once, and an abort (Ctrl-C in the chat) or a request arriving
+    meanwhile waited behind all of them. Each such step is now waited for before the next is scheduled."""
+    engine = make_engine(model, budget=8)
+    events = []
+    execute, wait = engine.runner.execute, engine.runner.wait_for_prefill
+
+    def spied_execute(batch, *args):
+        events.append(("launch", sum(s.num_new for s in batch)))
+        return execute(batch, *args)
+
+    def spied_wait():
+        if engine.runner._prefill_launched:
+            events.append(("waited",))
+        wait()
+
+    monkeypatch.setattr(engine.runner, "execute", spied_execute)
+    monkeypatch.setattr(engine.runner, "wait_for_prefill", spied_wait)
+    rid = engine.add_request(list(range(1, 41)), SamplingParams(max_tokens=1))
+    for _ in range(3):
+        engine.step()
+    assert events == [("launch", 8), ("waited",), ("launch", 8), ("waited",), ("launch", 8)]
+    engine.abort(rid)
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()
+
+
 def test_stop_string_across_tokens_is_not_emitted(model, references):
     # CharTokenizer maps token t to chr(97 + t % 26): a stop string of tokens 3 and 4 of the reference.
     ref = references[0]

@@ -316,6 +316,7 @@ class Engine:
         return outputs
 
     def _launch(self, previous: InFlight | None, progress: _StepProgress, outputs: list) -> None:
+        self.runner.wait_for_prefill()
         if previous is not None and self._must_read_first(previous):
             outputs += self._read(previous)
             previous = None

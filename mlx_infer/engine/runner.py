@@ -75,6 +75,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.kv_dtype = kv_dtype
+        self._prefill_launched: list[mx.array] = []  # a step of partial prefills, until waited for
         self.allocate_pools()
 
     def allocate_pools(self) -> None:
@@ -88,6 +89,13 @@ class ModelRunner:
         self.cache = allocate_pools(
             self.model, kv.pool.num_blocks, kv.block_size, self.kv_dtype, slots, window_blocks
         )
+
+    def wait_for_prefill(self) -> None:
+        """Wait for the last step if it was one of partial prefills only (a chunk's ~0.1-1 s of compute
+        against a few ms of host work for the next: nothing worth overlapping is lost)."""
+        launched, self._prefill_launched = self._prefill_launched, []
+        if launched:
+            mx.eval(launched)
 
     def release_idle_memory(self) -> int:
         """Unreserve each pool's unreferenced top chunks, forget the free blocks of the others, and give
@@ -133,8 +141,12 @@ class ModelRunner:
         saved = self._save_checkpoints(batch)
         rows = [i for i, s in enumerate(batch) if s.samples]
         if not rows:
-            # A step of partial prefills only: the K/V writes are all it produces.
-            mx.async_eval([c for layer in self.cache for c in layer.state()] + saved)
+            # A step of partial prefills only: the K/V writes are all it produces. The next step waits
+            # for them first (wait_for_prefill): with no sample to read, every chunk of a long prompt
+            # would otherwise be queued at once, and an abort, or a request arriving meanwhile, would
+            # wait behind all of them.
+            self._prefill_launched = [c for layer in self.cache for c in layer.state()] + saved
+            mx.async_eval(self._prefill_launched)
             return None, rows
         # Logit rows: one per sequence, or 1 + len(proposal) for a verifying one; keep the sampled ones.
         logit_rows, owner, at = [], [], 0  # owner: the index in ``rows`` each kept logit row belongs to
