@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from mlx_infer import model_store
 
@@ -40,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{**m.as_json(), **fit_texts[m.path][1]} for m in found], indent=2))
         return 0
-    console = Console()
+    # Piped (grep, a file): one row a line, names whole; rich would wrap them at 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=1_000_000)
     if not found:
         console.print(
             "No models found. `mlx-infer pull ORG/NAME` downloads one; `--dir DIR` looks in a folder."

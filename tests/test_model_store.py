@@ -299,6 +299,8 @@ def test_models_lists_every_place_and_rm_deletes_from_caches_only(env, hub: Fake
     # The table names the same models.
     table = cli({**env, "MLX_INFER_MODELS_PATH": str(own)}, "models")
     assert table.returncode == 0 and "acme/tiny" in table.stdout and "4-bit, group 64" in table.stdout
+    # Piped, a long path stays whole on its row (grep, copy): rich wrapped it at 80 columns.
+    assert any(str(own / "sub" / "gemma.gguf") in line for line in table.stdout.splitlines())
 
     # rm: a repo of the Hugging Face cache, a file of mlx-infer's cache; never the user's own files.
     result = cli(env, "rm", "acme/tiny")
