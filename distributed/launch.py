@@ -71,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-activations",
         choices=CPU_ACTIVATIONS,
         default=None,
-        help=f"{ACTIVATIONS_ENV_VAR} on every rank: int8, int16 or float32 (default: this one's, else int8)",
+        help=f"{ACTIVATIONS_ENV_VAR} on every rank: int8, int16 or float32 (default: this process's "
+        "setting, else each rank's default, int16)",
     )
     parser.add_argument("--verbose", action="store_true", help="MLX_RING_VERBOSE=1 on every rank")
     parser.add_argument(
