@@ -16,7 +16,9 @@ from .quant import MODES, RECIPES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # No argparse ``choices`` for the quantization options: ``run`` validates them (and their
     # combinations) and raises a typed error, so bad values fail in one line like every other error.
-    parser.add_argument("--model", required=True, help="Hugging Face / MLX folder, Hub repo id or .gguf file")
+    parser.add_argument(
+        "--model", "-m", required=True, help="Hugging Face / MLX folder, Hub repo id or .gguf file"
+    )
     parser.add_argument("--out", required=True, type=Path, help="output folder (refused if it exists)")
     parser.add_argument("--q-bits", type=int, help="affine 2,3,4,5,6,8 (default 4); mxfp4/nvfp4 4; mxfp8 8")
     parser.add_argument("--q-group-size", type=int,

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from mlx_infer import cli_options
+from mlx_infer import cli_options, model_store
 from mlx_infer.embedding import POOLING_MODES, load_embedding_model
 from mlx_infer.errors import InvalidRequest
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             "data": [
                 {"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)
             ],
-            "model": args.model,
+            "model": model_store.served_name(args.model),  # as serve names it
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
         print(json.dumps(body))

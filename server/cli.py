@@ -8,13 +8,12 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 
 from mlx_infer import cli_options, context_policy, reasoning, tool_calls
 from mlx_infer.embed_cli import add_pooling_argument
 from mlx_infer.engine.engine import EngineConfig
 from mlx_infer.errors import EngineFailure, InvalidRequest
-from mlx_infer.model_store import FIT_FRACTION
+from mlx_infer.model_store import FIT_FRACTION, served_name
 from mlx_infer.server.request_body import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("mlx_infer")
@@ -116,13 +115,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     cli_options.add_engine_arguments(parser, max_num_seqs=32)
     context_policy.add_argument(g, default="error")
-
-
-def served_name(model: str, explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    path = Path(model)
-    return path.stem if path.suffix == ".gguf" else (path.name if path.exists() else model)
 
 
 def _check_flags(args: argparse.Namespace) -> bool:

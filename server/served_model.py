@@ -27,9 +27,9 @@ from mlx_infer.engine.async_engine import AsyncEngine
 from mlx_infer.errors import InvalidRequest, MlxInferError
 from mlx_infer.kv.memory import kv_budget_bytes
 from mlx_infer.loading import resolve
+from mlx_infer.model_store import served_name
 from mlx_infer.plan import make_plan
 from mlx_infer.server.app import OpenAIServer, ServerConfig
-from mlx_infer.server.cli import served_name
 from mlx_infer.server.embedding_server import EmbeddingServer, start_embedder
 from mlx_infer.server.model_registry import Engine, ModelSpec
 

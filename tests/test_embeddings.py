@@ -301,6 +301,7 @@ def test_embed_cli_prints_vectors_and_json(minilm_path):
     done = _embed_cli("-m", str(minilm_path), "--json", SENTENCES[0], SENTENCES[6])
     assert done.returncode == 0, done.stderr
     body = json.loads(done.stdout)
+    assert body["model"] == minilm_path.name  # the name serve gives it, not the path
     for d, ref in zip(body["data"], (REFERENCES["sentences"][0], REFERENCES["sentences"][6])):
         assert cosine(np.array(d["embedding"]), np.array(ref["embedding"])) >= 0.9999
     lines = _embed_cli("-m", str(minilm_path), SENTENCES[1]).stdout.splitlines()
