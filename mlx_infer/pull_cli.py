@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 from mlx_infer import model_store
 
@@ -65,20 +63,8 @@ def run(args: argparse.Namespace) -> int:
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
-    # Bars only on a terminal (a log gets no redraws), and transient: an error before any bar (the Hub
-    # unreachable) is its one line, with no blank line first.
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
-        try:
-            folder = model_store.pull(
-                args.repo_id, args.revision, args.include, tqdm_class=rich_bars(progress)
-            )
-        except KeyboardInterrupt:
-            # Ctrl-C mid-file: what arrived stays for the next pull to resume. Leave at once: a read
-            # of the HTTP client blocked on a stalled server would keep the interpreter's exit waiting.
-            progress.stop()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(130)
+    with Progress(*columns, console=console, transient=False) as progress:
+        folder = model_store.pull(args.repo_id, args.revision, args.include, tqdm_class=rich_bars(progress))
     print(folder)
     console.print(f"[dim]serve it: mlx-infer serve -m {args.repo_id}[/dim]")
     return 0
