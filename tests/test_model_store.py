@@ -206,8 +206,7 @@ def test_pull_interrupted_then_run_again_fetches_only_what_is_missing(env, hub: 
         text=True,
     )
     assert hub.halfway.wait(60), "the download never reached the stalled file"
-    # Ctrl-C mid-file, again every 2 s as a user would: in full-suite runs one SIGINT was sometimes not
-    # acted on within 30 s (never reproduced alone or in the files before this one).
+    # Ctrl-C mid-file, again every 2 s as a user would (the SIGINT disposition is set above).
     for _ in range(15):
         process.send_signal(signal.SIGINT)
         try:

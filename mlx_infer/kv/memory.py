@@ -36,12 +36,13 @@ def kv_budget_bytes(kv_memory_gib: float | None) -> int:
         from mlx_infer.plan.planner import memory_budget  # the planner reads this module
 
         budget, where = memory_budget()
-        left = max(budget - mx.get_active_memory(), 0)
+        loaded = mx.get_active_memory()
+        left = max(budget - loaded, 0)
         if kv_memory_gib * 2**30 > left:
             raise InvalidRequest(
                 f"--kv-memory {kv_memory_gib:g} GiB is more than this machine has left for it: "
                 f"{left / 2**30:.1f} GiB ({where} {budget / 2**30:.1f} GiB less "
-                f"{mx.get_active_memory() / 2**30:.1f} GiB loaded)"
+                f"{loaded / 2**30:.1f} GiB loaded)"
             )
         return int(kv_memory_gib * 2**30)
     free = max(device_memory_bytes() - mx.get_active_memory(), 0)
