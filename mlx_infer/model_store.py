@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mlx_infer.errors import InvalidRequest, ModelNotFound
+from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
 from mlx_infer.loading import hub
 
 MODELS_PATH_ENV = "MLX_INFER_MODELS_PATH"
@@ -239,7 +239,7 @@ def pull(
     connection dropped mid-file is resumed where it stopped (an HTTP Range request) by huggingface-hub.
     """
     from huggingface_hub import HfApi, constants, hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.utils import filter_repo_objects
 
     if not hub.looks_like_repo_id(repo_id):
@@ -260,8 +260,12 @@ def pull(
         raise ModelNotFound(f"{repo_id}: no such model on the Hugging Face Hub (or it is private)") from None
     except RevisionNotFoundError:
         raise ModelNotFound(f"{repo_id}: no revision {revision!r} on the Hugging Face Hub") from None
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        reason = " ".join(str(e).split())
+    except MlxInferError:
+        raise
+    # HTTP errors, a full disk, and the Hub unreachable: that one is the error of the HTTP client
+    # huggingface_hub brings (its own httpx fork), which it does not wrap.
+    except Exception as e:  # noqa: BLE001
+        reason = " ".join(str(e).split()) or type(e).__name__
         raise ModelNotFound(f"{repo_id}: download failed ({reason}); run pull again to resume") from None
     if (revision or "main") != info.sha:
         _remember_ref(repo_id, revision or "main", info.sha)

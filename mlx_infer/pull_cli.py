@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console, transient=False) as progress:
+    # Bars only on a terminal: a log gets no redraws, and an error before any bar stays its one line.
+    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
         folder = model_store.pull(args.repo_id, args.revision, args.include, tqdm_class=rich_bars(progress))
     print(folder)
     console.print(f"[dim]serve it: mlx-infer serve -m {args.repo_id}[/dim]")

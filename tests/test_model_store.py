@@ -256,6 +256,11 @@ def test_pull_errors_are_one_line(env, args, message):
 def test_pull_offline_is_refused(env):
     result = cli({**env, "HF_HUB_OFFLINE": "1"}, "pull", "acme/tiny")
     assert result.returncode == 2 and "HF_HUB_OFFLINE" in result.stderr
+    # The Hub unreachable (nothing listens there): one line, no traceback or "internal error".
+    result = cli({**env, "HF_ENDPOINT": "http://127.0.0.1:9"}, "pull", "acme/tiny")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("mlx-infer pull: error: acme/tiny: download failed")
+    assert result.stderr.count("\n") == 1, result.stderr
 
 
 # ---- models and rm -------------------------------------------------------------------------------
