@@ -42,6 +42,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
+    # None: none; k >= 0: each prompt token's log-probability given the tokens before it, plus the top k
+    # there (vLLM's prompt_logprobs; OpenAI's completions echo with logprobs). Such a prompt is computed
+    # whole: a prefix found in the cache would skip the positions whose logits are wanted.
+    prompt_logprobs: int | None = None
     constraint: ConstraintSpec | None = None  # structured output: what the text must match
     speculative: bool = True  # False: never speculate for this request (when the engine does)
 
@@ -57,6 +61,10 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs must be in [0, 20]",
+            ),
             (
                 vocab_size is None or all(0 <= t < vocab_size for t in self.logit_bias),
                 f"logit_bias token ids must be in [0, {vocab_size})",
@@ -294,11 +302,11 @@ def sample(
     result = SampleResult(tokens=tokens)
     want = [r.params.logprobs for r in rows if r.params.logprobs is not None]
     if want:
-        result.logprobs, result.top_ids, result.top_logprobs = _logprobs(logits, tokens, max(want))
+        result.logprobs, result.top_ids, result.top_logprobs = token_logprobs(logits, tokens, max(want))
     return result
 
 
-def _logprobs(
+def token_logprobs(
     logits: mx.array, tokens: mx.array, k: int
 ) -> tuple[mx.array, mx.array | None, mx.array | None]:
     """Log-probabilities of the model's distribution (before penalties and truncation), as vLLM reports:

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from mlx_infer.constraints import ConstraintSpec, compile_constraint
 from mlx_infer.context_policy import fit_for_engine, request_policy
 from mlx_infer.engine.async_engine import AsyncEngine, RequestGroup
+from mlx_infer.engine.request import RequestOutput, TokenLogprob
 from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
 from mlx_infer.reasoning import template_kwargs
 from mlx_infer.server import chat_output
@@ -305,6 +306,8 @@ class OpenAIServer:
         forced = plan.constraint if plan is not None else None  # tool_choice required / a named function
         await self.output_constraint(plan, body.constraint(), body.constraint_field())
         params = [body.sampling_params(max_tokens, logprobs, i) for i in range(body.n)]
+        if not chat and body.prompt_logprobs_count() is not None:
+            params = [dataclasses.replace(p, prompt_logprobs=body.prompt_logprobs_count()) for p in params]
         if forced is not None:
             params = [dataclasses.replace(p, constraint=forced) for p in params]
         group = self.engine.submit([(prompt, p) for prompt in prompts for p in params])
@@ -350,18 +353,31 @@ class _Call:
         self.created = now()
         self.clock = LatencyClock(server.metrics, len(self.choices))
         self.disconnected = False
-        # Each choice's echoed prompt (completions with echo), "" otherwise.
+        # Each choice's echoed prompt (completions with echo), "" otherwise; with logprobs its tokens'
+        # log-probabilities come with the choice's first output.
         self.echoes = [
             server.tokenizer.decode(prompts[i // body.n]) if not chat and body.echo else ""
             for i in range(len(self.choices))
         ]
+        self.scores_prompt = not chat and body.prompt_logprobs_count() is not None
+        # max_tokens 0 with echo: the one token the engine samples after the prompt is not returned.
+        self.scores_only = not chat and body.scores_only
         # Chat answers split into content, reasoning and tool calls as they arrive, one parser a choice.
         self.parsers = [plan.parser(prompts[0]) for _ in range(body.n)] if plan is not None else None
 
-    def _record(self, index: int, out) -> list[Event]:
-        """Take one output in; returns what it adds to a chat answer (parsed events)."""
+    def _record(self, index: int, out) -> RequestOutput:
+        """Take one output in (as the client sees it: without the token of a prompt only scored);
+        returns it."""
+        if self.scores_only:
+            out = dataclasses.replace(
+                out, token_ids=[], text="", logprobs=None, num_output_tokens=0, finish_reason="length"
+            )
         self.choices[index].add(out)
         self.clock.record(index, out)
+        return out
+
+    def _events(self, index: int, out: RequestOutput) -> list[Event]:
+        """What an output adds to a chat answer (parsed events)."""
         if self.parsers is None:
             return []
         parser = self.parsers[index]
@@ -369,20 +385,36 @@ class _Call:
         return events + parser.finish() if out.finished else events
 
     async def collect(self, request: Request) -> None:
-        self.disconnected = not await collect(self.group, request, self._record)
+        self.disconnected = not await collect(
+            self.group, request, lambda index, out: self._events(index, self._record(index, out))
+        )
 
-    def _logprobs(self, choice: Choice, entries, offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, entries, offset: int, prompt: list | None = None) -> dict[str, Any] | None:
+        """The logprobs field of a choice (or of a chunk): ``entries`` from text offset ``offset``,
+        after the echoed prompt's own (``prompt``: one entry a token, None first) where it is scored."""
         if self.body.logprobs_count() is None:
             return None
         if self.chat:
             return self.server.logprobs.chat(entries)
-        return self.server.logprobs.completion(entries, offset)
+        if prompt is None:
+            return self.server.logprobs.completion(entries, offset)
+        scored = self.server.logprobs.completion(prompt, 0)
+        generated = self.server.logprobs.completion(entries, offset)
+        return {key: scored[key] + generated[key] for key in scored}
+
+    def _prompt_entries(self, index: int, choice: Choice) -> list | None:
+        """The echoed prompt's logprobs entries of choice ``index`` (its first entry has no log-probability:
+        nothing predicts it), or None when none are asked for."""
+        if not self.scores_prompt or choice.prompt_logprobs is None:
+            return None
+        first = TokenLogprob(self.prompts[index // self.body.n][0], None, [])
+        return [first, *choice.prompt_logprobs[1:]]
 
     def final_body(self) -> dict[str, Any]:
         choices = []
         for i, c in enumerate(self.choices):
             text = "".join(c.text)
-            lp = self._logprobs(c, c.logprobs, len(self.echoes[i]))
+            lp = self._logprobs(c.logprobs, len(self.echoes[i]), self._prompt_entries(i, c))
             if self.chat:
                 parsed = self.parsers[i].result
                 message = chat_output.message(parsed)
@@ -449,20 +481,23 @@ class _Call:
                 if self.chat:
                     delta = {"role": "assistant", "content": ""}
                     yield self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
-                elif echo:
+                elif echo and not self.scores_prompt:
                     yield self._chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
             async for index, out in self.group:
-                events = self._record(index, out)
-                choice = self.choices[index]
-                if not out.text and not out.finished and not out.logprobs:
+                out = self._record(index, out)
+                events = self._events(index, out)
+                # A scored prompt's echo rides on its first output, with its tokens' log-probabilities.
+                prompt = self._prompt_entries(index, self.choices[index]) if out.prompt_logprobs else None
+                if not out.text and not out.finished and not out.logprobs and prompt is None:
                     continue
-                lp = self._logprobs(choice, out.logprobs or [], offsets[index])
+                lp = self._logprobs(out.logprobs or [], offsets[index], prompt)
                 offsets[index] += len(out.text)
                 if self.chat:
                     for chunk in self._chat_chunks(index, events, lp, out.finish_reason):
                         yield chunk
                     continue
-                body = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
+                text = self.echoes[index] + out.text if prompt is not None else out.text
+                body = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
                 yield self._chunk([body])
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield self._chunk([], usage(self.num_prompt_tokens, self.choices))

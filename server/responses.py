@@ -19,8 +19,11 @@ class Choice:
     finish_reason: str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's, when asked for (echo)
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text.append(out.text)
         self.logprobs.extend(out.logprobs or [])
         self.num_output_tokens = out.num_output_tokens
@@ -77,6 +80,9 @@ class LogprobFormatter:
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._text(t): lp for t, lp in e.top} for e in entries],
+            # An entry without a log-probability (an echoed prompt's first token) has no top either.
+            "top_logprobs": [
+                None if e.logprob is None else {self._text(t): lp for t, lp in e.top} for e in entries
+            ],
             "text_offset": offsets,
         }

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mlx_infer.context_policy import Policy
+from mlx_infer.errors import InvalidRequest
 from mlx_infer.sampling import SamplingParams
 from mlx_infer.server.structured import StructuredOutputFields
 
@@ -159,6 +160,23 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    # 0 with echo scores the prompt without generating (echo with logprobs: each prompt token's
+    # log-probability, as lm-evaluation-harness asks), as OpenAI's and vLLM's completions allow.
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+
+    @model_validator(mode="after")
+    def _zero_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            # Not a ValueError, which pydantic would report with no field: this one names it.
+            raise InvalidRequest(
+                "max_tokens 0 needs echo: true (nothing would be returned)", param="max_tokens"
+            )
+        return self
+
+    @property
+    def scores_only(self) -> bool:
+        """Echo of the prompt alone, nothing generated (``max_tokens`` 0)."""
+        return self.echo and self.max_tokens == 0
 
     @field_validator("prompt")
     @classmethod
@@ -176,8 +194,13 @@ class CompletionRequest(_SamplingFields):
         return list(self.prompt) if batch else [self.prompt]  # type: ignore[list-item]
 
     def max_new_tokens(self) -> int | None:
-        # The legacy completions API defaults to 16 new tokens.
-        return self.max_tokens if self.max_tokens is not None else 16
+        # The legacy completions API defaults to 16 new tokens. Scoring alone still runs one step (the
+        # engine always samples the token after the prompt); that token is not returned.
+        return max(1, self.max_tokens) if self.max_tokens is not None else 16
+
+    def prompt_logprobs_count(self) -> int | None:
+        """Log-probabilities of the echoed prompt's tokens are asked for by echo with logprobs."""
+        return self.logprobs if self.echo else None
 
     def logprobs_count(self) -> int | None:
         return self.logprobs

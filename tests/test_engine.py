@@ -208,6 +208,39 @@ def test_logprobs_match_log_softmax(model):
     assert top_ids == list(np.argsort(-expected)[:3])
 
 
+@pytest.mark.parametrize(
+    "num_blocks,budget", [(64, 512), (64, 5), (14, 8)], ids=["one-chunk", "chunked", "preempting"]
+)
+def test_prompt_logprobs_match_log_softmax_of_each_prefix(model, num_blocks, budget):
+    # Each prompt token's log-probability given the tokens before it, against the uncached forward of
+    # each prefix; with the same prompt already in the prefix cache, in a batch, chunked, preempted.
+    oracle = {}
+    for prompt in (PROMPTS[0], PROMPTS[2]):
+        for p in range(1, len(prompt)):
+            logits = full_forward_logits(model, prompt[:p]).astype(mx.float32)
+            oracle[tuple(prompt[: p + 1])] = np.array(logits - mx.logsumexp(logits))
+    engine = make_engine(model, num_blocks=num_blocks, budget=budget, kv_cache_dtype="float32")
+    run_all(engine, [PROMPTS[0]], [SamplingParams(max_tokens=2)])  # its blocks are now cached
+    scored = SamplingParams(max_tokens=3, prompt_logprobs=2)
+    outs = run_all(
+        engine,
+        [PROMPTS[2], PROMPTS[0], PROMPTS[3]],
+        [scored, SamplingParams(max_tokens=3, prompt_logprobs=0), SamplingParams(max_tokens=4)],
+    )
+    for prompt, out, k in ((PROMPTS[2], outs[0], 2), (PROMPTS[0], outs[1], 0)):
+        entries = out[0].prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        assert all(o.prompt_logprobs is None for o in out[1:])
+        for p in range(1, len(prompt)):
+            expected = oracle[tuple(prompt[: p + 1])]
+            assert entries[p].token_id == prompt[p]
+            assert entries[p].logprob == pytest.approx(float(expected[prompt[p]]), abs=1e-4)
+            assert [t for t, _ in entries[p].top] == list(np.argsort(-expected)[:k])
+    assert outs[2][0].prompt_logprobs is None
+    assert (engine.scheduler.num_preemptions > 0) == (num_blocks == 14)
+    _assert_idle(engine)
+
+
 @pytest.mark.parametrize("seed", [-1, -(2**63), 2**63 - 1, 2**64 + 5])
 def test_any_integer_seed_is_mapped_into_mlx_key_range(model, seed):
     # mx.random.key takes only [0, 2**64): the seed is reduced mod 2**64, so -1 and 2**64 - 1 agree.
@@ -280,10 +313,10 @@ def test_scheduling_failure_of_one_request_fails_it_alone(model, references, mon
     ids = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in PROMPTS[:3]]
     find = engine.kv.find_cached_prefix
 
-    def find_or_fail(seq_id, token_ids):
+    def find_or_fail(seq_id, token_ids, reuse=True):
         if seq_id == ids[1]:
             raise KeyError("injected scheduling failure")
-        return find(seq_id, token_ids)
+        return find(seq_id, token_ids, reuse)
 
     monkeypatch.setattr(engine.kv, "find_cached_prefix", find_or_fail)
     outputs = {i: [] for i in ids}

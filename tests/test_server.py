@@ -313,6 +313,46 @@ def test_completions_logprobs(client: openai.OpenAI):
         assert token in top
 
 
+def test_completions_echo_scores_the_prompt_as_the_oracle_does(client: openai.OpenAI):
+    """Echo with logprobs gives each prompt token's log-probability given the tokens before it (what
+    lm-evaluation-harness reads), max_tokens 0 only those; checked against transformers' teacher-forced
+    log-probabilities (tests/oracle), streamed and not, after the same prompt was cached."""
+    oracle = json.loads((Path(__file__).parent / "oracle" / "smollm2_teacher_forced.json").read_text())
+    ids = oracle["token_ids"][:48]
+    kwargs = dict(model="smollm2", prompt=ids, temperature=0, echo=True, logprobs=3)
+    client.completions.create(model="smollm2", prompt=ids, max_tokens=1)  # its blocks are now cached
+    scored = client.completions.create(max_tokens=0, **kwargs).choices[0]
+    lp = scored.logprobs
+    assert scored.finish_reason == "length" and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == scored.text
+    for p in range(1, len(ids)):
+        position = oracle["positions"][p - 1]
+        top = lp.top_logprobs[p]
+        assert len(top) == 3 and lp.token_logprobs[p] <= 0
+        if ids[p] in position["ids"]:
+            expected = position["logprobs"][position["ids"].index(ids[p])]
+            assert lp.token_logprobs[p] == pytest.approx(expected, abs=0.01), p
+        # The best next token as the oracle's, where the oracle's margin leaves no doubt.
+        if position["logprobs"][0] - position["logprobs"][1] > 0.05:
+            best = max(top, key=top.get)
+            assert top[best] == pytest.approx(position["logprobs"][0], abs=0.01), p
+    # With tokens generated after the prompt: the prompt's entries, then theirs (streamed the same).
+    generated = client.completions.create(max_tokens=4, **kwargs).choices[0]
+    glp = generated.logprobs
+    assert len(glp.tokens) == len(ids) + 4 and glp.token_logprobs[: len(ids)] == lp.token_logprobs
+    assert generated.text.startswith(scored.text) and glp.text_offset[len(ids)] == len(scored.text)
+    text, tokens, values = "", [], []
+    for chunk in client.completions.create(max_tokens=4, stream=True, **kwargs):
+        for choice in chunk.choices:
+            text += choice.text
+            tokens += choice.logprobs.tokens if choice.logprobs else []
+            values += choice.logprobs.token_logprobs if choice.logprobs else []
+    assert (text, tokens, values) == (generated.text, glp.tokens, glp.token_logprobs)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="smollm2", prompt=ids, max_tokens=0)
+
+
 # ---- concurrency ----------------------------------------------------------------------------------
 CONCURRENT_PROMPTS = [
     "Name a fruit.",

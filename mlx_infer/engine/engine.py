@@ -535,6 +535,7 @@ class Engine:
                 text += request.stop.feed(self._detokenizers[request.request_id].flush())[0]
                 text += request.stop.flush()
             self._finish(request, finish)
+        first = params.prompt_logprobs is not None and request.num_output_tokens == 1
         return RequestOutput(
             request_id=request.request_id,
             token_ids=[token],
@@ -542,6 +543,7 @@ class Engine:
             finished=finish is not None,
             finish_reason=finish,
             logprobs=logprobs,
+            prompt_logprobs=request.read_prompt_logprobs() if first else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_prompt,
@@ -604,6 +606,7 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
     logprobs = [lp for o in outputs for lp in o.logprobs or []]
     return replace(
         last,
+        prompt_logprobs=outputs[0].prompt_logprobs,
         token_ids=[t for o in outputs for t in o.token_ids],
         text="".join(o.text for o in outputs),
         logprobs=logprobs if any(o.logprobs is not None for o in outputs) else None,

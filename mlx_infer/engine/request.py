@@ -28,8 +28,21 @@ class Status(enum.Enum):
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for an echoed prompt's first token, which nothing predicts
     top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class ScoredPositions:
+    """One step's log-probabilities of prompt tokens ``first + 1 .. first + count`` (lazy arrays, rows
+    ``offset ..`` of the step's scored rows), for a request with ``prompt_logprobs``."""
+
+    first: int
+    count: int
+    offset: int
+    chosen: mx.array
+    top_ids: mx.array | None
+    top_logprobs: mx.array | None
 
 
 @dataclass
@@ -49,6 +62,7 @@ class Request:
     spec: SpecState | None = None  # speculation state; None: this request does not speculate
     proposal: list[int] = field(default_factory=list)  # tokens proposed for this step (not in token_ids)
     rng_after: list[mx.array] = field(default_factory=list)  # key after each of the last step's draws
+    scored: list[ScoredPositions] = field(default_factory=list)  # prompt_logprobs, until the first token
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
@@ -91,6 +105,34 @@ class Request:
         """Query rows this request wants in the next step: its uncomputed tokens and its proposal."""
         return self.num_uncomputed + len(self.proposal)
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether this request's next step must compute its prompt positions' logits: it wants prompt
+        log-probabilities, has emitted nothing yet (a preempted one recomputes, but sent them already),
+        and prompt tokens whose logits are missing remain."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.num_output_tokens == 0
+            and self.num_computed < self.num_prompt_tokens - 1
+        )
+
+    def read_prompt_logprobs(self) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability (None for the first, which nothing predicts), read from
+        the steps that computed them; a recomputed position (after a preemption) keeps its last value."""
+        entries: list[TokenLogprob | None] = [None] * self.num_prompt_tokens
+        k = self.params.prompt_logprobs or 0
+        for part in self.scored:
+            end = part.offset + part.count
+            chosen = part.chosen[part.offset : end].tolist()
+            ids = part.top_ids[part.offset : end, :k].tolist() if k and part.top_ids is not None else None
+            lps = part.top_logprobs[part.offset : end, :k].tolist() if ids is not None else None
+            for j in range(part.count):
+                position = part.first + j + 1
+                top = list(zip(ids[j], lps[j])) if ids is not None else []
+                entries[position] = TokenLogprob(self.prompt_ids[position], chosen[j], top)
+        self.scored.clear()
+        return entries
+
     def next_rng_keys(self, n: int) -> list[mx.array | None]:
         """Keys for this step's ``n`` draws (one per sampled row); advancing the key per draw keeps seeded
         output independent of batching and of speculation. The key after each draw is kept in
@@ -120,6 +162,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     logprobs: list[TokenLogprob] | None = None
+    # With prompt_logprobs, on a request's first output only: one entry a prompt token, None first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     error: Exception | None = None  # set with finish_reason "error": why this request failed alone
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0

@@ -11,14 +11,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_infer.engine.request import Request
+from mlx_infer.engine.request import Request, ScoredPositions
 from mlx_infer.engine.scheduler import ScheduledRequest
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.state import LayerState
 from mlx_infer.kv.manager import KVCacheManager
 from mlx_infer.kv.pages import allocate_pools, drop_blocks
 from mlx_infer.plan import planner
-from mlx_infer.sampling import SampleResult, SamplerRow, adjusts_logits, sample
+from mlx_infer.sampling import SampleResult, SamplerRow, adjusts_logits, sample, token_logprobs
 
 log = logging.getLogger("mlx_infer")
 
@@ -125,11 +125,12 @@ class ModelRunner:
         for s in batch:
             r = s.request
             # A proposal is verified as extra query rows after the sequence's own tokens, each row's
-            # logits sampled (see engine/speculative.py); its requests have no pending token.
-            verify = s.samples and bool(r.proposal)
+            # logits sampled (see engine/speculative.py); its requests have no pending token. A prompt
+            # whose log-probabilities are wanted needs every row's logits too.
+            all_rows = (s.samples and bool(r.proposal)) or r.scores_prompt
             table, slot = self.kv.block_tables[r.request_id], self.kv.state_slot(r.request_id)
             window_table = self.kv.window_table(r.request_id)
-            slices.append(SequenceSlice(table, r.num_computed, s.num_new, verify, slot, window_table))
+            slices.append(SequenceSlice(table, r.num_computed, s.num_new, all_rows, slot, window_table))
             tokens.extend((r.token_ids + r.proposal)[r.num_computed : r.num_computed + s.num_new])
             if r.has_pending_token:
                 pending_at.append(len(tokens) - 1)
@@ -138,7 +139,7 @@ class ModelRunner:
         inputs = _inputs(tokens, pending_at, pending_rows, pending)
         self._load_checkpoints(batch)
         logits = self.model(inputs, self.cache, meta)
-        saved = self._save_checkpoints(batch)
+        saved = self._save_checkpoints(batch) + self._score_prompts(batch, slices, logits)
         rows = [i for i, s in enumerate(batch) if s.samples]
         if not rows:
             # A step of partial prefills only: the K/V writes are all it produces. The next step waits
@@ -148,13 +149,15 @@ class ModelRunner:
             self._prefill_launched = [c for layer in self.cache for c in layer.state()] + saved
             mx.async_eval(self._prefill_launched)
             return None, rows
-        # Logit rows: one per sequence, or 1 + len(proposal) for a verifying one; keep the sampled ones.
+        # Logit rows: one per sequence, or one per new token (a verifying one: 1 + len(proposal), all
+        # sampled; a scored prompt: its last sampled); keep the sampled ones.
         logit_rows, owner, at = [], [], 0  # owner: the index in ``rows`` each kept logit row belongs to
         for i, s in enumerate(batch):
-            n = 1 + len(s.request.proposal) if slices[i].want_all_logits else 1
+            n = s.num_new if slices[i].want_all_logits else 1
             if s.samples:
-                owner.extend([owner[-1] + 1 if owner else 0] * n)
-                logit_rows.extend(range(at, at + n))
+                kept = 1 + len(s.request.proposal)
+                owner.extend([owner[-1] + 1 if owner else 0] * kept)
+                logit_rows.extend(range(at + n - kept, at + n))
             at += n
         if len(logit_rows) < at:
             logits = logits[mx.array(logit_rows)]
@@ -189,6 +192,31 @@ class ModelRunner:
             + saved  # computed now, so they hold no reference to the state arrays the next step writes
         )
         return result, rows
+
+    def _score_prompts(
+        self, batch: list[ScheduledRequest], slices: list[SequenceSlice], logits: mx.array
+    ) -> list[mx.array]:
+        """Log-probabilities of the prompt tokens this step predicts, for the requests that want them:
+        kept lazily on each request (``Request.scored``) and returned, to be evaluated with the step."""
+        rows, targets, owners, at = [], [], [], 0
+        for s, piece in zip(batch, slices):
+            r = s.request
+            if r.scores_prompt:
+                # Row j predicts token num_computed + j + 1; the last prompt row predicts the first
+                # output token, which is sampled, not scored.
+                count = min(s.num_new, r.num_prompt_tokens - 1 - r.num_computed)
+                owners.append((r, r.num_computed, count, len(rows)))
+                rows.extend(range(at, at + count))
+                targets.extend(r.prompt_ids[r.num_computed + 1 : r.num_computed + 1 + count])
+            at += s.num_new if piece.want_all_logits else 1
+        if not rows:
+            return []
+        k = max(r.params.prompt_logprobs for r, *_ in owners)
+        scored = logits[mx.array(rows)].astype(mx.float32)
+        chosen, top_ids, top_lps = token_logprobs(scored, mx.array(targets, dtype=mx.int32), k)
+        for r, first, count, offset in owners:
+            r.scored.append(ScoredPositions(first, count, offset, chosen, top_ids, top_lps))
+        return [a for a in (chosen, top_ids, top_lps) if a is not None]
 
     def _states(self) -> list[LayerState]:
         return [layer for layer in self.cache if isinstance(layer, LayerState)]

@@ -128,7 +128,8 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int | None:
         """Move the oldest waiting request to running with blocks for its first chunk; returns the chunk's
         length, or None (holding nothing) when the pool is short."""
-        request.num_computed = self.kv.find_cached_prefix(request.request_id, request.token_ids)
+        reuse = request.params.prompt_logprobs is None
+        request.num_computed = self.kv.find_cached_prefix(request.request_id, request.token_ids, reuse)
         num_new = self._chunk(request, min(request.num_uncomputed, budget))
         if not self.kv.allocate(request.request_id, request.token_ids, request.num_computed, num_new):
             # Hand back the prefix blocks too: a waiting request must hold nothing, or it could

@@ -49,8 +49,9 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
-        """Attach the longest cached prefix of ``token_ids`` to a sequence that has no blocks yet.
+    def find_cached_prefix(self, seq_id: str, token_ids: Sequence[int], reuse: bool = True) -> int:
+        """Attach the longest cached prefix of ``token_ids`` to a sequence that has no blocks yet
+        (none without ``reuse``: a sequence that wants every position's logits computes them all).
 
         Returns how many tokens are already computed. At least one token is always left to compute,
         since the step needs the logits of the last prompt token. The prefix ends where every kind of
@@ -58,7 +59,7 @@ class KVCacheManager:
         recurrent layers of hybrid models a state saved at that block's end.
         """
         table = self.block_tables.setdefault(seq_id, [])
-        if table or not self.enable_prefix_caching:
+        if table or not self.enable_prefix_caching or not reuse:
             self._hashes.setdefault(seq_id, [])
             return 0
         hashes: list[BlockHash] = []
