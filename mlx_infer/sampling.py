@@ -40,6 +40,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string reached ends the text
+    # vLLM's: end-of-sequence and stop_token_ids cannot be drawn before this many tokens were generated.
+    min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
     # None: none; k >= 0: each prompt token's log-probability given the tokens before it, plus the top k
@@ -69,6 +72,11 @@ class SamplingParams:
                 vocab_size is None or all(0 <= t < vocab_size for t in self.logit_bias),
                 f"logit_bias token ids must be in [0, {vocab_size})",
             ),
+            (
+                vocab_size is None or all(0 <= t < vocab_size for t in self.stop_token_ids),
+                f"stop_token_ids must be in [0, {vocab_size})",
+            ),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -87,6 +95,7 @@ class SamplerRow:
     prompt_ids: Sequence[int]  # only its set matters (repetition penalty): the engine passes it deduplicated
     output_ids: Sequence[int]
     rng_key: mx.array | None  # per-request key when seeded, advanced by the caller each step
+    banned: Sequence[int] = ()  # tokens this draw may not take (the ends, before min_tokens)
 
 
 @dataclass
@@ -297,6 +306,10 @@ def sample(
     processed = _apply_penalties(logits, rows, pending)
     if allowed is not None:
         processed = mx.where(allowed, processed, -mx.inf)
+    banned = [(i, t) for i, r in enumerate(rows) for t in r.banned if 0 <= t < logits.shape[-1]]
+    if banned:
+        at_rows, at_ids = zip(*banned)
+        processed[mx.array(at_rows), mx.array(at_ids)] = -mx.inf
     processed = _truncate(processed, rows)
     tokens = _draw(processed, rows).astype(mx.int32)
     result = SampleResult(tokens=tokens)

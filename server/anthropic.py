@@ -31,7 +31,7 @@ from mlx_infer.engine.request import RequestOutput
 from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
 from mlx_infer.sampling import SamplingParams
 from mlx_infer.server import chat_output
-from mlx_infer.server.engine_call import LatencyClock, collect
+from mlx_infer.server.engine_call import LatencyClock, collect, submit
 from mlx_infer.server.errors import (
     anthropic_error_body,
     describe,
@@ -493,7 +493,7 @@ class AnthropicRoutes:
         constraint = await self.server.output_constraint(plan)
         params = dataclasses.replace(body.sampling_params(), constraint=constraint)
         parser = plan.parser(prompt_ids)
-        group = self.server.engine.submit([(prompt_ids, params)])
+        group = submit(self.server.engine, [(prompt_ids, params)], "messages")
         call = _Call(self, body, prompt_ids, group, parser)
         if body.stream:
             return StreamingResponse(

@@ -30,7 +30,7 @@ from mlx_infer.reasoning import template_kwargs
 from mlx_infer.server import chat_output
 from mlx_infer.server.anthropic import AnthropicRoutes
 from mlx_infer.server.embeddings import EmbeddingRoutes
-from mlx_infer.server.engine_call import LatencyClock, collect, default_max_tokens
+from mlx_infer.server.engine_call import LatencyClock, collect, default_max_tokens, submit
 from mlx_infer.server.errors import (
     anthropic_error_response,
     error_response,
@@ -275,6 +275,11 @@ class OpenAIServer:
             body.parallel_tool_calls,
             template_kwargs(body.chat_template_kwargs),
         )
+        plan = dataclasses.replace(
+            plan,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+        )
         engine, max_new = self.engine.engine, body.max_new_tokens()
         fitted = await run_in_threadpool(
             fit_for_engine, messages, plan.render, engine, max_new, policy, max_prompt
@@ -310,7 +315,8 @@ class OpenAIServer:
             params = [dataclasses.replace(p, prompt_logprobs=body.prompt_logprobs_count()) for p in params]
         if forced is not None:
             params = [dataclasses.replace(p, constraint=forced) for p in params]
-        group = self.engine.submit([(prompt, p) for prompt in prompts for p in params])
+        requests = [(prompt, p) for prompt in prompts for p in params]
+        group = submit(self.engine, requests, "messages" if chat else "prompt")
         try:
             call = _Call(self, body, prompts, chat, group, plan)
         except BaseException:

@@ -10,12 +10,26 @@ from collections.abc import Callable
 
 from starlette.requests import Request
 
-from mlx_infer.engine.async_engine import RequestGroup
+from mlx_infer.engine.async_engine import AsyncEngine, RequestGroup
 from mlx_infer.engine.engine import Engine
 from mlx_infer.engine.request import RequestOutput
+from mlx_infer.errors import ContextTooLong
+from mlx_infer.sampling import SamplingParams
 from mlx_infer.server.metrics import Metrics
 
 DISCONNECT_POLL_SECONDS = 0.5
+
+
+def submit(
+    engine: AsyncEngine, requests: list[tuple[list[int], SamplingParams]], prompt_field: str
+) -> RequestGroup:
+    """``engine.submit``, a prompt too long for the context or the KV pool named as the request field
+    that carried it (``param`` of the 400)."""
+    try:
+        return engine.submit(requests)
+    except ContextTooLong as e:
+        e.param = e.param or prompt_field
+        raise
 
 
 def default_max_tokens(engine: Engine, num_prompt_tokens: int) -> int:

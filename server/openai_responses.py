@@ -32,7 +32,7 @@ from mlx_infer.engine.request import RequestOutput
 from mlx_infer.errors import InvalidRequest, MlxInferError
 from mlx_infer.sampling import SamplingParams
 from mlx_infer.server import chat_output
-from mlx_infer.server.engine_call import LatencyClock, collect, default_max_tokens
+from mlx_infer.server.engine_call import LatencyClock, collect, default_max_tokens, submit
 from mlx_infer.server.errors import describe
 from mlx_infer.server.responses import new_id, now
 from mlx_infer.server.schemas import INT32_MAX
@@ -489,7 +489,7 @@ class ResponsesRoute:
         constraint = await self.server.output_constraint(plan, body.format_constraint(), "text.format")
         params = dataclasses.replace(body.sampling_params(max_tokens), constraint=constraint)
         parser = plan.parser(prompt_ids)
-        group = self.server.engine.submit([(prompt_ids, params)])
+        group = submit(self.server.engine, [(prompt_ids, params)], "input")
         call = _Call(self.server, body, prompt_ids, group, parser)
         if body.stream:
             return StreamingResponse(

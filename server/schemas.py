@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -44,6 +44,28 @@ class _SamplingFields(StructuredOutputFields):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     speculative: bool = True  # false: this request never speculates (when the server does)
+    # vLLM's: more tokens that end the answer, a floor under the answer's length (end-of-sequence and
+    # stop_token_ids are held off until then), and the stop string reached kept at the end of the text.
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=64)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    include_stop_str_in_output: bool = False
+    # Output kinds only text is: refused rather than answered in text alone.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(m != "text" for m in value):
+            raise ValueError("only text output is supported")
+        return value
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            raise ValueError("audio output is not supported")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -82,6 +104,9 @@ class _SamplingFields(StructuredOutputFields):
             seed=None if self.seed is None else self.seed + choice,
             stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids or []),
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             speculative=self.speculative,
             logprobs=logprobs,
             constraint=self.constraint(),
@@ -130,6 +155,18 @@ class ChatCompletionRequest(_SamplingFields):
     context_overflow: Policy | None = None
     # vLLM's: keep the prompt within this many tokens (-1: the context), here by dropping whole turns.
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    # vLLM's: open the assistant's turn after the messages (the default), or continue the final
+    # assistant message from its last character (the two exclude each other).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _one_way_to_answer(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message needs add_generation_prompt: false", param="continue_final_message"
+            )
+        return self
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -160,6 +197,24 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    # What OpenAI's legacy completions also take and this server does not do: refused, not ignored.
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("not supported (fill in the middle)")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value is not None and value > 1:
+            raise ValueError("not supported (n choices are returned, each sampled alone)")
+        return value
+
     # 0 with echo scores the prompt without generating (echo with logprobs: each prompt token's
     # log-probability, as lm-evaluation-harness asks), as OpenAI's and vLLM's completions allow.
     max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)

@@ -193,10 +193,10 @@ def test_chat_logprobs_greedy(client: openai.OpenAI, tok: Tokenizer):
         model="smollm2", messages=FRANCE, temperature=0, max_tokens=32, logprobs=True, top_logprobs=3
     )
     entries = r.choices[0].logprobs.content
-    assert len(entries) == r.usage.completion_tokens
-    # Every entry but the stopping end-of-turn token is part of the content.
-    assert "".join(e.token for e in entries[:-1]) == r.choices[0].message.content
-    assert entries[-1].token in {tok.decode([t]) for t in tok.eos_token_ids}
+    # The entries spell the content, as OpenAI's: the end-of-turn token that stopped it (counted in the
+    # usage) has none.
+    assert r.choices[0].finish_reason == "stop" and len(entries) == r.usage.completion_tokens - 1
+    assert "".join(e.token for e in entries) == r.choices[0].message.content
     for e in entries:
         assert len(e.top_logprobs) == 3
         assert e.logprob <= 0 and all(t.logprob <= 0 for t in e.top_logprobs)
@@ -351,6 +351,57 @@ def test_completions_echo_scores_the_prompt_as_the_oracle_does(client: openai.Op
     assert (text, tokens, values) == (generated.text, glp.tokens, glp.token_logprobs)
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model="smollm2", prompt=ids, max_tokens=0)
+
+
+def test_vllm_sampling_fields(client: openai.OpenAI, tok: Tokenizer):
+    """stop_token_ids, min_tokens, include_stop_str_in_output and continue_final_message do what vLLM's
+    do; the ending token has no logprobs entry (they spell the content); what is not supported is a 400."""
+    sky = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+    kwargs = dict(model="smollm2", temperature=0)
+    plain = client.chat.completions.create(messages=sky, max_tokens=10, logprobs=True, **kwargs).choices[0]
+    assert plain.message.content.startswith("The sky is blue")
+    blue = tok.encode(plain.message.content, add_special_tokens=False)[3]
+    assert tok.decode([blue]) == " blue"
+    cut = client.chat.completions.create(
+        messages=sky, max_tokens=10, extra_body={"stop_token_ids": [blue]}, **kwargs
+    )
+    assert (cut.choices[0].message.content, cut.choices[0].finish_reason) == ("The sky is", "stop")
+    kept = client.chat.completions.create(
+        messages=sky, max_tokens=30, stop="blue", extra_body={"include_stop_str_in_output": True}, **kwargs
+    )
+    assert kept.choices[0].message.content == "The sky is blue"
+
+    hi = [{"role": "user", "content": "Say hi"}]
+    short = client.chat.completions.create(messages=hi, max_tokens=100, logprobs=True, **kwargs)
+    ended = short.choices[0]
+    assert ended.finish_reason == "stop" and short.usage.completion_tokens < 90
+    assert "".join(t.token for t in ended.logprobs.content) == ended.message.content
+    floor = short.usage.completion_tokens + 5
+    longer = client.chat.completions.create(
+        messages=hi, max_tokens=100, extra_body={"min_tokens": floor}, **kwargs
+    )
+    assert longer.usage.completion_tokens >= floor
+    assert longer.choices[0].message.content.startswith(ended.message.content)
+
+    started = FRANCE + [{"role": "assistant", "content": "The capital of France is"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    going_on = client.chat.completions.create(messages=started, max_tokens=10, extra_body=extra, **kwargs)
+    assert "The capital of France is" + going_on.choices[0].message.content == FRANCE_ANSWER
+
+    chat, complete = client.chat.completions.create, client.completions.create
+    refused = [
+        (chat, dict(messages=started, extra_body={"continue_final_message": True})),
+        (chat, dict(messages=FRANCE, modalities=["text", "audio"])),
+        (complete, dict(prompt="def f(", suffix="return 1")),
+        (complete, dict(prompt="Once", best_of=3)),
+        (complete, dict(prompt="Once", extra_body={"min_tokens": 5})),
+    ]
+    for create, fields in refused:
+        with pytest.raises(openai.BadRequestError):
+            create(model="smollm2", max_tokens=2, **fields)
+    with pytest.raises(openai.BadRequestError) as long_prompt:
+        client.chat.completions.create(messages=[{"role": "user", "content": "hello " * 9000}], **kwargs)
+    assert long_prompt.value.body["param"] == "messages"
 
 
 # ---- concurrency ----------------------------------------------------------------------------------

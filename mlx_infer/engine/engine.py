@@ -162,7 +162,7 @@ class Engine:
         )
         self.kv_block_bytes = bs * per_token
         self.window_block_bytes = bs * window_per_token
-        self.runner = ModelRunner(model, self.kv, dtype)
+        self.runner = ModelRunner(model, self.kv, dtype, tokenizer.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -225,7 +225,8 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequest(f"duplicate request id {request_id!r}")
         # Build everything before registering anything: a failure here leaves no trace in the engine.
-        request = Request(request_id, list(prompt_ids), params, StopMatcher(params.stop))
+        stop = StopMatcher(params.stop, params.include_stop_str_in_output)
+        request = Request(request_id, list(prompt_ids), params, stop)
         if params.constraint is not None:
             request.constraint = ConstraintState(compile_constraint(params.constraint, self.tokenizer))
         # A constrained request does not speculate: its matcher must see (and mask) every token in turn.
@@ -518,7 +519,8 @@ class Engine:
         finish, complete = None, False
         is_stop_token = not params.ignore_eos and token in self.tokenizer.eos_token_ids
         if is_stop_token or token in params.stop_token_ids:
-            text, finish = "", "stop"
+            # The ending token is no text, and (as OpenAI's logprobs cover the text returned) no entry.
+            text, finish, logprobs = "", "stop", None
         else:
             text, hit_stop = request.stop.feed(self._detokenizers[request.request_id].add(token))
             if hit_stop:

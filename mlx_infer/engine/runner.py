@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -70,9 +70,13 @@ class InFlight:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv: KVCacheManager, kv_dtype: mx.Dtype):
-        """``model`` as the loader prepared it for this backend (``loading.policy.prepare_for_backend``)."""
+    def __init__(
+        self, model: nn.Module, kv: KVCacheManager, kv_dtype: mx.Dtype, eos_token_ids: Iterable[int] = ()
+    ):
+        """``model`` as the loader prepared it for this backend (``loading.policy.prepare_for_backend``);
+        ``eos_token_ids``: the tokens a request's ``min_tokens`` holds off, with its stop_token_ids."""
         self.model = model
+        self.eos_token_ids = tuple(eos_token_ids)
         self.kv = kv
         self.kv_dtype = kv_dtype
         self._prefill_launched: list[mx.array] = []  # a step of partial prefills, until waited for
@@ -175,8 +179,11 @@ class ModelRunner:
             # Only a repetition penalty looks at the prompt, and only at its set of tokens.
             prompt = r.prompt_token_set if r.params.repetition_penalty != 1.0 else r.prompt_ids
             for j, key in enumerate(keys):
-                # Row j is emitted only if proposal[:j] is: its penalties see exactly those tokens.
-                sampler_rows.append(SamplerRow(r.params, prompt, output_ids + r.proposal[:j], key))
+                # Row j is emitted only if proposal[:j] is: its penalties see exactly those tokens, and
+                # it is the request's output token number num_output_tokens + j (a pending one counted).
+                early = r.num_output_tokens + j < r.params.min_tokens
+                banned = (*self.eos_token_ids, *r.params.stop_token_ids) if early else ()
+                sampler_rows.append(SamplerRow(r.params, prompt, output_ids + r.proposal[:j], key, banned))
                 # A request with a proposal has no pending token (its previous samples were read).
                 pending_of_row.append(rows_of[r.request_id] if r.has_pending_token else -1)
         # Only penalties and biases look at the pending tokens: no gather for the steps without them.

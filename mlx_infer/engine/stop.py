@@ -8,8 +8,11 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    def __init__(self, stop: list[str]):
+    def __init__(self, stop: list[str], include_stop: bool = False):
+        """``include_stop``: the text ends after the stop string reached rather than before it (vLLM's
+        include_stop_str_in_output)."""
         self.stop = [s for s in stop if s]
+        self.include_stop = include_stop
         self._held = ""
 
     def feed(self, delta: str) -> tuple[str, bool]:
@@ -17,10 +20,11 @@ class StopMatcher:
         if not self.stop:
             return delta, False
         text = self._held + delta
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((text.find(s), s) for s in self.stop) if i >= 0]
         if hits:
             self._held = ""
-            return text[: min(hits)], True
+            at, length = min(hits)
+            return text[: at + length if self.include_stop else at], True
         hold = max((self._partial_suffix(text, s) for s in self.stop), default=0)
         self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False

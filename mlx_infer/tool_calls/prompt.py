@@ -57,13 +57,23 @@ class ChatPlan:
     parallel: bool
     constraint: Any  # a ConstraintSpec forcing a call (tool_choice required / named), or None
     template_kwargs: dict[str, Any]
+    # vLLM's / transformers': open the assistant's turn after the messages, or (continue_final_message)
+    # leave the final assistant message open for the answer to go on from its last character.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def render_text(self, messages: Sequence[Mapping[str, Any]]) -> str:
         messages = [dict(m) for m in messages]
         if self.family is not None:
             template = select_template(self.tokenizer.chat_template, self.tools or None)
             messages = written_for_template(self.family, template, messages, self.tools)
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools or None, **self.template_kwargs)
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            tools=self.tools or None,
+            add_generation_prompt=self.add_generation_prompt and not self.continue_final_message,
+            **self.template_kwargs,
+        )
+        return open_final_message(text, messages[-1]) if self.continue_final_message else text
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Prompt ids of ``messages`` (the template writes any BOS itself)."""
@@ -84,6 +94,24 @@ class ChatPlan:
         parameters = {f["name"]: f.get("parameters") or {} for f in functions}
         forced = self.constraint is not None
         return OutputParser(family, names, self.reasoning, in_reasoning, self.parallel, parameters, forced)
+
+
+def open_final_message(rendered: str, final: Mapping[str, Any]) -> str:
+    """``rendered`` cut right after the final message's text, so that what the template closes it with
+    (an end-of-turn marker) is gone, as transformers' ``continue_final_message`` does."""
+    content = final.get("content") or ""
+    if final.get("role") != "assistant" or not content.strip():
+        raise InvalidRequest(
+            "continue_final_message needs the last message to be the assistant's, with text", "messages"
+        )
+    at = rendered.rfind(content.strip())
+    if at < 0:
+        raise InvalidRequest(
+            "continue_final_message: the template does not write the last message", "messages"
+        )
+    # The content as sent when the template kept its leading and trailing spaces, else as stripped.
+    whole = rendered[at : at + len(content.lstrip())] == content.lstrip()
+    return rendered[: at + len(content.lstrip() if whole else content.strip())]
 
 
 def prepare_chat(
