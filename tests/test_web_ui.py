@@ -148,6 +148,40 @@ def test_page_asks_for_the_api_key_and_escapes_what_it_renders(browser, keyed_se
     page.close()
 
 
+def test_a_failed_turn_is_not_sent_again_and_page_fields_stay_the_pages(browser, keyed_server: LiveServer):
+    page = browser.new_page()
+    errors = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    sent = []
+    page.on("request", lambda r: r.url.endswith("/completions") and sent.append(json.loads(r.post_data)))
+    page.goto(keyed_server.base_url + "/")
+    page.wait_for_selector("#key-form:not([hidden])")
+    page.fill("#api-key", API_KEY)
+    page.click("#api-key-save")
+    page.wait_for_function("() => document.getElementById('model-name').textContent === 'tiny'")
+    page.click("#settings-toggle")
+    page.fill("#max-tokens", "4")
+    page.dispatch_event("#max-tokens", "change")
+    # Fields the page sets itself are its own: one streamed answer a turn, whatever the extra fields say.
+    page.fill("#extra", json.dumps({"n": 2, "stream": False, "seed": 3}))
+    page.dispatch_event("#extra", "change")
+    assert page.inner_text("#extra-error") == "stream, n: set by the page, ignored"
+
+    page.fill("#prompt", "w1 " * 400)  # beyond the tiny model's 256-token context
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant .error:has-text('context')", timeout=60_000)
+    page.fill("#prompt", "w1 w2")
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant .stats:has-text('generated')", timeout=60_000)
+    # The failed turn (its question and its empty answer) was not sent again.
+    assert [(m["role"], m["content"]) for m in sent[-1]["messages"]] == [("user", "w1 w2")]
+    assert (sent[-1]["n"], sent[-1]["stream"], sent[-1]["seed"]) == (1, True, 3)
+    # The only console errors are the two refusals above (the key missing, the prompt too long): no
+    # favicon 404, no script error.
+    assert [e for e in errors if not re.search(r"status of (401|400)", e)] == [], errors
+    page.close()
+
+
 def test_chat_streams_stops_frees_blocks_and_survives_a_reload(browser, smollm2_server: LiveServer, tmp_path):
     server = smollm2_server
     page = browser.new_page(viewport={"width": 1200, "height": 800})

@@ -108,15 +108,40 @@
     }
   }
 
-  function requestBody(conv) {
-    const settings = state.data.settings;
+  // Request fields the page sets itself: extra fields cannot replace them (one streamed answer a turn).
+  const PAGE_FIELDS = ["model", "messages", "stream", "stream_options", "n"];
+
+  // The conversation as sent: a turn whose answer failed or never began (an error, a stop before the
+  // first token) is left out, as the terminal chat does: sent again, it would only fail again.
+  function sentMessages(conv) {
+    const history = conv.messages.slice(0, -1);
     const messages = [];
     if (conv.system.trim()) messages.push({ role: "system", content: conv.system });
-    for (const m of conv.messages.slice(0, -1)) messages.push({ role: m.role, content: m.content });
-    const body = { model: state.model, messages, stream: true, stream_options: { include_usage: true } };
-    body.temperature = Number(settings.temperature);
+    for (let i = 0; i < history.length; i++) {
+      const m = history[i];
+      const answer = history[i + 1];
+      const unanswered = (a) => a.role === "assistant" && (a.error || !a.content);
+      if (m.role === "user" && answer && unanswered(answer)) {
+        i += 1;
+        continue;
+      }
+      if (!unanswered(m)) messages.push({ role: m.role, content: m.content });
+    }
+    return messages;
+  }
+
+  function requestBody(conv) {
+    const settings = state.data.settings;
+    const body = { temperature: Number(settings.temperature) };
     if (Number(settings.max_tokens) > 0) body.max_tokens = Number(settings.max_tokens);
-    return Object.assign(body, parseExtra(settings.extra) || {});
+    Object.assign(body, parseExtra(settings.extra) || {});
+    return Object.assign(body, {
+      model: state.model,
+      messages: sentMessages(conv),
+      stream: true,
+      stream_options: { include_usage: true },
+      n: 1,
+    });
   }
 
   function parseExtra(text) {
@@ -173,7 +198,7 @@
               continue;
             }
             if (chunk.usage) stats.usage = chunk.usage;
-            const choice = chunk.choices && chunk.choices[0];
+            const choice = chunk.choices && chunk.choices.find((c) => c.index === 0);
             if (!choice) continue;
             if (choice.delta && choice.delta.content) {
               last = performance.now();
@@ -379,9 +404,12 @@
     $("temperature").addEventListener("change", (e) => { settings.temperature = e.target.value; save(); });
     $("max-tokens").addEventListener("change", (e) => { settings.max_tokens = e.target.value; save(); });
     $("extra").addEventListener("change", (e) => {
-      const ok = parseExtra(e.target.value) !== null;
-      $("extra-error").textContent = ok ? "" : "not a JSON object: ignored";
-      settings.extra = ok ? e.target.value : "";
+      const extra = parseExtra(e.target.value);
+      const owned = extra ? PAGE_FIELDS.filter((k) => k in extra) : [];
+      $("extra-error").textContent = !extra
+        ? "not a JSON object: ignored"
+        : owned.length ? owned.join(", ") + ": set by the page, ignored" : "";
+      settings.extra = extra ? e.target.value : "";
       save();
     });
     $("system").addEventListener("change", (e) => {
