@@ -153,6 +153,8 @@ class OpenAIServer:
 
     async def _body(self, request: Request, schema):
         parsed = await read_json(request, schema, self.config.max_request_bytes)
+        if parsed.model is None:  # one model is served: the body need not name it (as vLLM's)
+            parsed.model = self.config.model_name
         if parsed.model != self.config.model_name:
             raise ModelNotFound(
                 f"the model {parsed.model!r} does not exist; this server has {self.config.model_name!r}",

@@ -33,7 +33,7 @@ class EmbeddingRequest(BaseModel):
     # Unknown fields (user, ...) are accepted and ignored, as on the other routes.
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # the served model when left out (a server of one model)
     input: Any
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)

@@ -152,7 +152,7 @@ class TextConfig(_Lenient):
 
 
 class ResponsesRequest(_Lenient):
-    model: str
+    model: str | None = None  # the served model when left out (a server of one model)
     input: str | list[Item]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None

@@ -24,7 +24,7 @@ class _SamplingFields(StructuredOutputFields):
     # Every number is range-checked here, at the edge: NaN and infinities are refused outright.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str
+    model: str | None = None  # the served model when left out (a server of one model)
     # Beyond the room the prompt leaves, a cap (the answer ends with "length"); int32, as llama-server.
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)

@@ -353,6 +353,16 @@ def test_completions_echo_scores_the_prompt_as_the_oracle_does(client: openai.Op
         client.completions.create(model="smollm2", prompt=ids, max_tokens=0)
 
 
+def test_a_body_may_leave_out_the_model_of_a_one_model_server(server: LiveServer):
+    for path, body in (
+        ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 2}),
+        ("/v1/completions", {"prompt": "The sky is", "max_tokens": 2}),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 2}),
+    ):
+        r = httpx.post(server.base_url + path, json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "smollm2", (path, r.text)
+
+
 def test_vllm_sampling_fields(client: openai.OpenAI, tok: Tokenizer):
     """stop_token_ids, min_tokens, include_stop_str_in_output and continue_final_message do what vLLM's
     do; the ending token has no logprobs entry (they spell the content); what is not supported is a 400."""
