@@ -173,9 +173,9 @@ class ChatSession:
         """Replace the conversation (and the system prompt) with one ``save`` wrote, or any list of
         OpenAI messages with string contents; a bad file changes nothing."""
         try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
-            raise InvalidRequest(f"{path} is not JSON: {e}") from None
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidRequest(f"{path} is not JSON text: {e}") from None
         system, messages = _parse_messages(data, path)
         self.system = system
         self.messages = messages

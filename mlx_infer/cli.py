@@ -36,6 +36,11 @@ def _version() -> str:
 class _Parser(argparse.ArgumentParser):
     """A bad argument is one line (the usage block is what --help is for), as every other error is."""
 
+    def __init__(self, *args, **kwargs):
+        # A flag is taken only as spelled: a prefix (--json for --json-schema) is an unknown flag.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 

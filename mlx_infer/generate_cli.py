@@ -24,8 +24,9 @@ from mlx_infer.tool_calls import Event, ReasoningDelta, TextDelta, ToolCallArgum
 from mlx_infer.tool_calls import cli as tool_cli
 
 HELP = (
-    "commands: /reset (forget the conversation), /system TEXT, /save FILE, /load FILE, /stats (toggle the "
-    "stats line), /exit; end a line with \\ to continue it; Ctrl-C stops an answer"
+    "commands: /reset (forget the conversation), /system [TEXT], /save FILE, /load FILE, /stats (toggle the "
+    "stats line), /help, /exit; end a line with \\ to continue it, start it with // to send a message that "
+    "begins with /; Ctrl-C stops an answer, twice at the prompt leaves"
 )
 PROMPT = "[bold green]>>> [/bold green]"
 CONTINUATION = "[bold green]... [/bold green]"
@@ -50,12 +51,16 @@ def run(args: argparse.Namespace) -> int:
     params = cli_options.sampling_params(args)
     params.constraint = constraint_cli.from_args(args)
     params.validate()  # before the model loads: bad flags fail at once
+    if args.system is not None and args.no_chat_template:
+        raise InvalidRequest("--system needs the chat template (raw text has no system prompt)")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     with cli_options.open_engine(args) as opened:
         if opened is None:  # a follower rank under `mlx-infer launch`
             return 0
         loaded, engine = opened
         use_template = not args.no_chat_template and loaded.tokenizer.has_chat_template
+        if args.system is not None and not use_template:
+            raise InvalidRequest("--system needs the chat template (raw text has no system prompt)")
         if not use_template and not args.no_chat_template and prompt is None:
             raise InvalidRequest("this model has no chat template; use --no-chat-template for raw text")
         plan = tool_cli.chat_plan(args, loaded.tokenizer) if use_template else None
@@ -184,16 +189,29 @@ class _Chat:
     def run(self) -> int:
         _enable_line_editing()
         self.console.print(f"[dim]{escape(HELP)}[/dim]")
+        interrupted = False  # the last prompt ended with Ctrl-C
         while True:
             try:
                 text = self._read_message()
-            except (EOFError, KeyboardInterrupt):
+            except EOFError:
                 self.console.print()
                 return 0
+            except KeyboardInterrupt:
+                # Ctrl-C pressed a moment after an answer ended must not lose the conversation: a
+                # second one in a row leaves (as a shell's interrupted command, 130).
+                self.console.print()
+                if interrupted:
+                    return 130
+                self.console.print("[dim](Ctrl-C again, Ctrl-D or /exit to leave)[/dim]")
+                interrupted = True
+                continue
+            interrupted = False
             text = text.strip()
             if not text:
                 continue
-            if text.startswith("/"):
+            if text.startswith("//"):
+                text = text[1:]  # a message that begins with "/", not a command
+            elif text.startswith("/"):
                 if self._command(text):
                     return 0
                 continue
@@ -257,11 +275,13 @@ class _Chat:
         elif name == "/system":
             session.system = arg or None
             session.reset()
-            console.print("[dim](system prompt set; conversation cleared)[/dim]")
+            console.print(f"[dim](system prompt {'set' if arg else 'cleared'}; conversation cleared)[/dim]")
         elif name == "/stats":
             self.show_stats = not self.show_stats
             console.print(f"[dim](stats line {'on' if self.show_stats else 'off'})[/dim]")
-        elif name in ("/save", "/load") and arg:
+        elif name in ("/save", "/load") and not arg:
+            console.print(f"[red]usage: {name} FILE[/red]")
+        elif name in ("/save", "/load"):
             try:
                 if name == "/save":
                     session.save(arg)
@@ -278,6 +298,12 @@ class _Chat:
                 )
             except MlxInferError as e:
                 console.print(f"[red]cannot load: {escape(str(e))}[/red]", soft_wrap=True)
-        else:
+        elif name in ("/help", "/?"):
             console.print(f"[dim]{escape(HELP)}[/dim]")
+        else:
+            console.print(
+                f"[red]unknown command {escape(name)}[/red] [dim](/help lists them; a message that begins "
+                "with / is sent as //...)[/dim]",
+                soft_wrap=True,
+            )
         return False

@@ -162,6 +162,40 @@ def test_bad_load_file_changes_nothing(smollm2_path, tmp_path):
         child.close(force=True)
 
 
+def test_commands_a_slash_message_and_ctrl_c_at_the_prompt(smollm2_path, tmp_path):
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    child = _chat(smollm2_path, "--max-tokens", "8")
+    try:
+        child.sendline(f"/load {binary}")  # not UTF-8: refused, the chat goes on
+        child.expect_exact("cannot load")
+        child.expect_exact(PROMPT)
+        child.sendline("/save")
+        child.expect_exact("usage: /save FILE")
+        child.expect_exact(PROMPT)
+        child.sendline("/usr/bin/python")
+        child.expect_exact("unknown command /usr/bin/python")
+        child.expect_exact(PROMPT)
+        child.sendline("/system")
+        child.expect_exact("system prompt cleared")
+        child.expect_exact(PROMPT)
+        _, match = _turn(child, "//usr/bin/python is missing")  # sent, as a message that starts with "/"
+        assert int(match.group(1)) > 5
+        child.sendintr()  # at the prompt: a hint, the conversation stays
+        child.expect_exact("Ctrl-C again")
+        child.expect_exact(PROMPT)
+        _, match = _turn(child, "Hi!")
+        assert int(match.group(2)) > 0  # the earlier turn is still there, in the prefix cache
+        child.sendintr()
+        child.expect_exact(PROMPT)
+        child.sendintr()  # twice in a row: leave, as an interrupted command
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 130
+    finally:
+        child.close(force=True)
+
+
 def test_version():
     result = subprocess.run([*CLI, "--version"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -82,6 +82,8 @@ def test_prompt_from_stdin_and_stop_string(smollm2_path):
         (["generate", "-m", "{model}", "-p", "hi", "--top-p", "0"], "top_p"),
         (["generate", "-m", "{model}", "-p", "hi", "--kv-memory", "100000"], "more than this machine"),
         (["generate", "-m", "{model}", "-p", "hi", "--kv-memory", "nan"], "--kv-memory must be positive"),
+        (["generate", "-m", "{model}", "-p", "hi", "--json"], "unrecognized arguments: --json"),
+        (["generate", "-m", "{model}", "-p", "hi", "--system", "x", "--no-chat-template"], "--system needs"),
         (["serve", "-m", "{model}", "--port", "70000"], "a port is 0 to 65535"),
         (["serve", "-m", "{model}", "--host", "999.1.1.1"], "cannot listen on 999.1.1.1:8080"),
         (["launch", "--hosts", "127.0.0.1", "--port", "0", "--", "generate"], "a port is 1 to 65535"),
