@@ -98,6 +98,11 @@ def check_jaccl(hosts: list[Host]) -> None:
 
 def ring_addresses(hosts: list[Host], port: int) -> list[list[str]]:
     """What ``MLX_HOSTFILE`` holds for the ring: each rank's ``ip:port`` list."""
+    last = port + sum(len(h.ips) for h in hosts) - 1
+    if last > 65535:
+        raise DistributedError(
+            f"--port {port}: the ring needs ports {port} to {last}, past 65535; start lower"
+        )
     out = []
     for h in hosts:
         out.append([f"{ip}:{port + k}" for k, ip in enumerate(h.ips)])

@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     table.backend = args.backend or table.backend or "ring"
     if table.backend not in hf.BACKENDS:
         raise DistributedError(f"backend {table.backend!r} is not one of {', '.join(hf.BACKENDS)}")
+    if not args.dry_run:
+        args.program = prompt_from_stdin(args.program)
     plans = plan_ranks(table, args)
     if args.save_hostfile:
         Path(args.save_hostfile).write_text(json.dumps(table.to_json(), indent=2) + "\n")
@@ -146,6 +148,18 @@ def plan_ranks(table: hf.HostFile, args: argparse.Namespace) -> list[RankPlan]:
     return plans
 
 
+def prompt_from_stdin(command: list[str]) -> list[str]:
+    """``generate -p -`` reads the prompt from stdin, which no rank has (rank 0 may be another host):
+    launch reads it and passes it as the prompt itself."""
+    out = list(command)
+    for i, arg in enumerate(out):
+        if arg in ("-p", "--prompt") and out[i + 1 : i + 2] == ["-"]:
+            out[i + 1] = sys.stdin.read()
+        elif arg == "--prompt=-":
+            out[i] = "--prompt=" + sys.stdin.read()
+    return out
+
+
 def rank_command(command: list[str], python: str) -> list[str]:
     """``generate``/``serve`` run the mlx-infer CLI; a ``.py`` script and ``python`` get ``--python``."""
     head, rest = command[0], command[1:]
@@ -183,7 +197,13 @@ class Launcher:
         self._open_line: int | None = None  # the rank whose partial line ends the output so far
 
     def run(self) -> int:
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        self.interrupted_by = signal.SIGINT  # or SIGTERM: the exit status says which (130 / 143)
+
+        def terminated(signum, frame) -> None:
+            self.interrupted_by = signum
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, terminated)
         threads: list[threading.Thread] = []
         try:
             for p in self.plans:
@@ -203,7 +223,7 @@ class Launcher:
             return self._watch()
         except KeyboardInterrupt:
             self._note("interrupted; stopping every rank")
-            return 130
+            return 128 + self.interrupted_by
         finally:
             self._stop_all()
             for t in threads:
@@ -225,19 +245,19 @@ class Launcher:
             time.sleep(0.05)
 
     def _stop_all(self) -> None:
-        alive = [proc for proc in self.procs if proc.poll() is None]
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        # Rank 0 first: it tells the others to stop, so the ring ends cleanly rather than on lost
+        # peers; then whoever is left, and SIGKILL for whoever outlives the grace.
+        term, kill = signal.SIGTERM, signal.SIGKILL
+        for group, sig in ((self.procs[:1], term), (self.procs, term), (self.procs, kill)):
+            alive = [proc for proc in group if proc.poll() is None]
             for proc in alive:
                 try:
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:
                     pass
             deadline = time.monotonic() + STOP_GRACE_S
-            while time.monotonic() < deadline and any(proc.poll() is None for proc in alive):
+            while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
                 time.sleep(0.05)
-            alive = [proc for proc in alive if proc.poll() is None]
-            if not alive:
-                return
 
     def _forward(self, rank: int, stream, out) -> None:
         """Copy a rank's output with ``[rank N]`` before each line, whole lines at a time so ranks do not
@@ -282,10 +302,6 @@ def _describe(code: int) -> str:
             name = str(-code)
         return f"was killed by signal {-code} ({name})"
     return f"exited with code {code}"
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:

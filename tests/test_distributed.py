@@ -11,8 +11,10 @@ log-probabilities, bit for bit.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -479,6 +482,17 @@ def test_host_list_resolves_names_and_ring_ports_count_up():
     table = hostfile.from_list("127.0.0.1,localhost")
     assert [h.ips for h in table.hosts] == [["127.0.0.1"], ["127.0.0.1"]]
     assert hostfile.ring_addresses(table.hosts, 100) == [["127.0.0.1:100"], ["127.0.0.1:101"]]
+    with pytest.raises(DistributedError, match="ports 65535 to 65536, past 65535"):
+        hostfile.ring_addresses(table.hosts, 65535)
+
+
+def test_generate_prompt_from_stdin_is_read_by_launch(monkeypatch: pytest.MonkeyPatch):
+    """No rank has launch's stdin (rank 0 may be another host): ``-p -`` is replaced by what it holds."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is 2+2?\n"))
+    command = ["generate", "-m", "M", "-p", "-", "--max-tokens", "4"]
+    expected = ["generate", "-m", "M", "-p", "What is 2+2?\n", "--max-tokens", "4"]
+    assert launch.prompt_from_stdin(command) == expected
+    assert launch.prompt_from_stdin(["generate", "-p", "hi"]) == ["generate", "-p", "hi"]
 
 
 # --------------------------------------------------------------------------------- ring groups
@@ -799,6 +813,37 @@ def test_killing_a_rank_mid_generation_fails_the_launch_quickly(smollm2_path: Pa
 
 
 # ------------------------------------------------------------------------------- network namespaces
+def test_sigterm_stops_a_launched_server_cleanly(tiny_tp):
+    """SIGTERM to launch: rank 0's server shuts down and tells the others to stop (no lost-peer errors),
+    launch exits 143 as a terminated process does, and no rank is left."""
+    folder, _ = tiny_tp
+    http = free_port(1)
+    proc = subprocess.Popen(
+        [PY, "-m", "mlx_infer.distributed.launch", "--hosts", "127.0.0.1,127.0.0.1", "--port",
+         str(free_port()), "--", "serve", "-m", str(folder), "--port", str(http)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=TESTS.parent,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{http}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out[-3000:]
+    assert "internal error" not in out and "connection to a peer was lost" not in out, out[-3000:]
+    pids = [int(line.split()[-1]) for line in out.splitlines() if re.search(r"rank \d on \S+: pid", line)]
+    assert len(pids) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in pids), out[-3000:]
+
+
 def test_hosts_check_across_namespaces(netns):
     done = subprocess.run(
         [
