@@ -98,6 +98,17 @@ def render(plan: Plan) -> str:
             f"{verdict}",
         ),
         ("largest", largest),
+        *(
+            [
+                (
+                    "note",
+                    f"a context of {plan.context_requested} is past the model's {plan.model_max_context}: "
+                    f"planned at {plan.model_max_context}, the most the engine runs it at",
+                )
+            ]
+            if plan.context_requested
+            else []
+        ),
         ("decode bound", f"{decode}: {gbs:.1f} GB/s, {plan.bandwidth_source}"),
     ]
     pool_bytes = plan.kv_bytes + plan.state_bytes  # the engine takes both out of the --kv-memory budget

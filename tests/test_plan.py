@@ -135,6 +135,10 @@ def test_70b_from_its_config_alone(tmp_path: Path, monkeypatch):
     # Untied: one decode step reads every weight but the embedding table (a row of it).
     read = LLAMA_70B_TOTAL_SIZE - 128256 * 8192 * 2
     assert plan.decode_tok_s_bound == pytest.approx(plan.bandwidth_bytes_s / (read + 8192 * 327_680))
+    # Past the model's context the engine caps it: the plan is at the model's, saying what was asked.
+    longer = make_plan(str(folder), context=500_000, backend="metal")
+    assert (longer.context, longer.context_requested) == (131072, 500_000)
+    assert longer.kv_bytes == 131072 * 327_680 and plan.context_requested is None
     cpu = make_plan(str(folder), context=8192, backend="cpu")
     assert cpu.weights_bytes == 2 * LLAMA_70B_TOTAL_SIZE and not cpu.fits  # float32 here
     assert cpu.weights_fit is False and cpu.max_context_that_fits == 0

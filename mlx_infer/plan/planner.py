@@ -76,6 +76,8 @@ class Plan:
     state_bytes: int = 0
     # The sliding-window layers' own pool (in kv_bytes): fixed by the window and max_num_seqs.
     window_kv_bytes: int = 0
+    # --context past the model's: what was asked (the plan is at model_max_context, as the engine runs).
+    context_requested: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -184,7 +186,9 @@ def make_plan(
     layout = meta.model.kv_layout()
     per_token = layout_bytes_per_token(layout, kv_dtype, windowed=False)
     model_max = _max_context(meta)
-    context = context or model_max
+    # The engine caps a longer context at the model's own (loading._max_context): plan what it runs.
+    requested = context if context is not None and context > model_max else None
+    context = min(context or model_max, model_max)
     seq_tokens = _blocks(context) * BLOCK_SIZE
     window = window_of(layout)
     window_kv_bytes = window_read = 0
@@ -240,6 +244,7 @@ def make_plan(
         fits=total <= budget,
         weights_fit=weights_bytes <= budget,
         model_max_context=model_max,
+        context_requested=requested,
         max_context_that_fits=min(model_max, pool_tokens // max_num_seqs // BLOCK_SIZE * BLOCK_SIZE),
         max_num_seqs_that_fit=seqs_that_fit,
         default_kv_pool_bytes=default_pool,
