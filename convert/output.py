@@ -34,7 +34,11 @@ TOKENIZER_FILES = (
 
 def check_target(out: Path, force: bool) -> None:
     """Refuse, before any work, an existing output without --force, one that is not a model folder (what
-    --force replaces is deleted: never a folder of other things), and a place that cannot be written."""
+    --force replaces is deleted: never a folder of other things), the folder this process works in (or
+    one above it), and a place that cannot be written."""
+    cwd = Path.cwd().resolve()
+    if out.resolve() == cwd or out.resolve() in cwd.parents:
+        raise InvalidRequest(f"--out {out} is the folder you are in (or above it): name a new one")
     if out.exists() and not force:
         raise InvalidRequest(f"{out} already exists (pass --force to replace it)")
     if out.exists() and not out.is_dir():
@@ -49,10 +53,12 @@ def check_target(out: Path, force: bool) -> None:
 
 
 def check_not_source(out: Path, source: Path) -> None:
-    """--force must not replace the folder the weights are read from."""
+    """--force must not replace the folder the weights are read from, nor write a model inside it."""
     out, source = out.resolve(), source.resolve()
     if out == source or out in source.parents:
         raise InvalidRequest(f"--out {out} would overwrite the source model")
+    if source.is_dir() and source in out.parents:
+        raise InvalidRequest(f"--out {out} is inside the source model's folder {source}")
 
 
 @contextlib.contextmanager

@@ -6,10 +6,12 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 from importlib.metadata import PackageNotFoundError, version
 
-from mlx_infer.errors import MlxInferError
+from mlx_infer.errors import MlxInferError, Terminated
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -56,18 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # named by the subcommand they were given to, not by the top-level parser
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    # SIGTERM (a supervisor, `kill`) cleans up as Ctrl-C does: a half-written convert output is removed,
+    # a request aborted. Commands with their own handling (serve's server, launch) replace this one.
+    if threading.current_thread() is threading.main_thread():  # (main called from a test's thread)
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         return importlib.import_module(args._module).run(args)
     except MlxInferError as e:
         print(f"mlx-infer {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return 143 if isinstance(e, Terminated) else 130
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly as a Unix filter does, and keep Python's flush
         # of stdout at exit from failing again.

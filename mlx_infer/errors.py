@@ -92,3 +92,7 @@ class QueueFull(MlxInferError):
 
 class DistributedError(MlxInferError):
     exit_code = 6
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised (``cli.main``) where the work then cleans up as after Ctrl-C; the exit is 143."""

@@ -19,7 +19,7 @@ from mlx_infer import blas, cli_options, context_policy
 from mlx_infer.chat import ChatSession, TurnStats
 from mlx_infer.constraints import cli as constraint_cli
 from mlx_infer.constraints import compile_constraint
-from mlx_infer.errors import EngineFailure, InvalidRequest, MlxInferError
+from mlx_infer.errors import EngineFailure, InvalidRequest, MlxInferError, Terminated
 from mlx_infer.tool_calls import Event, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallStart
 from mlx_infer.tool_calls import cli as tool_cli
 
@@ -196,6 +196,8 @@ class _Chat:
             except EOFError:
                 self.console.print()
                 return 0
+            except Terminated:
+                raise
             except KeyboardInterrupt:
                 # Ctrl-C pressed a moment after an answer ended must not lose the conversation: a
                 # second one in a row leaves (as a shell's interrupted command, 130).
@@ -233,6 +235,8 @@ class _Chat:
             with _deferred_interrupt() as cancel:
                 for event in self.session.reply(text, stats, cancel):
                     printer(event)
+        except Terminated:
+            raise  # SIGTERM: the chat ends, not the turn
         except KeyboardInterrupt:
             self._dropped("stopped", printer.printed)
             return

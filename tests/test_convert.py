@@ -6,8 +6,10 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -314,7 +316,7 @@ def test_bad_options_fail_before_loading(tmp_path: Path, flags, error, message):
     assert not (tmp_path / "out").exists()
 
 
-def test_bad_sources_and_targets(tiny_llama_folder: Path, tmp_path: Path):
+def test_bad_sources_and_targets(tiny_llama_folder: Path, tmp_path: Path, monkeypatch):
     with pytest.raises(ModelNotFound, match="no such file or folder"):
         convert(tmp_path / "missing", tmp_path / "out")
     blocker = tmp_path / "a-file"
@@ -323,6 +325,13 @@ def test_bad_sources_and_targets(tiny_llama_folder: Path, tmp_path: Path):
         convert(tiny_llama_folder, blocker / "out", "--no-eval")
     with pytest.raises(InvalidRequest, match="overwrite the source"):
         convert(tiny_llama_folder, tiny_llama_folder, "--force", "--no-eval")
+    with pytest.raises(InvalidRequest, match="inside the source model's folder"):
+        convert(tiny_llama_folder, tiny_llama_folder / "q4", "--no-eval")
+    with monkeypatch.context() as m:
+        m.chdir(tmp_path)
+        for here in (Path("."), Path("")):  # the folder it works in: never replaced, even with --force
+            with pytest.raises(InvalidRequest, match="is the folder you are in"):
+                convert(tiny_llama_folder, here, "--force", "--no-eval")
     # Input sizes 48 and 96 (hidden, intermediate): a group of 64 divides neither.
     config = {**TINY_LLAMA_CONFIG, "hidden_size": 48, "intermediate_size": 96}
     odd = write_hf_folder(tmp_path / "odd", dict(tree_flatten(
@@ -330,6 +339,25 @@ def test_bad_sources_and_targets(tiny_llama_folder: Path, tmp_path: Path):
     with pytest.raises(InvalidRequest, match="group size 64 divides no layer's input size"):
         convert(odd, tmp_path / "out", "--q-bits", "4")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "odd", "tiny-llama"]
+
+
+@pytest.mark.slow
+def test_sigterm_mid_convert_leaves_nothing(smollm2_path: Path, tmp_path: Path):
+    """SIGTERM (a supervisor, `kill`) cleans up as Ctrl-C does: no hidden partial folder is left."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_infer.cli", "convert", "-m", str(smollm2_path), "--out",
+         str(tmp_path / "out"), "--q-bits", "4", "--q-group-size", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    deadline = time.monotonic() + 120
+    # Once the output is being written (its hidden partial folder exists).
+    while not any(p.suffix == ".partial" for p in tmp_path.iterdir()) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert list(tmp_path.iterdir()) == [] and "Traceback" not in err
 
 
 def test_cli_exits_with_one_line(tmp_path: Path):
