@@ -78,7 +78,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     what = q["mode"] if "bits" not in q else f"{q['mode']} {q['bits']}-bit g{q['group_size']}"
     if q.get("recipe"):
         what += f" ({q['recipe']})"
-    table.add_row("quantization", "", what)
+    table.add_row("requested", "", what)  # layers kept as stored (see "layers") keep their own
     table.add_row("layers", "", ", ".join(f"{n} {kind}" for kind, n in report["layers"].items()))
     unquantized = report["unquantized_layers"]
     if unquantized:
