@@ -58,7 +58,7 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
     ("POST", COMPLETIONS, b'"just a string"', 400),
     ("POST", COMPLETIONS, b"42", 400),
     # missing and wrongly typed fields
-    ("POST", CHAT, {"messages": GOOD_CHAT["messages"]}, 400),
+    ("POST", CHAT, _chat(model="another-model"), 404),  # (leaving model out is fine: one is served)
     ("POST", CHAT, {"model": "tiny"}, 400),
     ("POST", CHAT, _chat(model=5), 400),
     ("POST", CHAT, _chat(messages="w1 w2"), 400),

@@ -160,7 +160,7 @@ def test_allocation_equals_the_plan(windowed):
     """The pools the engine allocates are what the planner predicts: the global layers' per token of
     context, the sliding layers' a fixed pool for the windows of the running sequences."""
     name, model, _ = windowed
-    seqs, context, bs = 2, 1024, 16
+    seqs, context, bs = 2, 512, 16  # the tiny models' whole context
     plan = make_plan(str(TINY / name), context=context, max_num_seqs=seqs, kv_cache_dtype="float32")
     config = EngineConfig(
         block_size=bs, kv_cache_dtype="float32", kv_memory=plan.kv_bytes / 2**30,
