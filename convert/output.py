@@ -7,10 +7,12 @@ The layout is mlx-lm's (``model.safetensors`` or ``model-0000i-of-0000n.safetens
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,7 @@ def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
     when it fails or is interrupted: ``out`` is never seen half-written."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     except OSError as e:
         raise InvalidRequest(f"cannot write to {out.parent}: {e.strerror or e}") from None
@@ -80,6 +83,22 @@ def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+STALE_PARTIAL_S = 600  # a partial folder nothing has written to for this long belongs to no live convert
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Remove what a killed convert (SIGKILL, a crash) left of ``out``: hidden partial folders beside it
+    in which nothing changed for STALE_PARTIAL_S (a running convert writes its files continuously)."""
+    now = time.time()
+    for partial in out.parent.glob(f".{glob.escape(out.name)}.*.partial"):
+        try:
+            changed = max([partial.stat().st_mtime] + [f.stat().st_mtime for f in partial.iterdir()])
+        except OSError:
+            continue
+        if now - changed > STALE_PARTIAL_S:
+            shutil.rmtree(partial, ignore_errors=True)
 
 
 def _replace(tmp: Path, out: Path, force: bool) -> None:

@@ -341,6 +341,19 @@ def test_bad_sources_and_targets(tiny_llama_folder: Path, tmp_path: Path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "odd", "tiny-llama"]
 
 
+def test_a_killed_converts_partial_folder_is_removed_by_the_next(tiny_llama_folder: Path, tmp_path: Path):
+    stale, live = tmp_path / ".out.abc123.partial", tmp_path / ".out.def456.partial"
+    for partial in (stale, live):
+        partial.mkdir()
+        (partial / "model.safetensors").write_bytes(b"half")
+    old = time.time() - output.STALE_PARTIAL_S - 60
+    for path in (stale / "model.safetensors", stale):
+        os.utime(path, (old, old))
+    convert(tiny_llama_folder, tmp_path / "out", "--no-eval")
+    # The stale one goes; one still being written (by another convert, say) stays.
+    assert not stale.exists() and live.exists() and (tmp_path / "out" / "config.json").is_file()
+
+
 @pytest.mark.slow
 def test_sigterm_mid_convert_leaves_nothing(smollm2_path: Path, tmp_path: Path):
     """SIGTERM (a supervisor, `kill`) cleans up as Ctrl-C does: no hidden partial folder is left."""
