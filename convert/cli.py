@@ -20,14 +20,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", "-m", required=True, help="Hugging Face / MLX folder, Hub repo id or .gguf file"
     )
     parser.add_argument("--out", required=True, type=Path, help="output folder (refused if it exists)")
-    parser.add_argument("--q-bits", type=int, help="affine 2,3,4,5,6,8 (default 4); mxfp4/nvfp4 4; mxfp8 8")
+    parser.add_argument("--q-bits", type=int,
+                        help="affine 2,3,4,5,6,8; mxfp4/nvfp4 4; mxfp8 8 (default when quantizing: 4, 8 "
+                        "for mxfp8; with no --q-*, --recipe or --pure nothing is re-quantized)")
     parser.add_argument("--q-group-size", type=int,
                         help="affine 32,64,128 (default: the source's, else 64); mx* 32; nvfp4 16")
     parser.add_argument("--q-mode", help=f"quantization mode: {', '.join(MODES)} (default affine)")
     parser.add_argument("--recipe", help=f"mixed precision, Q4_K_M style: {', '.join(RECIPES)}")
     parser.add_argument("--dtype", help=f"floating-point weights and scales: {', '.join(DTYPES)} "
                                         "(default: the config's torch_dtype, else the source's)")
-    parser.add_argument("--dequantize", action="store_true", help="write every layer in floating point")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="write every layer in floating point (not with --q-*, --recipe or --pure)")
     parser.add_argument("--pure", action="store_true",
                         help="every layer at the requested bits, also those the source keeps at more (lossy)")
     parser.add_argument("--force", action="store_true", help="replace an existing output folder")

@@ -77,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--hosts", help="comma-separated hosts, as for launch")
     where.add_argument("--hostfile", help="an MLX host file (JSON)")
-    parser.add_argument("--ssh", default=DEFAULT_SSH, help=f"default: {DEFAULT_SSH!r}")
+    parser.add_argument(
+        "--ssh", default=DEFAULT_SSH, help=f"command to reach a remote host (default: {DEFAULT_SSH!r})"
+    )
     parser.add_argument("--python", default="python3", help="python on the hosts (default: python3)")
     parser.add_argument(
         "--port", type=ring_port, default=DEFAULT_PORT, help=f"first ring port (default: {DEFAULT_PORT})"

@@ -66,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--port", type=ring_port, default=DEFAULT_PORT, help=f"first ring port (default: {DEFAULT_PORT})"
     )
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="set on every rank")
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="set on every rank (repeatable)"
+    )
     parser.add_argument(
         "--cpu-activations",
         choices=CPU_ACTIVATIONS,
@@ -76,7 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--verbose", action="store_true", help="MLX_RING_VERBOSE=1 on every rank")
     parser.add_argument(
-        "program", nargs=argparse.REMAINDER, help="-- generate|serve ARGS, or -- PROGRAM ARGS"
+        "program",
+        nargs=argparse.REMAINDER,
+        help="-- generate|serve ARGS, or -- PROGRAM ARGS (a .py script or python runs under --python)",
     )
 
 

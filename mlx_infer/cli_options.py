@@ -197,16 +197,47 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     d = SamplingParams()
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"default: {d.max_tokens}")
-    g.add_argument("--temp", type=float, default=d.temperature, help="temperature; 0 is greedy (default: 0)")
-    g.add_argument("--top-k", type=int, default=d.top_k, help="default: 0 (off)")
-    g.add_argument("--top-p", type=float, default=d.top_p, help="default: 1.0 (off)")
-    g.add_argument("--min-p", type=float, default=d.min_p, help="default: 0.0 (off)")
     g.add_argument(
-        "--repetition-penalty", type=float, default=d.repetition_penalty, help="default: 1.0 (off)"
+        "--max-tokens",
+        type=int,
+        default=d.max_tokens,
+        help=f"most tokens to generate (default: {d.max_tokens})",
     )
-    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty, help="default: 0.0")
-    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty, help="default: 0.0")
+    g.add_argument("--temp", type=float, default=d.temperature, help="temperature; 0 is greedy (default: 0)")
+    g.add_argument(
+        "--top-k", type=int, default=d.top_k, help="sample among the k likeliest tokens (default: 0, off)"
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=d.top_p,
+        help="sample among the likeliest tokens whose probabilities add up to p (default: 1.0, off)",
+    )
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=d.min_p,
+        help="drop tokens less likely than min-p times the likeliest one (default: 0.0, off)",
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=d.repetition_penalty,
+        help="penalize tokens of the prompt and output, as HF and vLLM do; above 1 repeats less "
+        "(default: 1.0, off)",
+    )
+    g.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=d.presence_penalty,
+        help="subtracted from the logit of every token already in the output, -2 to 2 (default: 0.0)",
+    )
+    g.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=d.frequency_penalty,
+        help="subtracted from a token's logit once per time it is in the output, -2 to 2 (default: 0.0)",
+    )
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument(

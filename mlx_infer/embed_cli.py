@@ -19,8 +19,9 @@ def add_pooling_argument(parser: argparse.ArgumentParser) -> None:
         "--pooling",
         choices=POOLING_MODES,
         default=None,
-        help="embed with this pooling, normalized (default: the sentence-transformers config's; a "
-        "decoder without one generates text)",
+        help="embed with this pooling (default: the sentence-transformers config's, else mean for an "
+        "encoder; a decoder without one needs --pooling: embed refuses it, serve serves it for text); "
+        "vectors are unit length unless a sentence-transformers config lacks a Normalize module",
     )
 
 

@@ -15,8 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="DIR",
-        help=f"also look for GGUF files and model folders under DIR (repeatable; default: the folders in "
-        f"${model_store.MODELS_PATH_ENV})",
+        help="also look for GGUF files and model folders under DIR (repeatable); the folders in "
+        f"${model_store.MODELS_PATH_ENV} are searched too",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
 

@@ -29,7 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=cli_options.tcp_port, default=8080, help="port (default: 8080)")
     g.add_argument(
-        "--served-model-name", default=None, help="model id clients send (default: the model's name)"
+        "--served-model-name",
+        default=None,
+        help="model id clients send (default: the file stem, folder name or repo id as given)",
     )
     g.add_argument(
         "--models-dir",
@@ -54,7 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with several models, most memory their weights and KV pools may hold together, in GiB "
         f"(default: {FIT_FRACTION * 100:.0f}%% of device memory)",
     )
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/* (default: no key)",
+    )
     g.add_argument("--no-web", action="store_true", help="do not serve the chat page at / (default: served)")
     g.add_argument(
         "--allowed-origins",
@@ -102,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=tool_calls.CHOICES,
         metavar="NAME",
-        help="how the model writes tool calls: " + ", ".join(tool_calls.CHOICES[2:]) + "; 'none' parses "
+        help="how the model writes tool calls: " + ", ".join(tool_calls.FAMILIES) + " (aliases: "
+        + ", ".join(f"{a}={f}" for a, f in tool_calls.registry.ALIASES.items()) + "); 'none' parses "
         "none (default: auto, from the chat template and tokenizer)",
     )
     g.add_argument(

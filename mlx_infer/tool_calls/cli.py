@@ -11,7 +11,7 @@ from typing import Any
 from mlx_infer import reasoning
 from mlx_infer.errors import InvalidRequest
 from mlx_infer.tool_calls.prompt import ChatPlan, ToolChoice, prepare_chat
-from mlx_infer.tool_calls.registry import CHOICES, model_parsers
+from mlx_infer.tool_calls.registry import ALIASES, CHOICES, FAMILIES, model_parsers
 
 
 def add_parser_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -20,7 +20,8 @@ def add_parser_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         default="auto",
         choices=CHOICES,
         metavar="NAME",
-        help="how the model writes tool calls: " + ", ".join(CHOICES[2:]) + "; 'none' parses "
+        help="how the model writes tool calls: " + ", ".join(FAMILIES) + " (aliases: "
+        + ", ".join(f"{a}={f}" for a, f in ALIASES.items()) + "); 'none' parses "
         "none (default: auto, from the chat template and tokenizer)",
     )
     parser.add_argument(
