@@ -90,6 +90,37 @@ def test_pool_reserves_chunks_on_demand_and_gives_idle_ones_back():
     assert pool.allocate(1) is not None and pool.allocated_since_release
 
 
+def test_pool_grows_within_its_budget_before_evicting_a_cached_prefix():
+    pool = BlockPool(10, chunk_blocks=4)
+    first = pool.allocate(4)
+    for i, block in enumerate(first):
+        pool.register(block, f"prefix-{i}".encode())
+    pool.release(first)  # four cached prefixes, free
+    second = pool.allocate(3)  # from a new chunk, not over the cached blocks
+    assert set(second) <= set(range(4, 8)) and pool.num_reserved == 8
+    assert all(pool.lookup(f"prefix-{i}".encode()) is not None for i in range(4))
+    # Only once the budget is reached do cached prefixes go, the least recently released first.
+    third = pool.allocate(4)  # 1 left in chunk 1, 2 in the last chunk, then one cached block
+    assert pool.num_reserved == 10 and len(set(third) & set(first)) == 1
+    released_first = first[::-1]  # released in reverse: the tail first
+    assert pool.lookup(b"prefix-3") is None and pool.lookup(b"prefix-0") == released_first[-1]
+    assert pool.num_free == 3 and pool.num_cached == 3
+
+
+def test_sequential_prompts_stay_cached_while_the_budget_allows(model):
+    """Distinct prompts one after another: each stays in the prefix cache (the pool grows rather than
+    reuse their blocks), so all of them hit when sent again."""
+    engine = make_engine(model, num_blocks=200, chunk_tokens=32)  # 8 blocks (32 tokens) a chunk
+    prompts = [[1 + (i * 7 + j) % 60 for j in range(40)] for i in range(6)]
+    for _ in range(2):
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(max_tokens=2))
+            while engine.has_unfinished():
+                engine.step()
+    assert engine.kv.pool.hits >= 6 * 9  # 9 full blocks of 4 of each 40-token prompt, found again
+    check_block_accounting(engine)
+
+
 # ---- pages --------------------------------------------------------------------------------------
 @needs_droppable_pages
 def test_dropped_pages_read_zero_and_leave_the_rest():

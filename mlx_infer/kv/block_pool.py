@@ -1,13 +1,14 @@
 """The block pool: free list, reference counts and the prefix cache over full blocks.
 
 A free block may still hold a cached prefix: it stays findable by its hash until it is
-handed out again. Free blocks leave in LRU order (least recently released first), so cached
-prefixes are evicted only when unreferenced, and the oldest first.
+handed out again. Free blocks holding no prefix are handed out first; then, only when the budget allows
+no more, cached ones in LRU order (least recently released first), so cached prefixes are evicted only
+when unreferenced, the oldest first, and only once the budget is used up (as a pool allocated whole).
 
 The blocks are grouped in chunks of consecutive ids, and only *reserved* chunks (always the lowest
 ones) hand out blocks: the pool's memory follows what the scheduler needs. A chunk is reserved when the
-free blocks of the reserved ones run out (cached prefixes are reused before the pool grows), and the
-top chunks are unreserved again (``release_idle_chunks``) once none of their blocks is referenced.
+free blocks of the reserved ones that hold no prefix run out, and the top chunks are unreserved again
+(``release_idle_chunks``) once none of their blocks is referenced.
 Idle, the free blocks of the chunks that stay reserved are forgotten too
 (``forget_free_blocks``), so their memory can go back as well. ``num_free`` counts every block
 the budget still allows, so callers see the budget, not the reservation: an allocation fails
@@ -47,7 +48,9 @@ class BlockPool:
         self.min_chunks = max(1, min(min_chunks, self.num_chunks))
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict()  # free blocks of reserved chunks, LRU first
+        # Free blocks of the reserved chunks: those holding no prefix, and those holding one (LRU first).
+        self._clean: OrderedDict[int, None] = OrderedDict()
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
         self.num_reserved_chunks = 0
         self.allocated_since_release = False  # blocks handed out since forget_free_blocks last ran
         for _ in range(self.min_chunks):
@@ -69,7 +72,7 @@ class BlockPool:
     def num_free(self) -> int:
         """Blocks that can be handed out within the budget (cached-but-unreferenced ones and those of
         chunks not reserved yet included)."""
-        return len(self._free) + self.num_blocks - self.num_reserved
+        return len(self._clean) + len(self._cached_free) + self.num_blocks - self.num_reserved
 
     @property
     def num_used(self) -> int:
@@ -87,12 +90,14 @@ class BlockPool:
         """``count`` fresh blocks with one reference each, or None (nothing taken) if too few are free."""
         if count > self.num_free:
             return None
-        while len(self._free) < count:
+        # The pool grows within its budget before a cached prefix is given up.
+        while len(self._clean) < count and self.num_reserved_chunks < self.num_chunks:
             self._reserve_chunk()
         self.allocated_since_release = True
         blocks = []
         for _ in range(count):
-            block, _ = self._free.popitem(last=False)
+            free = self._clean if self._clean else self._cached_free
+            block, _ = free.popitem(last=False)
             self._evict(block)
             self.ref_counts[block] = 1
             blocks.append(block)
@@ -101,8 +106,13 @@ class BlockPool:
     def acquire(self, block: int) -> None:
         """Add a reference to a (cached) block, taking it off the free list if it was there."""
         if self.ref_counts[block] == 0:
-            del self._free[block]
+            self._unfree(block)
         self.ref_counts[block] += 1
+
+    def _unfree(self, block: int) -> None:
+        if self._cached_free.pop(block, 0) is None:
+            return
+        del self._clean[block]
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; blocks reaching zero become free (and stay cached).
@@ -114,7 +124,7 @@ class BlockPool:
             if self.ref_counts[block] < 0:
                 raise RuntimeError(f"block {block} released more often than acquired")
             if self.ref_counts[block] == 0:
-                self._free[block] = None
+                (self._clean if self.block_hashes[block] is None else self._cached_free)[block] = None
 
     def register(self, block: int, block_hash: BlockHash) -> None:
         """Make a full, computed (or being computed this step) block findable by its prefix hash."""
@@ -122,6 +132,8 @@ class BlockPool:
             return
         self.block_hashes[block] = block_hash
         self._cached[block_hash] = block
+        if self._clean.pop(block, 0) is None:  # registered while free (unreferenced): now a cached one
+            self._cached_free[block] = None
 
     def _evict(self, block: int) -> None:
         block_hash = self.block_hashes[block]
@@ -130,10 +142,9 @@ class BlockPool:
             self.block_hashes[block] = None
 
     def _reserve_chunk(self) -> None:
-        """Reserve the next chunk; its blocks, holding no prefix, are handed out before cached ones."""
-        for block in reversed(self.chunk(self.num_reserved_chunks)):
-            self._free[block] = None
-            self._free.move_to_end(block, last=False)
+        """Reserve the next chunk; its blocks hold no prefix."""
+        for block in self.chunk(self.num_reserved_chunks):
+            self._clean[block] = None
         self.num_reserved_chunks += 1
 
     def release_idle_chunks(self) -> list[range]:
@@ -146,7 +157,7 @@ class BlockPool:
                 break
             for block in blocks:
                 self._evict(block)
-                del self._free[block]
+                self._unfree(block)
             self.num_reserved_chunks -= 1
             released.append(blocks)
         return released
@@ -155,8 +166,8 @@ class BlockPool:
         """Forget the cached prefixes of every free block of the reserved chunks; returns those blocks as
         runs of consecutive ids, whose memory the caller may give back (their contents are not needed)."""
         runs: list[range] = []
-        for block in sorted(self._free):
-            self._evict(block)
+        self.reset_prefix_cache()
+        for block in sorted(self._clean):
             if runs and runs[-1].stop == block:
                 runs[-1] = range(runs[-1].start, block + 1)
             else:
@@ -165,5 +176,8 @@ class BlockPool:
         return runs
 
     def reset_prefix_cache(self) -> None:
-        for block in list(self._free):
+        """Forget the prefixes the free blocks hold (they become blocks holding none)."""
+        for block in self._cached_free:
             self._evict(block)
+            self._clean[block] = None
+        self._cached_free.clear()
