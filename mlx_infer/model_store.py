@@ -134,8 +134,15 @@ def _models_under(root: Path, skip: set[str] = frozenset()) -> Iterator[Path]:
     """GGUF files and folders with a config.json under ``root``, not descending into a model folder."""
     if not root.is_dir():
         return
-    for dirpath, dirnames, filenames in os.walk(root):
+    # Linked folders are followed, as linked GGUF files are; each real folder once (a link cycle ends).
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         here = Path(dirpath)
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames.clear()
+            continue
+        seen.add(real)
         if "config.json" in filenames:
             dirnames.clear()
             yield here

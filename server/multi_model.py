@@ -234,9 +234,10 @@ def serve_models(
     try:
         supervisor.ready(registry, MultiModelServer(registry, config, contexts).app())
         log.info(
-            "serving %d models on http://%s:%d/v1 (%s), loaded on first use: at most %d at once within "
+            "serving %d model%s on http://%s:%d/v1 (%s), loaded on first use: at most %d at once within "
             "%.2f GiB",
             len(specs),
+            "" if len(specs) == 1 else "s",
             args.host,
             args.port,
             registry.available(),

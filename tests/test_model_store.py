@@ -336,6 +336,21 @@ def test_models_lists_every_place_and_rm_deletes_from_caches_only(env, hub: Fake
     assert json.loads(cli(env, "models", "--json").stdout) == []
 
 
+def test_models_under_a_folder_follow_linked_folders_once(tmp_path: Path):
+    """serve --models-dir: a linked model folder is found as a linked GGUF file is; a link cycle ends."""
+    elsewhere = tmp_path / "elsewhere" / "minilm"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    root = tmp_path / "models"
+    write_gguf(tmp_path / "elsewhere" / "smol.gguf")
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "smol.gguf").symlink_to(tmp_path / "elsewhere" / "smol.gguf")
+    (root / "minilm").symlink_to(elsewhere)
+    (root / "sub" / "loop").symlink_to(root)  # a cycle
+    found = [m.name for m in model_store.models_in(root)]
+    assert sorted(found) == sorted([str(root / "minilm"), str(root / "sub" / "smol.gguf")])
+
+
 def test_fits_is_weights_plus_overhead_within_the_budget():
     assert model_store.fits(1000, 1200)
     assert not model_store.fits(1001, 1200)
