@@ -56,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(plan: Plan) -> str:
-    """The plan as a few aligned lines (what ``plan`` prints and ``serve`` logs)."""
+def render(plan: Plan, kv_memory_gib: float | None = None) -> str:
+    """The plan as a few aligned lines (what ``plan`` prints and ``serve`` logs; ``kv_memory_gib``: the
+    KV pool serve was given, set against what the plan needs)."""
     seqs = f"{plan.max_num_seqs} sequence{'s' if plan.max_num_seqs > 1 else ''}"
     verdict = (
         "fits" if plan.fits else ("weights fit, KV cache does not" if plan.weights_fit else "does NOT fit")
@@ -112,7 +113,17 @@ def render(plan: Plan) -> str:
         ("decode bound", f"{decode}: {gbs:.1f} GB/s, {plan.bandwidth_source}"),
     ]
     pool_bytes = plan.kv_bytes + plan.state_bytes  # the engine takes both out of the --kv-memory budget
-    if plan.fits and pool_bytes > plan.default_kv_pool_bytes:
+    if kv_memory_gib is not None:
+        given = int(kv_memory_gib * 2**30)
+        tokens = given // plan.kv_bytes_per_token if plan.kv_bytes_per_token else 0
+        rows.append(
+            (
+                "KV pool",
+                f"{human_bytes(given)} (--kv-memory): about {tokens} tokens, "
+                f"{given / pool_bytes if pool_bytes else 1:.1%} of what this plan needs",
+            )
+        )
+    elif plan.fits and pool_bytes > plan.default_kv_pool_bytes:
         gib = -(-pool_bytes * 100 // 2**30) / 100  # rounded up, so the pool holds every block
         rows.append(
             (
@@ -145,7 +156,7 @@ def check_before_serve(args: argparse.Namespace) -> None:
         except MlxInferError as e:
             log.info("memory plan: not available for %s (%s)", model, e)
             continue
-        log.info("memory plan:\n%s", render(plan))
+        log.info("memory plan:\n%s", render(plan, getattr(args, "kv_memory", None)))
         if not plan.weights_fit:
             raise ModelTooLarge(
                 f"{plan.model} does not fit: its weights take {human_bytes(plan.weights_bytes)} "

@@ -205,6 +205,15 @@ def test_plan_cli_table_and_json(tmp_path: Path):
     assert plan["window_kv_bytes"] == 67 * 16 * kv_bytes_per_token(15, 1, 256, "int8")
 
 
+def test_the_plan_serve_logs_sets_its_kv_memory_against_the_plan(tmp_path: Path):
+    from mlx_infer.plan_cli import render
+
+    plan = make_plan(str(write_config(tmp_path / "gemma", GEMMA3_270M)), context=2048, max_num_seqs=3)
+    given = render(plan, kv_memory_gib=0.05)
+    tokens = int(0.05 * 2**30) // plan.kv_bytes_per_token
+    assert f"(--kv-memory): about {tokens} tokens" in given and "pass --kv-memory" not in given
+
+
 def test_plan_cli_errors_are_one_line(tmp_path: Path):
     for args in (["-m", str(tmp_path / "missing")], ["-m", str(tmp_path), "--context", "0"]):
         result = cli("plan", *args)
