@@ -31,9 +31,15 @@ def describe(error: Exception) -> tuple[int, str, str, str | None]:
     return 500, f"internal error: {type(error).__name__}", "server_error", None
 
 
+def retry_after(error: Exception) -> dict[str, str] | None:
+    """A Retry-After header for an error worth retrying: a full queue, or a 503 that says when."""
+    seconds = 1 if isinstance(error, QueueFull) else getattr(error, "retry_after", None)
+    return None if seconds is None else {"Retry-After": str(seconds)}
+
+
 def from_exception(error: Exception) -> JSONResponse:
     status, message, type_, param = describe(error)
-    headers = {"Retry-After": "1"} if isinstance(error, QueueFull) else None
+    headers = retry_after(error)
     # OpenAI's code for an unknown model, which clients match on.
     code = "model_not_found" if isinstance(error, ModelNotFound) else None
     return error_response(status, message, type_, param=param, headers=headers, code=code)
@@ -70,7 +76,7 @@ def anthropic_from_exception(error: Exception) -> JSONResponse:
     if isinstance(error, QueueFull):
         return anthropic_error_response(529, str(error), headers={"Retry-After": "1"})
     status, message, _, _ = describe(error)
-    return anthropic_error_response(status, message)
+    return anthropic_error_response(status, message, headers=retry_after(error))
 
 
 def unauthorized(anthropic: bool = False) -> JSONResponse:

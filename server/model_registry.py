@@ -219,11 +219,13 @@ class ModelRegistry:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 busy = ", ".join(map(repr, self._loaded))
-                raise ServiceUnavailable(
+                error = ServiceUnavailable(
                     f"the model {name!r} cannot be loaded now: every loaded model ({busy}) is answering "
                     f"requests and no room is left (--max-loaded-models {self.max_loaded}, --models-memory "
                     f"{self.memory_budget / GIB:.2f} GiB); retry shortly"
                 )
+                error.retry_after = 5  # the Retry-After of the 503
+                raise error
             # No await between the check above and this clear: a release cannot slip through.
             self._released.clear()
             try:

@@ -299,3 +299,15 @@ def test_models_dir_eviction_with_one_loaded_and_a_model_too_large(smollm2_path,
         assert httpx.get(server.base_url + "/health").json()["models"]["tiny-a"] == "loaded"
     finally:
         server.stop()
+
+
+def test_a_503_that_says_when_to_retry_carries_retry_after():
+    """The registry's "retry shortly" 503 (every loaded model busy) tells clients when, on both API shapes."""
+    from mlx_infer.errors import ServiceUnavailable
+    from mlx_infer.server.errors import anthropic_from_exception, from_exception
+
+    busy = ServiceUnavailable("every loaded model is answering requests; retry shortly")
+    busy.retry_after = 5
+    assert from_exception(busy).status_code == 503 and from_exception(busy).headers["Retry-After"] == "5"
+    assert anthropic_from_exception(busy).headers["Retry-After"] == "5"
+    assert "Retry-After" not in from_exception(ServiceUnavailable("shut down")).headers
