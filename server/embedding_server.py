@@ -72,8 +72,9 @@ class EmbeddingServer(OpenAIServer):
 
     async def not_served(self, request: Request) -> Response:
         raise InvalidRequest(
-            f"the model {self.config.model_name!r} is an embedding model: this server answers "
-            f"POST /v1/embeddings, not {request.url.path}"
+            f"the model {self.config.model_name!r} is an embedding model: it answers POST /v1/embeddings, "
+            f"not {request.url.path}",
+            param="model",
         )
 
     async def render_metrics(self, request: Request) -> Response:

@@ -75,7 +75,7 @@ class EmbeddingRoutes:
         if self.embedder is None:
             raise InvalidRequest(
                 f"the model {self.server.config.model_name!r} generates text and computes no embeddings; "
-                "start mlx-infer serve on an embedding model to use /v1/embeddings",
+                "name an embedding model (/v1/models lists this server's) or serve one",
                 param="model",
             )
         body: EmbeddingRequest = await self.server._body(request, EmbeddingRequest)
