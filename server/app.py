@@ -76,6 +76,11 @@ def authorized(request: Request, api_key: str | None) -> bool:
     )
 
 
+# A step (a prefill chunk, a decode step) takes well under a second to seconds: one running this long
+# will not end by itself.
+STALLED_STEP_S = 120.0
+
+
 class OpenAIServer:
     def __init__(self, engine: AsyncEngine, config: ServerConfig):
         self.engine = engine
@@ -171,6 +176,10 @@ class OpenAIServer:
             return JSONResponse({"status": "error", "reason": reason}, status_code=503)
         if self.engine.closed_reason is not None:
             return JSONResponse({"status": "shutting_down", "reason": self.engine.closed_reason}, 503)
+        stalled = self.engine.stalled_for()
+        if stalled > STALLED_STEP_S:
+            reason = f"the engine's current step has run for {stalled:.0f} s (a stopped peer rank, a hang)"
+            return JSONResponse({"status": "stalled", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def render_metrics(self, request: Request) -> Response:

@@ -310,6 +310,39 @@ def test_engine_failure_fails_the_requests_in_flight_and_server_keeps_serving(
         engine.close()
 
 
+def test_health_says_stalled_while_a_step_never_ends(tiny_engine: Engine, monkeypatch):
+    """A step that does not end (a stopped peer rank, a hang) fails nothing, but /health stops saying ok
+    until it ends."""
+    from mlx_infer.server import app as server_app
+
+    monkeypatch.setattr(server_app, "STALLED_STEP_S", 0.3)
+    engine = fresh_engine(tiny_engine)
+    release, stepping = threading.Event(), threading.Event()
+    step = engine.engine.step
+
+    def hung_step():
+        stepping.set()
+        release.wait(30)
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", hung_step)
+    try:
+        with TestClient(make_app(engine)) as client:
+            assert client.get("/health").json() == {"status": "ok"}
+            answer = threading.Thread(target=client.post, args=(CHAT,), kwargs={"json": GOOD_CHAT})
+            answer.start()
+            assert stepping.wait(30)
+            time.sleep(0.5)
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "stalled", health.text
+            release.set()
+            answer.join(30)
+            assert client.get("/health").json() == {"status": "ok"}
+    finally:
+        release.set()
+        engine.close()
+
+
 def _raise_runtime_error(*_: object) -> None:
     raise RuntimeError("simulated device failure")
 

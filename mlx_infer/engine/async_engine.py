@@ -16,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -65,12 +66,19 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _pending, _closed_reason, failure and what enters the inbox
         self._closed_reason: str | None = None  # admission closed (shutting down): new submits get 503
         self.failure: str | None = None  # why the engine thread stopped; None while it runs
+        self.step_started: float | None = None  # time.monotonic() of the step running now, if any
         self._thread = threading.Thread(target=self._run, name="mlx-infer-engine", daemon=True)
         self._thread.start()
 
     @property
     def num_pending(self) -> int:
         return self._pending
+
+    def stalled_for(self) -> float:
+        """Seconds the step running now has taken so far (0 between steps): a step that never ends
+        (a peer rank stopped, a hung kernel) shows here while nothing has failed."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     @property
     def closed_reason(self) -> str | None:
@@ -158,7 +166,10 @@ class AsyncEngine:
             if not self.engine.has_unfinished():
                 continue
             # The engine fails requests (or a whole step) on its own; what escapes is fatal.
-            for out in self.engine.step():
+            self.step_started = time.monotonic()
+            outputs = self.engine.step()
+            self.step_started = None
+            for out in outputs:
                 sink = self._sinks.get(out.request_id)
                 if sink is not None:
                     sink(_client_error(out.error) if out.error is not None else out)
