@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_infer.cli_options import CPU_ACTIVATIONS, ring_port
+from mlx_infer.cli_options import CPU_ACTIVATIONS, ring_port, stdin_prompt
 from mlx_infer.cpu_kernels import ACTIVATIONS_ENV_VAR
 from mlx_infer.errors import DistributedError
 
@@ -158,9 +158,9 @@ def prompt_from_stdin(command: list[str]) -> list[str]:
     out = list(command)
     for i, arg in enumerate(out):
         if arg in ("-p", "--prompt") and out[i + 1 : i + 2] == ["-"]:
-            out[i + 1] = sys.stdin.read()
+            out[i + 1] = stdin_prompt()
         elif arg == "--prompt=-":
-            out[i] = "--prompt=" + sys.stdin.read()
+            out[i] = "--prompt=" + stdin_prompt()
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,6 +30,12 @@ def tcp_port(text: str, lowest: int = 0) -> int:
     if not lowest <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is {lowest} to 65535, not {port}")
     return port
+
+
+def stdin_prompt() -> str:
+    """``-p -``: the prompt piped in, without the line end(s) that close it (`echo` adds one, and a
+    trailing newline is part of what the model reads: it changed SmolLM2's answer)."""
+    return sys.stdin.read().rstrip("\r\n")
 
 
 def ring_port(text: str) -> int:

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     params.validate()  # before the model loads: bad flags fail at once
     if args.system is not None and args.no_chat_template:
         raise InvalidRequest("--system needs the chat template (raw text has no system prompt)")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = cli_options.stdin_prompt() if args.prompt == "-" else args.prompt
     with cli_options.open_engine(args) as opened:
         if opened is None:  # a follower rank under `mlx-infer launch`
             return 0

@@ -490,7 +490,7 @@ def test_generate_prompt_from_stdin_is_read_by_launch(monkeypatch: pytest.Monkey
     """No rank has launch's stdin (rank 0 may be another host): ``-p -`` is replaced by what it holds."""
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is 2+2?\n"))
     command = ["generate", "-m", "M", "-p", "-", "--max-tokens", "4"]
-    expected = ["generate", "-m", "M", "-p", "What is 2+2?\n", "--max-tokens", "4"]
+    expected = ["generate", "-m", "M", "-p", "What is 2+2?", "--max-tokens", "4"]  # echo's newline gone
     assert launch.prompt_from_stdin(command) == expected
     assert launch.prompt_from_stdin(["generate", "-p", "hi"]) == ["generate", "-p", "hi"]
 
