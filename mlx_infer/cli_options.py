@@ -214,37 +214,19 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--top-k", type=int, default=d.top_k, help="sample among the k likeliest tokens (default: 0, off)"
     )
-    g.add_argument(
-        "--top-p",
-        type=float,
-        default=d.top_p,
-        help="sample among the likeliest tokens whose probabilities add up to p (default: 1.0, off)",
-    )
-    g.add_argument(
-        "--min-p",
-        type=float,
-        default=d.min_p,
-        help="drop tokens less likely than min-p times the likeliest one (default: 0.0, off)",
-    )
-    g.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=d.repetition_penalty,
-        help="penalize tokens of the prompt and output, as HF and vLLM do; above 1 repeats less "
-        "(default: 1.0, off)",
-    )
-    g.add_argument(
-        "--presence-penalty",
-        type=float,
-        default=d.presence_penalty,
-        help="subtracted from the logit of every token already in the output, -2 to 2 (default: 0.0)",
-    )
-    g.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=d.frequency_penalty,
-        help="subtracted from a token's logit once per time it is in the output, -2 to 2 (default: 0.0)",
-    )
+    for flag, default, meaning in (
+        ("--top-p", d.top_p, "sample among the likeliest tokens whose probabilities add up to p (default: "
+         "1.0, off)"),
+        ("--min-p", d.min_p, "drop tokens less likely than min-p times the likeliest one (default: 0.0, "
+         "off)"),
+        ("--repetition-penalty", d.repetition_penalty, "penalize tokens of the prompt and output, as HF and "
+         "vLLM do; above 1 repeats less (default: 1.0, off)"),
+        ("--presence-penalty", d.presence_penalty, "subtracted from the logit of every token already in the "
+         "output, -2 to 2 (default: 0.0)"),
+        ("--frequency-penalty", d.frequency_penalty, "subtracted from a token's logit once per time it is in "
+         "the output, -2 to 2 (default: 0.0)"),
+    ):  # fmt: skip
+        g.add_argument(flag, type=float, default=default, help=meaning)
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument(

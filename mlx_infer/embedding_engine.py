@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_infer.embedding import EmbeddingModel
+from mlx_infer.engine.step_clock import StepClock
 from mlx_infer.errors import EngineFailure, MlxInferError, QueueFull, RequestFailed, ServiceUnavailable
 
 log = logging.getLogger("mlx_infer")
@@ -69,6 +70,7 @@ class AsyncEmbedder:
         self.max_pending = max_pending
         self.stats = EmbeddingStats()
         self.failure: str | None = None  # why the thread stopped; None while it runs
+        self.clock = StepClock()  # how long the forward running now has taken (/health: stalled)
         self._closed_reason: str | None = None
         self._pending = 0
         self._jobs: set[_Job] = set()  # admitted, unanswered (touched on the event loop only)
@@ -85,6 +87,9 @@ class AsyncEmbedder:
     @property
     def closed_reason(self) -> str | None:
         return self._closed_reason
+
+    def stalled_for(self) -> float:
+        return self.clock.stalled_for()
 
     def close_admission(self, reason: str) -> None:
         with self._lock:
@@ -152,7 +157,8 @@ class AsyncEmbedder:
             return
         inputs = [ids for job in jobs for ids in job.inputs]
         try:
-            vectors = self.model.embed(inputs, self.max_batch_tokens, self.max_batch_size)
+            with self.clock.timing():
+                vectors = self.model.embed(inputs, self.max_batch_tokens, self.max_batch_size)
         except Exception as e:  # noqa: BLE001 - a failed forward fails its requests, not the server
             log.exception("an embedding forward failed")
             error = (

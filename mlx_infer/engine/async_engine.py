@@ -16,7 +16,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ import mlx.core as mx
 
 from mlx_infer.engine.engine import Engine
 from mlx_infer.engine.request import RequestOutput
+from mlx_infer.engine.step_clock import StepClock
 from mlx_infer.errors import (
     EngineFailure,
     MlxInferError,
@@ -66,7 +66,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _pending, _closed_reason, failure and what enters the inbox
         self._closed_reason: str | None = None  # admission closed (shutting down): new submits get 503
         self.failure: str | None = None  # why the engine thread stopped; None while it runs
-        self.step_started: float | None = None  # time.monotonic() of the step running now, if any
+        self.clock = StepClock()  # how long the step running now has taken (/health: stalled)
         self._thread = threading.Thread(target=self._run, name="mlx-infer-engine", daemon=True)
         self._thread.start()
 
@@ -75,10 +75,7 @@ class AsyncEngine:
         return self._pending
 
     def stalled_for(self) -> float:
-        """Seconds the step running now has taken so far (0 between steps): a step that never ends
-        (a peer rank stopped, a hung kernel) shows here while nothing has failed."""
-        started = self.step_started
-        return 0.0 if started is None else time.monotonic() - started
+        return self.clock.stalled_for()
 
     @property
     def closed_reason(self) -> str | None:
@@ -166,9 +163,8 @@ class AsyncEngine:
             if not self.engine.has_unfinished():
                 continue
             # The engine fails requests (or a whole step) on its own; what escapes is fatal.
-            self.step_started = time.monotonic()
-            outputs = self.engine.step()
-            self.step_started = None
+            with self.clock.timing():
+                outputs = self.engine.step()
             for out in outputs:
                 sink = self._sinks.get(out.request_id)
                 if sink is not None:
