@@ -48,6 +48,8 @@ class Engine(Protocol):
 
     def abort_all(self, error: Exception) -> None: ...
 
+    def stalled_for(self) -> float: ...
+
 
 class Loaded(Protocol):
     """A loaded model, as the registry and the server see it."""
@@ -245,6 +247,14 @@ class ModelRegistry:
         for name, entry in self._loaded.items():
             if entry.loaded.engine.failure is not None:
                 return f"{name}: {entry.loaded.engine.failure}"
+        return None
+
+    def stalled(self, longer_than: float) -> str | None:
+        """The first loaded model whose engine's current step has run longer than ``longer_than`` s."""
+        for name, entry in self._loaded.items():
+            seconds = entry.loaded.engine.stalled_for()
+            if seconds > longer_than:
+                return f"{name}: its engine's current step has run for {seconds:.0f} s"
         return None
 
     @property

@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlx_infer import model_store
 from mlx_infer.errors import InvalidRequest, MlxInferError
-from mlx_infer.server.app import OpenAIServer, ServerConfig
+from mlx_infer.server.app import STALLED_STEP_S, OpenAIServer, ServerConfig
 from mlx_infer.server.errors import for_exception, unauthorized
 from mlx_infer.server.lifecycle import Supervisor
 from mlx_infer.server.model_registry import GIB, ModelRegistry
@@ -136,6 +136,9 @@ class MultiModelServer(OpenAIServer):
         if self.registry.closed_reason is not None:
             body = {"status": "shutting_down", "reason": self.registry.closed_reason, "models": models}
             return JSONResponse(body, status_code=503)
+        stalled = self.registry.stalled(STALLED_STEP_S)
+        if stalled is not None:
+            return JSONResponse({"status": "stalled", "reason": stalled, "models": models}, status_code=503)
         return JSONResponse({"status": "ok", "models": models})
 
     async def render_metrics(self, request: Request) -> Response:

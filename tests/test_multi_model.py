@@ -38,6 +38,11 @@ class FakeEngine:
     def abort_all(self, error: Exception) -> None:
         pass
 
+    stalled: float = 0.0
+
+    def stalled_for(self) -> float:
+        return self.stalled
+
 
 @dataclass
 class FakeModel:
@@ -116,6 +121,17 @@ def test_the_least_recently_used_idle_model_is_unloaded():
     assert (registry.stats.loads, registry.stats.unloads) == (3, 1)
     registry.close()
     assert loader.models["a"].closed and loader.models["c"].closed
+
+
+def test_a_loaded_models_stalled_step_is_reported():
+    loader = Loader({"a": 10, "b": 10})
+    registry = loader.registry()
+    run(registry.acquire("a"))
+    run(registry.acquire("b"))
+    assert registry.stalled(120) is None
+    loader.models["b"].engine.stalled = 500.0
+    assert registry.stalled(120) == "b: its engine's current step has run for 500 s"
+    registry.close()
 
 
 def test_a_busy_model_is_never_unloaded_the_load_waits_then_fails_clearly():
