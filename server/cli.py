@@ -108,8 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=tool_calls.CHOICES,
         metavar="NAME",
-        help="how the model writes tool calls: " + ", ".join(tool_calls.FAMILIES) + " (aliases: "
-        + ", ".join(f"{a}={f}" for a, f in tool_calls.registry.ALIASES.items()) + "); 'none' parses "
+        help="how the model writes tool calls: "
+        + ", ".join(tool_calls.FAMILIES)
+        + " (aliases: "
+        + ", ".join(f"{a}={f}" for a, f in tool_calls.registry.ALIASES.items())
+        + "); 'none' parses "
         "none (default: auto, from the chat template and tokenizer)",
     )
     g.add_argument(
