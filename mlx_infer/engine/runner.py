@@ -124,14 +124,15 @@ class ModelRunner:
         returns the sampled requests' allowed-token masks (structured output): it is called once the
         forward pass is running, so the host fills them while the model computes.
         """
-        slices, tokens, pending_at, pending_rows = [], [], [], []
+        slices, tokens, pending_at, pending_rows, scoring = [], [], [], [], []
         rows_of = pending.rows_by_request() if pending is not None else {}
         for s in batch:
             r = s.request
             # A proposal is verified as extra query rows after the sequence's own tokens, each row's
             # logits sampled (see engine/speculative.py); its requests have no pending token. A prompt
             # whose log-probabilities are wanted needs every row's logits too.
-            all_rows = (s.samples and bool(r.proposal)) or r.scores_prompt
+            scoring.append(r.scores_prompt)
+            all_rows = (s.samples and bool(r.proposal)) or scoring[-1]
             table, slot = self.kv.block_tables[r.request_id], self.kv.state_slot(r.request_id)
             window_table = self.kv.window_table(r.request_id)
             slices.append(SequenceSlice(table, r.num_computed, s.num_new, all_rows, slot, window_table))
@@ -143,7 +144,10 @@ class ModelRunner:
         inputs = _inputs(tokens, pending_at, pending_rows, pending)
         self._load_checkpoints(batch)
         logits = self.model(inputs, self.cache, meta)
-        saved = self._save_checkpoints(batch) + self._score_prompts(batch, slices, logits)
+        # Each sequence's first logit row: it has one, or one per new token (build_metadata's rows).
+        widths = [s.num_new if piece.want_all_logits else 1 for s, piece in zip(batch, slices)]
+        starts = list(itertools.accumulate(widths, initial=0))
+        saved = self._save_checkpoints(batch) + self._score_prompts(batch, scoring, starts, logits)
         rows = [i for i, s in enumerate(batch) if s.samples]
         if not rows:
             # A step of partial prefills only: the K/V writes are all it produces. The next step waits
@@ -153,17 +157,13 @@ class ModelRunner:
             self._prefill_launched = [c for layer in self.cache for c in layer.state()] + saved
             mx.async_eval(self._prefill_launched)
             return None, rows
-        # Logit rows: one per sequence, or one per new token (a verifying one: 1 + len(proposal), all
-        # sampled; a scored prompt: its last sampled); keep the sampled ones.
-        logit_rows, owner, at = [], [], 0  # owner: the index in ``rows`` each kept logit row belongs to
-        for i, s in enumerate(batch):
-            n = s.num_new if slices[i].want_all_logits else 1
-            if s.samples:
-                kept = 1 + len(s.request.proposal)
-                owner.extend([owner[-1] + 1 if owner else 0] * kept)
-                logit_rows.extend(range(at + n - kept, at + n))
-            at += n
-        if len(logit_rows) < at:
+        # Keep the sampled logit rows: a verifying sequence's 1 + len(proposal), another's last.
+        logit_rows, owner = [], []  # owner: the index in ``rows`` each kept logit row belongs to
+        for i in rows:
+            kept = 1 + len(batch[i].request.proposal)
+            owner.extend([owner[-1] + 1 if owner else 0] * kept)
+            logit_rows.extend(range(starts[i + 1] - kept, starts[i + 1]))
+        if len(logit_rows) < starts[-1]:
             logits = logits[mx.array(logit_rows)]
         allowed = None
         if masks is not None:
@@ -201,23 +201,23 @@ class ModelRunner:
         return result, rows
 
     def _score_prompts(
-        self, batch: list[ScheduledRequest], slices: list[SequenceSlice], logits: mx.array
+        self, batch: list[ScheduledRequest], scoring: list[bool], starts: list[int], logits: mx.array
     ) -> list[mx.array]:
-        """Log-probabilities of the prompt tokens this step predicts, for the requests that want them:
-        kept lazily on each request (``Request.scored``) and returned, to be evaluated with the step."""
-        rows, targets, owners, at = [], [], [], 0
-        for s, piece in zip(batch, slices):
-            r = s.request
-            if r.scores_prompt:
+        """Log-probabilities of the prompt tokens this step predicts, for the requests that want them
+        (``scoring``; ``starts``: each sequence's first logit row): kept lazily on each request
+        (``Request.scored``) and returned, to be evaluated with the step."""
+        if not any(scoring):
+            return []
+        rows, targets, owners = [], [], []
+        for s, scores, at in zip(batch, scoring, starts):
+            if scores:
+                r = s.request
                 # Row j predicts token num_computed + j + 1; the last prompt row predicts the first
                 # output token, which is sampled, not scored.
                 count = min(s.num_new, r.num_prompt_tokens - 1 - r.num_computed)
                 owners.append((r, r.num_computed, count, len(rows)))
                 rows.extend(range(at, at + count))
                 targets.extend(r.prompt_ids[r.num_computed + 1 : r.num_computed + 1 + count])
-            at += s.num_new if piece.want_all_logits else 1
-        if not rows:
-            return []
         k = max(r.params.prompt_logprobs for r, *_ in owners)
         scored = logits[mx.array(rows)].astype(mx.float32)
         chosen, top_ids, top_lps = token_logprobs(scored, mx.array(targets, dtype=mx.int32), k)
