@@ -110,9 +110,8 @@ class BlockPool:
         self.ref_counts[block] += 1
 
     def _unfree(self, block: int) -> None:
-        if self._cached_free.pop(block, 0) is None:
-            return
-        del self._clean[block]
+        """Take a free block off whichever free list holds it."""
+        del (self._cached_free if block in self._cached_free else self._clean)[block]
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; blocks reaching zero become free (and stay cached).
@@ -132,7 +131,8 @@ class BlockPool:
             return
         self.block_hashes[block] = block_hash
         self._cached[block_hash] = block
-        if self._clean.pop(block, 0) is None:  # registered while free (unreferenced): now a cached one
+        if block in self._clean:  # registered while free (unreferenced): now a cached one
+            del self._clean[block]
             self._cached_free[block] = None
 
     def _evict(self, block: int) -> None:
