@@ -24,7 +24,7 @@ from starlette.routing import Route
 from mlx_infer.constraints import ConstraintSpec, compile_constraint
 from mlx_infer.context_policy import fit_for_engine, request_policy
 from mlx_infer.engine.async_engine import AsyncEngine, RequestGroup
-from mlx_infer.engine.request import RequestOutput, TokenLogprob
+from mlx_infer.engine.request import RequestOutput
 from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
 from mlx_infer.reasoning import template_kwargs
 from mlx_infer.server import chat_output
@@ -322,8 +322,6 @@ class OpenAIServer:
         forced = plan.constraint if plan is not None else None  # tool_choice required / a named function
         await self.output_constraint(plan, body.constraint(), body.constraint_field())
         params = [body.sampling_params(max_tokens, logprobs, i) for i in range(body.n)]
-        if not chat and body.prompt_logprobs_count() is not None:
-            params = [dataclasses.replace(p, prompt_logprobs=body.prompt_logprobs_count()) for p in params]
         if forced is not None:
             params = [dataclasses.replace(p, constraint=forced) for p in params]
         requests = [(prompt, p) for prompt in prompts for p in params]
@@ -376,9 +374,9 @@ class _Call:
             server.tokenizer.decode(prompts[i // body.n]) if not chat and body.echo else ""
             for i in range(len(self.choices))
         ]
-        self.scores_prompt = not chat and body.prompt_logprobs_count() is not None
+        self.scores_prompt = body.prompt_logprobs_count() is not None
         # max_tokens 0 with echo: the one token the engine samples after the prompt is not returned.
-        self.scores_only = not chat and body.scores_only
+        self.scores_only = body.scores_only
         # Chat answers split into content, reasoning and tool calls as they arrive, one parser a choice.
         self.parsers = [plan.parser(prompts[0]) for _ in range(body.n)] if plan is not None else None
 
@@ -408,7 +406,7 @@ class _Call:
 
     def _logprobs(self, entries, offset: int, prompt: list | None = None) -> dict[str, Any] | None:
         """The logprobs field of a choice (or of a chunk): ``entries`` from text offset ``offset``,
-        after the echoed prompt's own (``prompt``: one entry a token, None first) where it is scored."""
+        after the echoed prompt's own (``prompt``: one entry a token) where it is scored."""
         if self.body.logprobs_count() is None:
             return None
         if self.chat:
@@ -419,19 +417,11 @@ class _Call:
         generated = self.server.logprobs.completion(entries, offset)
         return {key: scored[key] + generated[key] for key in scored}
 
-    def _prompt_entries(self, index: int, choice: Choice) -> list | None:
-        """The echoed prompt's logprobs entries of choice ``index`` (its first entry has no log-probability:
-        nothing predicts it), or None when none are asked for."""
-        if not self.scores_prompt or choice.prompt_logprobs is None:
-            return None
-        first = TokenLogprob(self.prompts[index // self.body.n][0], None, [])
-        return [first, *choice.prompt_logprobs[1:]]
-
     def final_body(self) -> dict[str, Any]:
         choices = []
         for i, c in enumerate(self.choices):
             text = "".join(c.text)
-            lp = self._logprobs(c.logprobs, len(self.echoes[i]), self._prompt_entries(i, c))
+            lp = self._logprobs(c.logprobs, len(self.echoes[i]), c.prompt_logprobs)
             if self.chat:
                 parsed = self.parsers[i].result
                 message = chat_output.message(parsed)
@@ -504,7 +494,7 @@ class _Call:
                 out = self._record(index, out)
                 events = self._events(index, out)
                 # A scored prompt's echo rides on its first output, with its tokens' log-probabilities.
-                prompt = self._prompt_entries(index, self.choices[index]) if out.prompt_logprobs else None
+                prompt = out.prompt_logprobs
                 if not out.text and not out.finished and not out.logprobs and prompt is None:
                     continue
                 lp = self._logprobs(out.logprobs or [], offsets[index], prompt)

@@ -19,7 +19,7 @@ class Choice:
     finish_reason: str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's, when asked for (echo)
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's, when asked for (echo)
 
     def add(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is not None:

@@ -84,6 +84,15 @@ class _SamplingFields(StructuredOutputFields):
             raise ValueError(f"stop sequences are at most {MAX_STOP_LENGTH} characters long")
         return value
 
+    def prompt_logprobs_count(self) -> int | None:
+        """How many top log-probabilities each prompt token gets (None: the prompt is not scored)."""
+        return None
+
+    @property
+    def scores_only(self) -> bool:
+        """Whether the prompt is only scored, nothing generated."""
+        return False
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -109,6 +118,7 @@ class _SamplingFields(StructuredOutputFields):
             include_stop_str_in_output=self.include_stop_str_in_output,
             speculative=self.speculative,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs_count(),
             constraint=self.constraint(),
         )
 

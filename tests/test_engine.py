@@ -229,7 +229,7 @@ def test_prompt_logprobs_match_log_softmax_of_each_prefix(model, num_blocks, bud
     )
     for prompt, out, k in ((PROMPTS[2], outs[0], 2), (PROMPTS[0], outs[1], 0)):
         entries = out[0].prompt_logprobs
-        assert len(entries) == len(prompt) and entries[0] is None
+        assert len(entries) == len(prompt) and (entries[0].token_id, entries[0].logprob) == (prompt[0], None)
         assert all(o.prompt_logprobs is None for o in out[1:])
         for p in range(1, len(prompt)):
             expected = oracle[tuple(prompt[: p + 1])]

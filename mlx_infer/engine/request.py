@@ -116,10 +116,10 @@ class Request:
             and self.num_computed < self.num_prompt_tokens - 1
         )
 
-    def read_prompt_logprobs(self) -> list[TokenLogprob | None]:
+    def read_prompt_logprobs(self) -> list[TokenLogprob]:
         """Each prompt token's log-probability (None for the first, which nothing predicts), read from
         the steps that computed them; a recomputed position (after a preemption) keeps its last value."""
-        entries: list[TokenLogprob | None] = [None] * self.num_prompt_tokens
+        entries = [TokenLogprob(token, None, []) for token in self.prompt_ids]
         k = self.params.prompt_logprobs or 0
         for part in self.scored:
             end = part.offset + part.count
@@ -162,8 +162,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     logprobs: list[TokenLogprob] | None = None
-    # With prompt_logprobs, on a request's first output only: one entry a prompt token, None first.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With prompt_logprobs, on a request's first output only: one entry a prompt token (the first
+    # without a log-probability).
+    prompt_logprobs: list[TokenLogprob] | None = None
     error: Exception | None = None  # set with finish_reason "error": why this request failed alone
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
