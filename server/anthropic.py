@@ -194,9 +194,9 @@ class MessagesRequest(_Conversation):
 
 
 # ---- request -> chat-template messages -----------------------------------------------------------
-def chat_messages(body: _Conversation) -> tuple[list[dict[str, Any]], str]:
-    """The conversation as OpenAI-style chat messages for the template, and the text of a final
-    assistant message (Anthropic's prefill: the answer continues it), or ""."""
+def chat_messages(body: _Conversation) -> list[dict[str, Any]]:
+    """The conversation as OpenAI-style chat messages for the template; a final assistant message is
+    Anthropic's prefill, which the answer continues (``ChatPlan.continue_final_message``)."""
     messages: list[dict[str, Any]] = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
@@ -211,16 +211,7 @@ def chat_messages(body: _Conversation) -> tuple[list[dict[str, Any]], str]:
             messages.append(_assistant_turn(blocks, where))
     if not messages:
         raise InvalidRequest("messages: the conversation is empty")
-    prefill = ""
-    last = messages[-1]
-    if last["role"] == "assistant":
-        if "tool_calls" in last:
-            raise InvalidRequest("the last message cannot end with tool_use blocks: send their results")
-        prefill = last.get("content", "")
-        messages.pop()
-        if not messages:
-            raise InvalidRequest("the conversation needs a user message before the assistant's")
-    return messages, prefill
+    return messages
 
 
 def _user_turn(blocks: list, where: str) -> list[dict[str, Any]]:
@@ -468,7 +459,7 @@ class AnthropicRoutes:
     async def _prompt(self, body: _Conversation) -> tuple[ChatPlan, list[int]]:
         """The request's plan (tools as the chat route writes them into the prompt, the call tool_choice
         forces) and its prompt ids."""
-        messages, prefill = chat_messages(body)
+        messages = chat_messages(body)
         kwargs: dict[str, Any] = {}
         if body.thinking is not None and body.thinking.type != "adaptive":
             kwargs["enable_thinking"] = body.thinking.type == "enabled"
@@ -476,11 +467,9 @@ class AnthropicRoutes:
         plan = self.server.plan_chat(
             openai_tools(body.tools), choice.as_openai(), not choice.disable_parallel_tool_use, kwargs
         )
+        plan = dataclasses.replace(plan, continue_final_message=messages[-1]["role"] == "assistant")
         # Templating and tokenizing a long prompt takes a while: off the loop that feeds every stream.
-        ids = await run_in_threadpool(plan.render, messages)
-        if prefill:
-            ids += await run_in_threadpool(self.server.tokenizer.encode, prefill, False)
-        return plan, ids
+        return plan, await run_in_threadpool(plan.render, messages)
 
     async def count_tokens(self, request: Request) -> Response:
         body = await self._body(request, _Conversation)

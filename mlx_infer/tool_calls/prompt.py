@@ -57,8 +57,8 @@ class ChatPlan:
     parallel: bool
     constraint: Any  # a ConstraintSpec forcing a call (tool_choice required / named), or None
     template_kwargs: dict[str, Any]
-    # vLLM's / transformers': open the assistant's turn after the messages, or (continue_final_message)
-    # leave the final assistant message open for the answer to go on from its last character.
+    # vLLM's: open the assistant's turn after the messages; or (continue_final_message; Anthropic's
+    # prefill) leave a final assistant message open, for the answer to go on from its last character.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -67,17 +67,22 @@ class ChatPlan:
         if self.family is not None:
             template = select_template(self.tokenizer.chat_template, self.tools or None)
             messages = written_for_template(self.family, template, messages, self.tools)
-        text = self.tokenizer.apply_chat_template(
+        return self.tokenizer.apply_chat_template(
             messages,
             tools=self.tools or None,
-            add_generation_prompt=self.add_generation_prompt and not self.continue_final_message,
+            add_generation_prompt=self.add_generation_prompt or self.continue_final_message,
             **self.template_kwargs,
         )
-        return open_final_message(text, messages[-1]) if self.continue_final_message else text
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Prompt ids of ``messages`` (the template writes any BOS itself)."""
-        return self.tokenizer.encode(self.render_text(messages), add_special_tokens=False)
+        """Prompt ids of ``messages`` (the template writes any BOS itself). With continue_final_message
+        the turns before the final assistant message are rendered with the assistant's turn opened, and
+        that message's text follows."""
+        prefill = ""
+        if self.continue_final_message:
+            messages, prefill = split_prefill(messages)
+        ids = self.tokenizer.encode(self.render_text(messages), add_special_tokens=False)
+        return ids + self.tokenizer.encode(prefill, add_special_tokens=False) if prefill else ids
 
     def parser(self, prompt_ids: Sequence[int] = ()) -> OutputParser:
         """A fresh parser for one choice's output; ``prompt_ids`` tell whether the answer starts inside
@@ -96,22 +101,17 @@ class ChatPlan:
         return OutputParser(family, names, self.reasoning, in_reasoning, self.parallel, parameters, forced)
 
 
-def open_final_message(rendered: str, final: Mapping[str, Any]) -> str:
-    """``rendered`` cut right after the final message's text, so that what the template closes it with
-    (an end-of-turn marker) is gone, as transformers' ``continue_final_message`` does."""
-    content = final.get("content") or ""
-    if final.get("role") != "assistant" or not content.strip():
+def split_prefill(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], str]:
+    """The turns before a final assistant message, and its text: the prefill the answer continues."""
+    if not messages or messages[-1].get("role") != "assistant":
         raise InvalidRequest(
-            "continue_final_message needs the last message to be the assistant's, with text", "messages"
+            "the last message must be the assistant's, for the answer to continue it", "messages"
         )
-    at = rendered.rfind(content.strip())
-    if at < 0:
-        raise InvalidRequest(
-            "continue_final_message: the template does not write the last message", "messages"
-        )
-    # The content as sent when the template kept its leading and trailing spaces, else as stripped.
-    whole = rendered[at : at + len(content.lstrip())] == content.lstrip()
-    return rendered[: at + len(content.lstrip() if whole else content.strip())]
+    if messages[-1].get("tool_calls"):
+        raise InvalidRequest("the last message cannot end with tool calls: send their results", "messages")
+    if len(messages) == 1:
+        raise InvalidRequest("the conversation needs a user message before the assistant's", "messages")
+    return list(messages[:-1]), messages[-1].get("content") or ""
 
 
 def prepare_chat(
