@@ -64,7 +64,10 @@ def _terminated(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    args, unknown = build_parser().parse_known_args(argv)
+    try:  # building the parser imports every subcommand (MLX among them): seconds a Ctrl-C can land in
+        args, unknown = build_parser().parse_known_args(argv)
+    except KeyboardInterrupt:
+        return 130
     if unknown:  # named by the subcommand they were given to, not by the top-level parser
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     # SIGTERM (a supervisor, `kill`) cleans up as Ctrl-C does: a half-written convert output is removed,
