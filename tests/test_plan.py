@@ -144,6 +144,16 @@ def test_70b_from_its_config_alone(tmp_path: Path, monkeypatch):
     assert cpu.weights_fit is False and cpu.max_context_that_fits == 0
 
 
+def test_a_config_whose_dtype_is_unknown_is_planned_as_float32_and_says_so(tmp_path: Path, caplog):
+    config = {**LLAMA_70B, "torch_dtype": "float8_e4m3fn"}
+    plan = make_plan(str(write_config(tmp_path / "fp8-70b", config)), context=8192, backend="metal")
+    assert plan.weights_bytes == 2 * LLAMA_70B_TOTAL_SIZE  # 4 bytes a parameter: the safe side of "fits"
+    assert "'float8_e4m3fn' is not one of float64, float32, float16, bfloat16" in caplog.text
+    caplog.clear()
+    make_plan(str(write_config(tmp_path / "70b", LLAMA_70B)), context=8192, backend="metal")
+    assert caplog.text == ""  # bfloat16 named: nothing to say
+
+
 @pytest.fixture
 def int8_activations():
     """The engine's default activations: the float32 ones conftest picks make a long prefill slow."""

@@ -15,6 +15,7 @@ first replays what ``mlx-infer convert`` would write.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import Counter
 from collections.abc import Collection, Iterable
@@ -27,6 +28,8 @@ from mlx.utils import tree_flatten
 
 from mlx_infer.errors import InvalidCheckpoint, ModelNotFound
 from mlx_infer.loading import hf, hub
+
+log = logging.getLogger(__name__)
 
 FLOAT_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 _SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -284,6 +287,13 @@ def _default_dtype(config: dict[str, Any], headers: dict[str, str], folder: Path
         count = sum(p.size for _, p in tree_flatten(model.parameters()))
         if total and count:
             return "float32" if total / count > 3 else "bfloat16"
+    # Nothing says: plan for the largest a tensor would be held in, and say so (a bigger estimate than the
+    # truth is the safe side of "does it fit").
+    named = text.get("torch_dtype") or config.get("torch_dtype") or text.get("dtype") or config.get("dtype")
+    why = "the config names no dtype"
+    if named:
+        why = f"the config's dtype {named!r} is not one of {', '.join(FLOAT_BYTES)}"
+    log.warning("plan: %s and no weight headers are at hand: unquantized tensors counted as float32", why)
     return "float32"
 
 
