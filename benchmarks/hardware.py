@@ -40,11 +40,6 @@ class BandwidthProbe:
         return self._buf.nbytes / best
 
 
-def read_bandwidth(repeats: int = 5) -> float:
-    """Single-threaded read bandwidth in bytes/s, measured once (:class:`BandwidthProbe`)."""
-    return BandwidthProbe(repeats)()
-
-
 def decode_bound(
     bandwidth: float, weight_bytes: int, kv_bytes_per_token: int, batch: int, context: float
 ) -> float:
