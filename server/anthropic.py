@@ -199,13 +199,10 @@ def chat_messages(body: _Conversation) -> list[dict[str, Any]]:
     Anthropic's prefill, which the answer continues (``ChatPlan.continue_final_message``)."""
     messages: list[dict[str, Any]] = []
     if body.system:
-        system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
+        system = body.system if isinstance(body.system, str) else "\n".join(b.text for b in body.system)
         messages.append({"role": "system", "content": system})
-    for i, message in enumerate(body.messages):
-        content = message.content
-        blocks = [TextBlock(type="text", text=content)] if isinstance(content, str) else content
-        where = f"messages.{i}.content"
-        if message.role == "user":
+    for role, blocks, where in _turns(body.messages):
+        if role == "user":
             messages.extend(_user_turn(blocks, where))
         else:
             messages.append(_assistant_turn(blocks, where))
@@ -214,16 +211,33 @@ def chat_messages(body: _Conversation) -> list[dict[str, Any]]:
     return messages
 
 
+def _turns(messages: list[Message]) -> list[tuple[str, list, str]]:
+    """(role, blocks, where) a turn: messages in a row from the same role are one turn, as Anthropic
+    combines them (two assistant messages at the end are one prefill)."""
+    turns: list[tuple[str, list, str]] = []
+    for i, message in enumerate(messages):
+        content = message.content
+        blocks = [TextBlock(type="text", text=content)] if isinstance(content, str) else list(content)
+        if turns and turns[-1][0] == message.role:
+            turns[-1][1].extend(blocks)
+        else:
+            turns.append((message.role, blocks, f"messages.{i}.content"))
+    return turns
+
+
 def _user_turn(blocks: list, where: str) -> list[dict[str, Any]]:
-    """Tool results become tool messages (in block order); text blocks in a row join one user message."""
+    """Tool results become tool messages (in block order); text blocks in a row join one user message,
+    a line each."""
     out: list[dict[str, Any]] = []
     for block in blocks:
         if isinstance(block, ToolResultBlock):
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+            # The template has no flag for a failed call: the model reads it in the result.
+            text = f"Error: {block.text()}" if block.is_error else block.text()
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
         elif isinstance(block, ThinkingBlock | RedactedThinkingBlock | ToolUseBlock):
             raise InvalidRequest(f"{where}: {block.type} blocks belong to assistant messages")
         elif out and out[-1]["role"] == "user":
-            out[-1]["content"] += _text_of(block, where)
+            out[-1]["content"] += "\n" + _text_of(block, where)
         else:
             out.append({"role": "user", "content": _text_of(block, where)})
     return out

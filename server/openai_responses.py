@@ -80,7 +80,8 @@ class MessageItem(_Lenient):
     def text(self, where: str) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(_part_text(p, where) for p in self.content)
+        # A line each, as the chat route joins text parts; an assistant's are pieces of one answer.
+        return ("" if self.role == "assistant" else "\n").join(_part_text(p, where) for p in self.content)
 
 
 class FunctionCallItem(_Lenient):

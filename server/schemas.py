@@ -147,7 +147,8 @@ class ChatMessage(BaseModel):
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError("only text content parts are supported")
                 parts.append(part["text"])
-            return "".join(parts)
+            # A line each, as vLLM joins them; an assistant's parts are pieces of one answer.
+            return ("" if self.role == "assistant" else "\n").join(parts)
         return self.content or ""
 
 

@@ -20,6 +20,7 @@ from starlette.testclient import TestClient
 from mlx_infer.engine.async_engine import AsyncEngine
 from mlx_infer.engine.engine import Engine
 from mlx_infer.loading.gguf_file import read_header
+from mlx_infer.server.anthropic import MessagesRequest, chat_messages
 from mlx_infer.server.app import OpenAIServer, ServerConfig
 from mlx_infer.tokenizer import Tokenizer
 
@@ -197,6 +198,33 @@ def test_count_tokens_is_the_templated_prompt(http: TestClient, tiny_engine: Eng
         ]
     )
     assert http.post(COUNT, json=body).json() == {"input_tokens": len(expected)}
+
+
+def test_turns_in_a_row_from_one_role_are_one_turn_and_a_failed_tool_says_so():
+    call = {"type": "tool_use", "id": "t1", "name": "lookup", "input": {"q": "x"}}
+    body = MessagesRequest.model_validate(
+        _msg(
+            system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Answer in French."}],
+            messages=[
+                {"role": "user", "content": "w1"},
+                {"role": "user", "content": [{"type": "text", "text": "w2"}, {"type": "text", "text": "w3"}]},
+                {"role": "assistant", "content": [call]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "boom",
+                                              "is_error": True}]},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "assistant", "content": " How"},
+            ],
+        )
+    )
+    function = {"name": "lookup", "arguments": '{"q": "x"}'}
+    assert chat_messages(body) == [
+        {"role": "system", "content": "Be brief.\nAnswer in French."},
+        {"role": "user", "content": "w1\nw2\nw3"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "t1", "type": "function", "function": function}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "Error: boom"},
+        {"role": "assistant", "content": "Hello. How"},  # one prefill, continued
+    ]  # fmt: skip
 
 
 def sdk_over(http: TestClient, api_key: str) -> anthropic.Anthropic:

@@ -145,7 +145,7 @@ def test_input_items_become_the_chat_template_messages(http: TestClient):
     """Messages, a function call and its output in the prompt exactly as the chat route templates them."""
     items = [
         {"role": "developer", "content": "w4"},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "w1 w2"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": w} for w in ("w1", "w2")]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": "w5"},
     ]
@@ -156,7 +156,7 @@ def test_input_items_become_the_chat_template_messages(http: TestClient):
         "messages": [
             {"role": "system", "content": "w9"},
             {"role": "system", "content": "w4"},
-            {"role": "user", "content": "w1 w2"},
+            {"role": "user", "content": [{"type": "text", "text": "w1"}, {"type": "text", "text": "w2"}]},
             {
                 "role": "assistant",
                 "content": "",
@@ -169,6 +169,11 @@ def test_input_items_become_the_chat_template_messages(http: TestClient):
     }
     expected = http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"]
     assert reply["usage"]["input_tokens"] == expected
+    # Text parts join a line each (as vLLM's), on both routes.
+    chat["messages"][2]["content"] = "w1\nw2"
+    assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == expected
+    chat["messages"][2]["content"] = "w1w2"
+    assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] != expected
 
 
 # ---- the official client on the real SmolLM2 ------------------------------------------------------
