@@ -9,6 +9,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import ValidationError
@@ -109,8 +110,8 @@ class OpenAIServer:
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.render_metrics, methods=["GET"]),
-            Route("/v1/models", self.guarded(self.models), methods=["GET"]),
-            Route("/v1/models/{model_id:path}", self.guarded(self.model), methods=["GET"]),
+            Route("/v1/models", self.guarded(self.models, anthropic=None), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.guarded(self.model, anthropic=None), methods=["GET"]),
             Route("/v1/chat/completions", self.guarded(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self.guarded(self.completions), methods=["POST"]),
             *EmbeddingRoutes(self).routes(),  # a 400 here; server/embedding_server.py serves embeddings
@@ -133,23 +134,25 @@ class OpenAIServer:
             return anthropic_error_response(exc.status_code, message, headers=exc.headers)
         return error_response(exc.status_code, message, headers=exc.headers)
 
-    def guarded(self, handler, anthropic: bool = False):
+    def guarded(self, handler, anthropic: bool | None = False):
         """Key check and typed-error mapping around an API handler, answering in OpenAI's error shape
-        (``anthropic``: in Anthropic's)."""
+        (``anthropic``: in Anthropic's; None: in the shape of the client that asks, which for Anthropic's
+        sends an ``anthropic-version`` header: the routes both clients use)."""
 
         async def wrapped(request: Request) -> Response:
+            shape = "anthropic-version" in request.headers if anthropic is None else anthropic
             if not self.authorized(request):
-                return unauthorized(anthropic)
+                return unauthorized(shape)
             try:
                 return await handler(request)
             except ClientDisconnect:
                 # The client left before its body arrived: no one to answer, nothing went wrong here.
                 return Response(status_code=499)
             except (MlxInferError, ValidationError) as e:
-                return for_exception(e, anthropic)
+                return for_exception(e, shape)
             except Exception as e:  # noqa: BLE001 - an engine failure still answers in the API's format
                 log.exception("request failed")
-                return for_exception(e, anthropic)
+                return for_exception(e, shape)
 
         return wrapped
 
@@ -202,15 +205,23 @@ class OpenAIServer:
         return self.engine.engine.max_context
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": self.model_cards()})
+        cards = self.model_cards()
+        if "anthropic-version" not in request.headers:  # every Anthropic client sends it
+            return JSONResponse({"object": "list", "data": cards})
+        # Anthropic's page, which its client pages through by the first and last id.
+        data = [_anthropic_card(card) for card in cards]
+        ends = {"first_id": data[0]["id"], "last_id": data[-1]["id"]} if data else {}
+        return JSONResponse({"data": data, "has_more": False, **ends})
 
     async def model(self, request: Request) -> Response:
-        """``/v1/models/{id}`` (the OpenAI client's ``models.retrieve``): one card of the list."""
+        """``/v1/models/{id}`` (the OpenAI client's ``models.retrieve``, Anthropic's too): one card of the
+        list."""
         wanted = request.path_params["model_id"]
         cards = self.model_cards()
         for card in cards:
             if card["id"] == wanted:
-                return JSONResponse(card)
+                anthropic = "anthropic-version" in request.headers
+                return JSONResponse(_anthropic_card(card) if anthropic else card)
         offered = ", ".join(repr(c["id"]) for c in cards)
         raise ModelNotFound(f"model: {wanted!r} does not exist; this server has {offered}", param="model")
 
@@ -515,3 +526,13 @@ class _Call:
             yield f"data: {from_exception(e).body.decode()}\n\n"
         finally:
             self.group.close()
+
+
+def _anthropic_card(card: dict[str, Any]) -> dict[str, Any]:
+    """A model card as Anthropic's ``models`` API gives it (its ``type`` is always ``model``, where
+    OpenAI's card carries LM Studio's ``llm`` / ``embeddings``)."""
+    created_at = datetime.fromtimestamp(card["created"], tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    context = card.get("context_length")
+    limits = {"max_input_tokens": context, "max_tokens": context} if context else {}
+    return {"id": card["id"], "type": "model", "display_name": card["id"], "created_at": created_at,
+            "lifecycle": "active", **limits}  # fmt: skip

@@ -58,8 +58,8 @@ class EmbeddingServer(OpenAIServer):
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.render_metrics, methods=["GET"]),
-            Route("/v1/models", self.guarded(self.models), methods=["GET"]),
-            Route("/v1/models/{model_id:path}", self.guarded(self.model), methods=["GET"]),
+            Route("/v1/models", self.guarded(self.models, anthropic=None), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.guarded(self.model, anthropic=None), methods=["GET"]),
             *EmbeddingRoutes(self, self.embedder).routes(),
             *(Route(path, self.guarded(self.not_served), methods=["POST"]) for path in GENERATION_ROUTES),
         ]

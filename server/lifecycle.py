@@ -7,11 +7,12 @@ import asyncio
 import logging
 import signal
 import time
+import uuid
 from types import FrameType
 
 import uvicorn
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlx_infer.engine.async_engine import AsyncEngine
 from mlx_infer.errors import ServiceUnavailable
@@ -37,6 +38,8 @@ class Supervisor:
         self.load_error = error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            send = _with_request_id(scope, send)
         if scope["type"] == "lifespan":
             # Nothing to set up or tear down here: the loader thread owns the engine.
             while True:
@@ -56,6 +59,22 @@ class Supervisor:
                 503, "the model is loading; retry shortly", "server_error", headers={"Retry-After": "5"}
             )
         await response(scope, receive, send)
+
+
+def _with_request_id(scope: Scope, send: Send) -> Send:
+    """Every answer names its request as OpenAI's (``x-request-id``) and Anthropic's (``request-id``) do,
+    which their clients show as ``_request_id`` for a user's bug report and the log: the caller's own
+    ``X-Request-Id`` when it sent one (as a proxy in front passes it on), else a new one."""
+    given = dict(scope["headers"]).get(b"x-request-id", b"")
+    request_id = given.decode("latin-1") if 0 < len(given) <= 128 else f"req_{uuid.uuid4().hex}"
+    added = [(b"x-request-id", request_id.encode("latin-1")), (b"request-id", request_id.encode("latin-1"))]
+
+    async def send_with_id(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *added]}
+        await send(message)
+
+    return send_with_id
 
 
 class ServeServer(uvicorn.Server):

@@ -73,8 +73,8 @@ class MultiModelServer(OpenAIServer):
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.render_metrics, methods=["GET"]),
-            Route("/v1/models", self.guarded(self.models), methods=["GET"]),
-            Route("/v1/models/{model_id:path}", self.guarded(self.model), methods=["GET"]),
+            Route("/v1/models", self.guarded(self.models, anthropic=None), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.guarded(self.model, anthropic=None), methods=["GET"]),
         ]
         if self.config.web:
             routes += web_routes()

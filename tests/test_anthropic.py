@@ -342,3 +342,23 @@ def test_max_tokens_system_and_prefill(client: anthropic.Anthropic, tok: Tokeniz
         client.messages.create(model="smollm2", max_tokens=0, messages=FRANCE)
     assert e.value.body["error"]["type"] == "invalid_request_error"
     assert wait_for_idle(server)["mlx_infer_kv_blocks_used"] == 0
+
+
+@pytest.mark.slow
+def test_models_and_request_ids_as_the_anthropic_client_reads_them(client: anthropic.Anthropic):
+    page = client.models.list()
+    assert [m.id for m in page.data] == ["smollm2"]
+    assert (page.has_more, page.first_id, page.last_id) == (False, "smollm2", "smollm2")
+    info = client.models.retrieve("smollm2")
+    assert (info.type, info.display_name, info.lifecycle, info.max_input_tokens) == (
+        "model", "smollm2", "active", 8192
+    )
+    assert info.created_at.year >= 2026  # an RFC 3339 time the client parsed
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.models.retrieve("claude-sonnet-4-5")
+    assert missing.value.body["error"]["type"] == "not_found_error"  # Anthropic's shape, not OpenAI's
+    reply = client.messages.create(model="smollm2", max_tokens=1, messages=FRANCE)
+    raw = client.messages.with_raw_response.create(
+        model="smollm2", max_tokens=1, messages=FRANCE, extra_headers={"X-Request-Id": "mine-1"}
+    )
+    assert reply._request_id.startswith("req_") and raw.request_id == "mine-1"  # a proxy's own id kept

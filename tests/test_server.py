@@ -100,8 +100,11 @@ def test_models_health_and_metrics(server: LiveServer, client: openai.OpenAI):
     assert [m.id for m in client.models.list().data] == ["smollm2"]
     card = client.models.retrieve("smollm2")  # GET /v1/models/{id}
     assert card.id == "smollm2" and card.model_dump()["context_length"] == 8192
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("nope")
+    assert missing.value.body["code"] == "model_not_found"  # OpenAI's shape (the client unwraps "error")
+    assert missing.value.request_id.startswith("req_")  # x-request-id, on errors too
+    assert client.models.with_raw_response.list().headers["x-request-id"].startswith("req_")
     assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
     text = httpx.get(f"{server.base_url}/metrics").text
     for name in METRIC_NAMES:
