@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from mlx_infer.errors import MlxInferError, ModelNotFound, QueueFull
+from mlx_infer.errors import ContextTooLong, MlxInferError, ModelNotFound, QueueFull
 
 
 def error_response(
@@ -40,8 +40,9 @@ def retry_after(error: Exception) -> dict[str, str] | None:
 def from_exception(error: Exception) -> JSONResponse:
     status, message, type_, param = describe(error)
     headers = retry_after(error)
-    # OpenAI's code for an unknown model, which clients match on.
-    code = "model_not_found" if isinstance(error, ModelNotFound) else None
+    # OpenAI's codes for an unknown model and a prompt too long, which clients match on (agents trim
+    # their history on context_length_exceeded).
+    code = {ModelNotFound: "model_not_found", ContextTooLong: "context_length_exceeded"}.get(type(error))
     return error_response(status, message, type_, param=param, headers=headers, code=code)
 
 

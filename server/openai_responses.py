@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlx_infer.constraints import ConstraintSpec
+from mlx_infer.context_policy import fit_for_engine, request_policy
 from mlx_infer.engine.request import RequestOutput
 from mlx_infer.errors import InvalidRequest, MlxInferError
 from mlx_infer.sampling import SamplingParams
@@ -134,6 +135,15 @@ class NamedFunction(_Lenient):
     type: Literal["function"]
     name: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_form_too(cls, value: Any) -> Any:
+        # The chat route's form ({"type": "function", "function": {"name": ...}}), which clients moving
+        # from chat completions send: the same choice.
+        if isinstance(value, dict) and "name" not in value and isinstance(value.get("function"), dict):
+            return {**value, "name": value["function"].get("name")}
+        return value
+
 
 class TextFormat(_Lenient):
     type: Literal["text", "json_schema", "json_object"]
@@ -150,6 +160,15 @@ class TextFormat(_Lenient):
 
 class TextConfig(_Lenient):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # echoed: a hint for models trained on it
+
+
+class Reasoning(_Lenient):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class ResponsesRequest(_Lenient):
@@ -166,7 +185,19 @@ class ResponsesRequest(_Lenient):
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
+    background: bool = False
     metadata: dict[str, str] | None = None
+    # "auto": a conversation longer than the context loses its oldest turns (the chat route's
+    # truncate-oldest); "disabled": the server's --context-overflow (by default a 400).
+    truncation: Literal["auto", "disabled"] = "disabled"
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    reasoning: Reasoning | None = None  # echoed (thinking is the template's: chat_template_kwargs)
+    # Echoed as OpenAI echoes them; nothing here depends on them.
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
     # Extensions (through extra_body), as the chat route takes them.
     top_k: int = Field(default=0, ge=0, le=INT32_MAX)
     seed: int | None = None
@@ -183,6 +214,13 @@ class ResponsesRequest(_Lenient):
         fmt = self.text.format if self.text else None
         return None if fmt is None else text_format_constraint(fmt.type, fmt.schema_)
 
+    def logprobs_count(self) -> int | None:
+        """Top alternatives a token's log-probability comes with, or None: not asked (``include`` names
+        them, or ``top_logprobs`` is set)."""
+        if LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None:
+            return self.top_logprobs or 0
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -192,6 +230,7 @@ class ResponsesRequest(_Lenient):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             speculative=self.speculative,
+            logprobs=self.logprobs_count(),
         )
 
 
@@ -263,6 +302,9 @@ class _Items:
         self.output: list[dict[str, Any]] = []
         self._open: str | None = None  # the type of the last item while it still grows
         self.sequence = 0
+        # The log-probabilities of the tokens whose text arrives next (a step's), when asked for: they
+        # ride on the first text delta the step makes (tokens of calls or reasoning have none).
+        self.logprobs: list[dict[str, Any]] = []
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -299,8 +341,11 @@ class _Items:
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             events.append(self._part_event("response.content_part.added", part=part))
             self.output[-1]["content"].append(part)
-        self.output[-1]["content"][0]["text"] += text
-        return [*events, self._part_event("response.output_text.delta", delta=text, logprobs=[])]
+        part = self.output[-1]["content"][0]
+        part["text"] += text
+        logprobs, self.logprobs = self.logprobs, []
+        part["logprobs"] += logprobs
+        return [*events, self._part_event("response.output_text.delta", delta=text, logprobs=logprobs)]
 
     def reasoning(self, text: str) -> list[str]:
         if not text:
@@ -343,7 +388,8 @@ class _Items:
         events = []
         if kind == "message":
             part = item["content"][0]
-            events.append(self._part_event("response.output_text.done", text=part["text"], logprobs=[]))
+            done = self._part_event("response.output_text.done", text=part["text"], logprobs=part["logprobs"])
+            events.append(done)
             events.append(self._part_event("response.content_part.done", part=part))
         elif kind == "reasoning":
             part = item["content"][0]
@@ -385,6 +431,8 @@ class _Call:
     def add(self, out: RequestOutput) -> list[str]:
         self.clock.record(0, out)
         self.last = out
+        if out.logprobs:
+            self.items.logprobs = self.server.logprobs.chat(out.logprobs)["content"]
         events = self.parser.feed(out.text) if out.text else []
         if out.finished:
             events += self.parser.finish()
@@ -412,10 +460,12 @@ class _Call:
                 "total_tokens": len(self.prompt_ids) + output_tokens,
             }
         text_format = body.text.format if body.text and body.text.format else None
+        reasoning = body.reasoning or Reasoning()
         return {
             "id": self.id,
             "object": "response",
             "created_at": self.created,
+            "completed_at": now() if final and status == "completed" else None,
             "status": status,
             "background": False,
             "error": None,
@@ -426,22 +476,28 @@ class _Call:
             "output": self.items.output if final else [],
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": reasoning.effort, "summary": reasoning.summary},
             "store": False,
             "temperature": body.temperature,
             "text": {
                 "format": text_format.model_dump(by_alias=True, exclude_none=True)
                 if text_format
-                else {"type": "text"}
+                else {"type": "text"},
+                "verbosity": (body.text and body.text.verbosity) or "medium",
             },
             "tool_choice": body.tool_choice
             if isinstance(body.tool_choice, str)
             else body.tool_choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "top_p": body.top_p,
-            "truncation": "disabled",
+            "top_logprobs": body.top_logprobs or 0,
+            "truncation": body.truncation,
             "usage": usage,
             "metadata": body.metadata or {},
+            "user": body.user,
+            "prompt_cache_key": body.prompt_cache_key,
+            "safety_identifier": body.safety_identifier,
+            "service_tier": body.service_tier if body.service_tier not in (None, "auto") else "default",
         }
 
     async def stream(self) -> AsyncIterator[str]:
@@ -475,8 +531,8 @@ class ResponsesRoute:
 
     async def create(self, request: Request) -> Response:
         body: ResponsesRequest = await self.server._body(request, ResponsesRequest)
-        if body.previous_response_id is not None or body.store:
-            field = "previous_response_id" if body.previous_response_id is not None else "store"
+        if body.previous_response_id is not None or body.store or body.background:
+            field = next(f for f in ("previous_response_id", "store", "background") if getattr(body, f))
             raise InvalidRequest(
                 f"{field}: this server keeps no responses; send store=false and the whole conversation "
                 "as input (the prefix cache makes resending it cheap)",
@@ -484,9 +540,15 @@ class ResponsesRoute:
             )
         messages = chat_messages(body)
         plan = self.server.plan_chat(chat_tools(body), body.openai_tool_choice(), body.parallel_tool_calls)
+        engine = self.server.engine.engine
+        overflow = "truncate-oldest" if body.truncation == "auto" else None
+        policy, _ = request_policy(self.server.config.context_overflow, overflow, None)
         # Templating and tokenizing a long prompt takes a while: off the loop that feeds every stream.
-        prompt_ids = await run_in_threadpool(plan.render, messages)
-        max_tokens = body.max_output_tokens or default_max_tokens(self.server.engine.engine, len(prompt_ids))
+        fitted = await run_in_threadpool(
+            fit_for_engine, messages, plan.render, engine, body.max_output_tokens, policy
+        )
+        prompt_ids = fitted.prompt_ids
+        max_tokens = body.max_output_tokens or default_max_tokens(engine, len(prompt_ids))
         constraint = await self.server.output_constraint(plan, body.format_constraint(), "text.format")
         params = dataclasses.replace(body.sampling_params(max_tokens), constraint=constraint)
         parser = plan.parser(prompt_ids)

@@ -16,7 +16,9 @@ from server_helpers import LiveServer, wait_for_idle
 from starlette.testclient import TestClient
 
 from mlx_infer.loading.gguf_file import read_header
+from mlx_infer.server.openai_responses import ResponsesRequest
 from mlx_infer.tokenizer import Tokenizer
+from mlx_infer.tool_calls import ToolChoice
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,6 +58,10 @@ BAD_REQUESTS: list[tuple[object, int]] = [
     (_resp(text={"format": {"type": "json_schema", "schema": {}}}), 400),  # no name
     (_resp(text={"format": {"type": "json_schema", "name": "has space!", "schema": {}}}), 400),
     (_resp(store=True), 400),
+    (_resp(background=True), 400),  # needs store
+    (_resp(truncation="sometimes"), 400),
+    (_resp(top_logprobs=21), 400),
+    (_resp(reasoning={"effort": "extreme"}), 400),
     (_resp(previous_response_id="resp_123"), 400),
     (_resp(input="w1 " * 3_000_000), 413),
     (b"[" * 10_000 + b"]" * 10_000, 400),
@@ -176,6 +182,29 @@ def test_input_items_become_the_chat_template_messages(http: TestClient):
     assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] != expected
 
 
+def test_truncation_auto_drops_the_oldest_turns_and_fields_are_echoed(http: TestClient):
+    turns = []
+    for _ in range(12):  # ~30 tokens a turn: 360 in all, past the tiny model's 256-token context
+        turns += [{"role": "user", "content": "w1 " * 12}, {"role": "assistant", "content": "w2 " * 12}]
+    turns.append({"role": "user", "content": "w3"})
+    assert send(http, _resp(input=turns)).status_code == 400  # disabled: the server's policy, an error
+    echoed = {"user": "u1", "prompt_cache_key": "k1", "safety_identifier": "s1", "service_tier": "auto",
+              "reasoning": {"effort": "low"}, "text": {"verbosity": "low"}}  # fmt: skip
+    reply = send(http, _resp(input=turns, truncation="auto", **echoed))
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["truncation"] == "auto" and 0 < body["usage"]["input_tokens"] < 256
+    assert (body["user"], body["prompt_cache_key"], body["safety_identifier"]) == ("u1", "k1", "s1")
+    assert body["service_tier"] == "default" and body["reasoning"] == {"effort": "low", "summary": None}
+    assert body["text"] == {"format": {"type": "text"}, "verbosity": "low"}
+    assert body["status"] == "incomplete" and body["completed_at"] is None  # cut by max_output_tokens
+    # The chat route's form of a named tool choice is the same choice.
+    chat_form = {"type": "function", "function": {"name": "f"}}
+    assert ResponsesRequest.model_validate(_resp(tool_choice=chat_form)).openai_tool_choice() == ToolChoice(
+        "required", "f"
+    )
+
+
 # ---- the official client on the real SmolLM2 ------------------------------------------------------
 FRANCE = "What is the capital of France?"
 FRANCE_ANSWER = "The capital of France is Paris."  # greedy, as the chat route answers (test_server)
@@ -215,3 +244,29 @@ def test_responses_create_plain_and_streamed(client: openai.OpenAI, tok: Tokeniz
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="smollm2", input=FRANCE, previous_response_id=whole.id)
     assert wait_for_idle(server)["mlx_infer_kv_blocks_used"] == 0
+
+
+@pytest.mark.slow
+def test_output_text_logprobs_are_the_chat_routes(client: openai.OpenAI):
+    kwargs = dict(model="smollm2", temperature=0)
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": FRANCE}], max_tokens=8, logprobs=True, top_logprobs=2, **kwargs
+    )
+    expected = [
+        (t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in chat.choices[0].logprobs.content
+    ]
+    include = ["message.output_text.logprobs"]
+    whole = client.responses.create(
+        input=FRANCE, max_output_tokens=8, include=include, top_logprobs=2, **kwargs
+    )
+    part = whole.output[0].content[0]
+    got = [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in part.logprobs]
+    assert [(t, a) for t, _, a in got] == [(t, a) for t, _, a in expected] and len(got) == 7
+    assert all(abs(g[1] - e[1]) < 1e-4 for g, e in zip(got, expected))
+    with client.responses.stream(
+        input=FRANCE, max_output_tokens=8, include=include, top_logprobs=2, **kwargs
+    ) as s:
+        streamed = [t.token for e in s if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert streamed == [t for t, _, _ in expected]
+    plain = client.responses.create(input=FRANCE, max_output_tokens=8, **kwargs)
+    assert plain.output[0].content[0].logprobs == []  # not asked for

@@ -415,6 +415,7 @@ def test_vllm_sampling_fields(client: openai.OpenAI, tok: Tokenizer):
     with pytest.raises(openai.BadRequestError) as long_prompt:
         client.chat.completions.create(messages=[{"role": "user", "content": "hello " * 9000}], **kwargs)
     assert long_prompt.value.body["param"] == "messages"
+    assert long_prompt.value.code == "context_length_exceeded"  # OpenAI's code, which agents trim on
 
 
 # ---- concurrency ----------------------------------------------------------------------------------

@@ -33,7 +33,9 @@ class ToolChoice:
             return cls()
         if isinstance(value, str):
             if value not in ("auto", "none", "required"):
-                raise InvalidRequest(f"tool_choice must be auto, none, required or a function, not {value!r}")
+                raise InvalidRequest(
+                    f"tool_choice must be auto, none, required or a function, not {value!r}", "tool_choice"
+                )
             return cls(value)
         if isinstance(value, Mapping):
             function = value.get("function")
