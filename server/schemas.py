@@ -170,6 +170,19 @@ class ChatCompletionRequest(_SamplingFields):
     # assistant message from its last character (the two exclude each other).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's deprecated forms of tools and tool_choice: refused with the way to say it now, rather
+    # than answered as if no function had been offered.
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _tools_not_functions(self) -> ChatCompletionRequest:
+        for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, old) is not None:
+                raise InvalidRequest(
+                    f"{old} is deprecated and not supported: send {new} (OpenAI's current form)", param=old
+                )
+        return self
 
     @model_validator(mode="after")
     def _one_way_to_answer(self) -> ChatCompletionRequest:

@@ -9,6 +9,7 @@ Grammars are Lark or GBNF: llguidance tells them apart.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import BaseModel
@@ -73,6 +74,9 @@ def _spec(param: str, kind: str, value: Any) -> ConstraintSpec:
         raise InvalidRequest(f"{param}: {e}", param=param) from None
 
 
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
 def _response_format(fmt: dict[str, Any]) -> ConstraintSpec | None:
     kind = fmt.get("type")
     if kind == "text":
@@ -85,6 +89,13 @@ def _response_format(fmt: dict[str, Any]) -> ConstraintSpec | None:
         body = fmt.get("json_schema")
         if not isinstance(body, dict):
             raise InvalidRequest("response_format.json_schema must be an object", param="response_format")
+        name = body.get("name")
+        if not (isinstance(name, str) and _NAME.fullmatch(name)):
+            # As OpenAI and vLLM require it (the Responses route's text.format too).
+            raise InvalidRequest(
+                "response_format.json_schema.name is required: 1 to 64 letters, digits, _ or -",
+                param="response_format.json_schema.name",
+            )
         schema = body.get("schema")
         if schema is None:
             return _spec("response_format", "json_object", None)

@@ -405,6 +405,8 @@ def test_vllm_sampling_fields(client: openai.OpenAI, tok: Tokenizer):
     refused = [
         (chat, dict(messages=started, extra_body={"continue_final_message": True})),
         (chat, dict(messages=FRANCE, modalities=["text", "audio"])),
+        (chat, dict(messages=FRANCE, functions=[{"name": "f", "parameters": {"type": "object"}}])),
+        (chat, dict(messages=FRANCE, function_call="auto")),
         (complete, dict(prompt="def f(", suffix="return 1")),
         (complete, dict(prompt="Once", best_of=3)),
         (complete, dict(prompt="Once", extra_body={"min_tokens": 5})),

@@ -231,12 +231,13 @@ def test_sixteen_concurrent_half_constrained(server: LiveServer, client: openai.
             },
             "JSON schema",
         ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "json_schema.name"),
         ({"guided_regex": "(unclosed"}, "regex"),
         ({"guided_grammar": "root ::= ("}, "grammar"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "one output constraint"),
     ],
-    ids=["schema", "regex", "grammar", "format-type", "two-fields"],
+    ids=["schema", "unnamed-schema", "regex", "grammar", "format-type", "two-fields"],
 )
 def test_bad_constraints_are_400_before_generation(server: LiveServer, client: openai.OpenAI, extra, needle):
     before = server.metrics()["mlx_infer_generation_tokens_total"]
