@@ -201,11 +201,20 @@ def chat_messages(body: _Conversation) -> list[dict[str, Any]]:
     if body.system:
         system = body.system if isinstance(body.system, str) else "\n".join(b.text for b in body.system)
         messages.append({"role": "system", "content": system})
+    offered: set[str] = set()  # the tool_use ids of the assistant turn before
     for role, blocks, where in _turns(body.messages):
         if role == "user":
+            for block in blocks:
+                if isinstance(block, ToolResultBlock) and block.tool_use_id not in offered:
+                    raise InvalidRequest(
+                        f"{where}: unexpected tool_use_id {block.tool_use_id!r} in a tool_result block: each "
+                        "tool_result answers a tool_use block of the assistant message before it"
+                    )
             messages.extend(_user_turn(blocks, where))
+            offered = set()
         else:
             messages.append(_assistant_turn(blocks, where))
+            offered = {b.id for b in blocks if isinstance(b, ToolUseBlock)}
     if not messages:
         raise InvalidRequest("messages: the conversation is empty")
     return messages

@@ -242,6 +242,7 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    called: set[str] = set()  # the call_ids of the function calls so far, which outputs answer
     for i, item in enumerate(items):
         where = f"input.{i}"
         if isinstance(item, MessageItem):
@@ -249,6 +250,12 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": item.text(where)})
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in called:
+                raise InvalidRequest(
+                    f"{where}: no function_call found for the function_call_output with call_id "
+                    f"{item.call_id!r}",
+                    param=where,
+                )
             output = (
                 item.output
                 if isinstance(item.output, str)
@@ -258,6 +265,7 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         else:
             turn = _assistant_turn(messages)
             if isinstance(item, FunctionCallItem):
+                called.add(item.call_id)
                 call = {"name": item.name, "arguments": item.arguments}
                 turn.setdefault("tool_calls", []).append(
                     {"id": item.call_id, "type": "function", "function": call}

@@ -40,6 +40,18 @@ def _user(content) -> dict:
     return _msg(messages=[{"role": "user", "content": content}])
 
 
+def _answered(result: dict) -> dict:
+    """A conversation whose assistant called the tool t1, then ``result`` from the user."""
+    call = {"type": "tool_use", "id": "t1", "name": "lookup", "input": {}}
+    return _msg(
+        messages=[
+            {"role": "user", "content": "w1"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [result]},
+        ]
+    )
+
+
 NOT_TEXT = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
 TOOL = {"name": "lookup", "description": "look up", "input_schema": {"type": "object", "properties": {}}}
 
@@ -64,7 +76,9 @@ BAD_REQUESTS: list[tuple[str, object, int]] = [
     (MESSAGES, _user([{"text": "w1"}]), 400),  # a block without a type
     (MESSAGES, _user([NOT_TEXT]), 400),  # a known block type this server cannot read
     (MESSAGES, _user([{"type": "tool_use", "id": "t1", "name": "lookup", "input": {}}]), 400),
-    (MESSAGES, _user([{"type": "tool_result", "tool_use_id": "t1", "content": [NOT_TEXT]}]), 400),
+    (MESSAGES, _answered({"type": "tool_result", "tool_use_id": "t1", "content": [NOT_TEXT]}), 400),
+    (MESSAGES, _answered({"type": "tool_result", "tool_use_id": "t2", "content": "w1"}), 400),  # no such call
+    (MESSAGES, _user([{"type": "tool_result", "tool_use_id": "t1", "content": "w1"}]), 400),  # no call before
     (
         MESSAGES,
         _msg(

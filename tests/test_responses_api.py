@@ -43,6 +43,15 @@ BAD_REQUESTS: list[tuple[object, int]] = [
     (_resp(input=[{"role": "user", "content": [{"type": "hologram"}]}]), 400),
     (_resp(input=[{"type": "function_call", "name": "f"}]), 400),  # no call_id, no arguments
     (_resp(input=[{"type": "function_call_output", "call_id": "c"}]), 400),  # no output
+    (
+        _resp(
+            input=[
+                {"role": "user", "content": "w1"},
+                {"type": "function_call_output", "call_id": "c", "output": "x"},
+            ]
+        ),
+        400,
+    ),  # answers no function_call
     (_resp(instructions=5), 400),
     (_resp(max_output_tokens=0), 400),
     (_resp(max_output_tokens="many"), 400),
