@@ -109,7 +109,7 @@ class Message(_Lenient):
 
 
 class Tool(_Lenient):
-    name: str = Field(min_length=1, max_length=128)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")  # Anthropic's rule for a tool's name
     description: str | None = None
     input_schema: dict[str, Any]
 
@@ -155,6 +155,14 @@ class _Conversation(_Lenient):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _names_unique(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.name for t in tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tool names must be unique")
+        return tools
 
 
 class MessagesRequest(_Conversation):

@@ -100,6 +100,8 @@ BAD_REQUESTS: list[tuple[str, object, int]] = [
     (MESSAGES, _msg(stop_sequences=["w1"] * 17), 400),
     (MESSAGES, _msg(stream=[1]), 400),
     (MESSAGES, _msg(tools=[{"name": "lookup"}]), 400),  # no input_schema
+    (MESSAGES, _msg(tools=[TOOL, TOOL]), 400),  # two tools of one name
+    (MESSAGES, _msg(tools=[{**TOOL, "name": "look up!"}]), 400),
     (MESSAGES, _msg(tools=[{"type": "web_search_20250305", "name": "web_search"}]), 400),
     (MESSAGES, _msg(tools=[TOOL], tool_choice={"type": "tool"}), 400),  # no name
     (MESSAGES, _msg(tools=[TOOL], tool_choice={"type": "sometimes"}), 400),
