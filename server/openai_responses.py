@@ -310,8 +310,9 @@ class _Items:
         self.output: list[dict[str, Any]] = []
         self._open: str | None = None  # the type of the last item while it still grows
         self.sequence = 0
-        # The log-probabilities of the tokens whose text arrives next (a step's), when asked for: they
-        # ride on the first text delta the step makes (tokens of calls or reasoning have none).
+        # The log-probabilities of the tokens whose text has not arrived yet (a stop string's possible
+        # start is held back), when asked for: they ride on the next text delta. Tokens that became
+        # reasoning or a call have none (output_text's only).
         self.logprobs: list[dict[str, Any]] = []
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -358,6 +359,7 @@ class _Items:
     def reasoning(self, text: str) -> list[str]:
         if not text:
             return []
+        self.logprobs = []
         events = []
         if self._open != "reasoning":
             item = {"type": "reasoning", "id": new_id("rs").replace("-", "_"), "summary": [], "content": []}
@@ -369,12 +371,14 @@ class _Items:
         return [*events, self._part_event("response.reasoning_text.delta", delta=text)]
 
     def call(self, call_id: str, name: str) -> list[str]:
+        self.logprobs = []
         item_id = new_id("fc").replace("-", "_")
         return self._start(
             {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": ""}
         )
 
     def call_arguments(self, fragment: str) -> list[str]:
+        self.logprobs = []
         self.output[-1]["arguments"] += fragment
         item = self.output[-1]
         return [
@@ -440,7 +444,7 @@ class _Call:
         self.clock.record(0, out)
         self.last = out
         if out.logprobs:
-            self.items.logprobs = self.server.logprobs.chat(out.logprobs)["content"]
+            self.items.logprobs += self.server.logprobs.chat(out.logprobs)["content"]
         events = self.parser.feed(out.text) if out.text else []
         if out.finished:
             events += self.parser.finish()
