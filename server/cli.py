@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -238,6 +239,15 @@ def run(args: argparse.Namespace) -> int:
     )
     server = ServeServer(config, supervisor, args.shutdown_timeout, args.exit_on_engine_failure)
     server.run()
+    if supervisor.engine is None and supervisor.load_error is None:
+        # Stopped while the model loads: nothing is served or written yet, and the loader thread is in
+        # MLX's native code, which an interpreter shutting down around it aborts (SIGABRT, "terminate
+        # called without an active exception"). Leave without the interpreter's teardown.
+        log.info("stopped while the model was loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if server.interrupted else 0)
     stopped.set()
     if supervisor.engine is not None:
         loader.join(timeout=30)  # closes the engine thread, then the engine
@@ -249,4 +259,4 @@ def run(args: argparse.Namespace) -> int:
         raise supervisor.load_error
     if server.engine_failed:
         raise EngineFailure(f"the engine has stopped: {supervisor.engine.failure}")
-    return 0
+    return 130 if server.interrupted else 0

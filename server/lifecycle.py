@@ -17,10 +17,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from mlx_infer.engine.async_engine import AsyncEngine
 from mlx_infer.errors import ServiceUnavailable
 from mlx_infer.server.errors import error_response
+from mlx_infer.server.request_body import STOP_READING
 
 log = logging.getLogger("mlx_infer")
 
 ENGINE_FAILURE_GRACE_SECONDS = 3.0  # /health reports the failure this long before the process exits
+# After the last requests were ended (the shutdown timeout, or a second Ctrl-C), the time their clients
+# get to receive the final error before uvicorn cancels what is left.
+FINAL_ERROR_SECONDS = 2.0
 
 
 class Supervisor:
@@ -30,6 +34,9 @@ class Supervisor:
         self.app: ASGIApp | None = None
         self.engine: AsyncEngine | None = None
         self.load_error: BaseException | None = None
+        # Set when the shutdown's wait is over: a request whose body is still arriving gets its 503 then
+        # (request_body.read_body) rather than holding the process past --shutdown-timeout.
+        self.stop_reading: asyncio.Event | None = None
 
     def ready(self, engine: AsyncEngine, app: ASGIApp) -> None:
         self.engine, self.app = engine, app
@@ -40,6 +47,9 @@ class Supervisor:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             send = _with_request_id(scope, send)
+            if self.stop_reading is None:
+                self.stop_reading = asyncio.Event()  # made on the server's loop
+            scope = {**scope, "state": {**scope.get("state", {}), STOP_READING: self.stop_reading}}
         if scope["type"] == "lifespan":
             # Nothing to set up or tear down here: the loader thread owns the engine.
             while True:
@@ -82,8 +92,8 @@ class ServeServer(uvicorn.Server):
 
     SIGTERM/SIGINT: new requests get 503, running ones may finish for ``shutdown_timeout`` seconds,
     then the rest end with a final error (a chunk for streams), and the process exits 0 (uvicorn would
-    re-raise the signal). A second SIGINT stops at once. An engine that stopped makes ``serve`` exit
-    after a short grace period, when ``exit_on_engine_failure``.
+    re-raise the signal). A second SIGINT ends them all at once the same way and exits 130. An engine
+    that stopped makes ``serve`` exit after a short grace period, when ``exit_on_engine_failure``.
     """
 
     def __init__(
@@ -98,6 +108,7 @@ class ServeServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.exit_on_engine_failure = exit_on_engine_failure
         self.engine_failed = False  # the reason the server stopped, for run()'s exit status
+        self.interrupted = False  # a second Ctrl-C ended the requests without waiting (exit 130)
         self._failure_seen_at: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -107,8 +118,9 @@ class ServeServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:
-            if sig == signal.SIGINT:
-                self.force_exit = True
+            if sig == signal.SIGINT and not self.interrupted and self._loop is not None:
+                self.interrupted = True
+                self._loop.call_soon_threadsafe(self._end_requests)
             return
         self.should_exit = True
         if self._loop is not None:
@@ -121,8 +133,17 @@ class ServeServer(uvicorn.Server):
         engine.close_admission("the server is shutting down")
         pending, timeout = engine.num_pending, self.shutdown_timeout
         log.info("shutting down: %d requests may finish for up to %.0f s", pending, timeout)
-        error = ServiceUnavailable("the server shut down before this request finished")
-        self._loop.call_later(self.shutdown_timeout, engine.abort_all, error)
+        self._loop.call_later(self.shutdown_timeout, self._end_requests)
+
+    def _end_requests(self) -> None:
+        """Every request still running ends with a final error, one whose body is still arriving with a
+        503; what has not finished once they had time to be sent is cancelled."""
+        engine = self.supervisor.engine
+        if engine is not None:
+            engine.abort_all(ServiceUnavailable("the server shut down before this request finished"))
+        if self.supervisor.stop_reading is not None:
+            self.supervisor.stop_reading.set()
+        self._loop.call_later(FINAL_ERROR_SECONDS, setattr, self, "force_exit", True)
 
     async def on_tick(self, counter: int) -> bool:
         if self.supervisor.load_error is not None:

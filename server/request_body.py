@@ -19,11 +19,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from mlx_infer.errors import InvalidRequest, RequestTimeout, RequestTooLarge
+from mlx_infer.errors import InvalidRequest, RequestTimeout, RequestTooLarge, ServiceUnavailable
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 MAX_NESTING_DEPTH = 64  # arrays and objects; a JSON schema of tools nests well under this
 BODY_TIMEOUT_SECONDS = 60.0  # for the whole body to arrive once the headers have
+# The request-state key of an asyncio.Event set when the server stops waiting for bodies (shutdown).
+STOP_READING = "mlx_infer_stop_reading"
 PARSE_INLINE_BYTES = 64 * 2**10  # larger bodies are parsed on a worker thread, off the event loop
 
 Schema = TypeVar("Schema", bound=BaseModel)
@@ -53,10 +55,24 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    reading = asyncio.ensure_future(receive())
+    stop = getattr(request.state, STOP_READING, None)
+    stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
     try:
-        return await asyncio.wait_for(receive(), BODY_TIMEOUT_SECONDS)
-    except asyncio.TimeoutError:
-        raise RequestTimeout(f"the request body did not arrive within {BODY_TIMEOUT_SECONDS:.0f} s") from None
+        done, _ = await asyncio.wait(
+            [reading] + ([stopped] if stopped else []),
+            timeout=BODY_TIMEOUT_SECONDS,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+    finally:
+        for task in (reading, stopped):
+            if task is not None and not task.done():
+                task.cancel()
+    if reading in done:
+        return reading.result()
+    if stopped is not None and stopped in done:
+        raise ServiceUnavailable("the server shut down before this request's body arrived")
+    raise RequestTimeout(f"the request body did not arrive within {BODY_TIMEOUT_SECONDS:.0f} s")
 
 
 def nesting_depth(raw: bytes) -> int:

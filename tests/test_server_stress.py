@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import json
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -483,6 +484,19 @@ def slow_step(self):
     return _step(self)
 Engine.step = slow_step
 """
+# A load busy in MLX's native code (as reading and quantizing weights is) for its first seconds.
+NATIVE_SLOW_LOAD = """
+import time
+import mlx.core as mx
+import mlx_infer.loading as loading
+_load = loading.load
+def slow_load(*args, **kwargs):
+    x, end = mx.random.normal((512, 512)), time.monotonic() + 8
+    while time.monotonic() < end:
+        mx.eval(x @ x)
+    return _load(*args, **kwargs)
+loading.load = slow_load
+"""
 BROKEN_ENGINE = """
 from mlx_infer.engine.engine import Engine
 def broken_step(self):
@@ -541,6 +555,55 @@ def test_sigterm_lets_short_requests_finish_aborts_the_rest_and_exits_0(tiny_fol
         assert 1 < len(events) < 240
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{server.base_url}/health", timeout=2)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_the_model_loads_exits_0_without_an_abort(tiny_folder: Path, sig):
+    server = LiveServer(tiny_folder, name="tiny", preamble=NATIVE_SLOW_LOAD, wait_healthy=False)
+    try:
+        server.wait_for_health(503, 60)
+        time.sleep(1)  # well into the load
+        server.process.send_signal(sig)
+        assert server.process.wait(timeout=10) == 0, server.log()
+        assert "terminate called" not in server.log() and "Traceback" not in server.log()
+    finally:
+        server.stop()
+
+
+def test_a_second_ctrl_c_ends_every_request_with_its_error_and_exits_130(tiny_folder: Path):
+    server = LiveServer(tiny_folder, "--shutdown-timeout", "60", name="tiny", preamble=SLOW_STEPS)
+    try:
+        lines, started = [], threading.Event()
+        body = _chat(max_tokens=240, ignore_eos=True)
+        stream = threading.Thread(target=_stream_lines, args=(server.base_url, body, lines, started))
+        stream.start()
+        assert started.wait(30)
+        whole: list[httpx.Response] = []
+        waiting = threading.Thread(
+            target=lambda: whole.append(httpx.post(f"{server.base_url}{CHAT}", json=body, timeout=60))
+        )
+        waiting.start()
+        # A client still sending its body: it must not hold the process either.
+        stuck = socket.create_connection(("127.0.0.1", server.port))
+        stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"model\":")  # fmt: skip
+        time.sleep(0.5)
+        server.process.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        start = time.monotonic()
+        server.process.send_signal(signal.SIGINT)  # don't wait the 60 s
+        assert server.process.wait(timeout=15) == 130
+        assert time.monotonic() - start < 5
+        stream.join(timeout=10)
+        waiting.join(timeout=10)
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert events[-1]["error"]["message"] == "the server shut down before this request finished"
+        assert whole[0].status_code == 503 and "shut down" in whole[0].json()["error"]["message"]
+        stuck.settimeout(5)
+        assert stuck.recv(4096).startswith(b"HTTP/1.1 503")
+        assert "Traceback" not in server.log(), server.log()
     finally:
         server.stop()
 
