@@ -524,6 +524,7 @@ class _Call:
             if not isinstance(e, MlxInferError):
                 log.exception("request failed")
             yield f"data: {from_exception(e).body.decode()}\n\n"
+            yield "data: [DONE]\n\n"  # the stream still ends as streams do (vLLM's too)
         finally:
             self.group.close()
 

@@ -429,6 +429,7 @@ def test_a_request_failing_in_the_engine_fails_alone(tiny_engine: Engine, monkey
             lines = client.post(CHAT, json=_chat(stream=True)).text.splitlines()
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
             assert events[-1]["error"]["type"] == "server_error"
+            assert [line for line in lines if line][-1] == "data: [DONE]"  # the stream ends as streams do
             monkeypatch.setattr(engine.engine.tokenizer, "detokenizer", real)
             thread.join(timeout=60)
             assert results["ok"].status_code == 200
