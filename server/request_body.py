@@ -100,7 +100,35 @@ def parse_object(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest("the request body has a number with too many digits") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # JSON may spell half an emoji (a string cut between its two halves)
+        _refuse_lone_surrogates(body, [])
     return body
+
+
+# A \uD800-\uDFFF escape: a pair of them is one character, json.loads keeps an unpaired one as is.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(value: Any, path: list[str]) -> None:
+    """InvalidRequest naming the first string (or key) holding an unpaired UTF-16 surrogate: no tokenizer
+    can encode it, and it is no character to answer about."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            param = ".".join(path) or None
+            where = f"{param}: " if param else ""
+            raise InvalidRequest(
+                f"{where}the text holds an unpaired UTF-16 surrogate (half of a character such as an emoji)",
+                param=param,
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_lone_surrogates(key, path)
+            _refuse_lone_surrogates(item, [*path, key])
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_lone_surrogates(item, [*path, str(i)])
 
 
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")

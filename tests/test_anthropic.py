@@ -67,6 +67,7 @@ BAD_REQUESTS: list[tuple[str, object, int]] = [
     (MESSAGES, _msg(max_tokens=1.5), 400),
     (MESSAGES, _user("w1 " * 300), 400),  # longer than the context
     (MESSAGES, _msg(max_tokens=10**30), 400),
+    (MESSAGES, json.dumps(GOOD).replace("w1", "\\ud83d").encode(), 400),  # half an emoji
     (MESSAGES, _msg(messages=[]), 400),
     (MESSAGES, _msg(messages="w1"), 400),
     (MESSAGES, _msg(messages=[{"role": "system", "content": "w1"}]), 400),

@@ -34,6 +34,7 @@ def _resp(**changes) -> dict:
 BAD_REQUESTS: list[tuple[object, int]] = [
     (b"{", 400),
     (b"[]", 400),
+    (json.dumps(GOOD).replace("w1", "\\ud83d").encode(), 400),  # half an emoji
     ({"model": "tiny"}, 400),
     (_resp(input=5), 400),
     (_resp(input=[]), 400),

@@ -58,6 +58,9 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
     ("POST", CHAT, b"[]", 400),
     ("POST", COMPLETIONS, b'"just a string"', 400),
     ("POST", COMPLETIONS, b"42", 400),
+    # half an emoji (an unpaired UTF-16 surrogate), which no tokenizer encodes
+    ("POST", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "w1 \\ud83d w2"}]}', 400),
+    ("POST", COMPLETIONS, b'{"model": "tiny", "prompt": "\\ud83d"}', 400),
     # missing and wrongly typed fields
     ("POST", CHAT, _chat(model="another-model"), 404),  # (leaving model out is fine: one is served)
     ("POST", CHAT, {"model": "tiny"}, 400),
