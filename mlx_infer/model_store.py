@@ -313,8 +313,11 @@ def remove(name: str) -> tuple[str, int]:
         from huggingface_hub import constants
 
         roots.append(Path(os.path.abspath(constants.HF_HUB_CACHE)))
+    # Only what `models` lists from the caches: the rest of a cache (the planner's measurements, built
+    # kernels, a user's notes) is not a model, and a path that merely lies under a cache is not one.
+    listed = {os.path.abspath(m.path) for m in list_models(check_fit=False) if m.where != "folder"}
     for root in roots:
-        if path.exists() and path != root and path.is_relative_to(root) and path.name not in _CACHE_SKIP:
+        if path.exists() and path.is_relative_to(root) and str(path) in listed:
             size = _size(path)
             if path.is_symlink():
                 # A snapshot file links to its blob in the same cache: both go. A link to anything

@@ -325,6 +325,14 @@ def test_models_lists_every_place_and_rm_deletes_from_caches_only(env, hub: Fake
     assert refused.returncode == 2 and "yours to delete" in refused.stderr
     assert (own / "sub" / "gemma.gguf").exists()
     assert cli(env, "rm", "acme/never-pulled").returncode == 2
+    # What a cache holds beside its models (the planner's measurements, built kernels, notes) is no model.
+    notes = Path(env["MLX_INFER_CACHE"]) / "plan" / "bandwidth.json"
+    notes.parent.mkdir()
+    notes.write_text("{}")
+    for not_a_model in (notes, notes.parent, Path(env["MLX_INFER_CACHE"]) / "cpu_kernels"):
+        refused = cli(env, "rm", str(not_a_model))
+        assert refused.returncode == 2 and "not a model" in refused.stderr, refused.stderr
+    assert notes.is_file()
     # A link in the cache to the user's own file or folder: the link goes, what it points at stays.
     links = Path(env["MLX_INFER_CACHE"]) / "links"
     links.mkdir()
