@@ -66,12 +66,15 @@ def run(args: argparse.Namespace) -> int:
 def _check_fit(m: model_store.LocalModel, budget: int) -> tuple[str, dict[str, int | None]]:
     """(FITS column, extra JSON keys) from the memory planner; sets ``m.fits``. A model the planner cannot
     read (an encoder, an odd config) is judged by its size on disk, with a question mark."""
-    from mlx_infer.errors import MlxInferError
+    from mlx_infer.errors import InvalidCheckpoint, MlxInferError
     from mlx_infer.plan import make_plan
 
     try:
         plan = make_plan(m.path)
-    except (MlxInferError, OSError, ValueError):
+    except (MlxInferError, OSError, ValueError) as e:
+        if isinstance(e, InvalidCheckpoint) and m.architecture == "?":  # no header read: truncated or corrupt
+            m.fits = False
+            return "unreadable", {"max_context_that_fits": None, "planned_bytes": None}
         m.fits = model_store.fits(m.size, budget)
         return ("yes?" if m.fits else "no?"), {"max_context_that_fits": None, "planned_bytes": None}
     m.fits = plan.fits

@@ -232,6 +232,13 @@ def test_plan_cli_errors_are_one_line(tmp_path: Path):
     folder = write_config(tmp_path / "gemma", GEMMA3_270M)
     bad = cli("plan", "-m", str(folder), env={BUDGET_ENV: "lots"})
     assert bad.returncode == 2 and "not a size" in bad.stderr
+    # A file that is no model is a wrong path (2); a GGUF that is broken, a broken checkpoint (4).
+    (tmp_path / "notes.json").write_text("{}")
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00")
+    for name, code, says in (("notes.json", 2, "nor a model folder"), ("cut.gguf", 4, "ends inside its header")):
+        result = cli("plan", "-m", str(tmp_path / name))
+        assert result.returncode == code and says in result.stderr, result.stderr
+        assert result.stderr.count("\n") == 1
 
 
 def test_parse_bytes():
@@ -252,14 +259,16 @@ def test_models_shows_what_fits(tmp_path: Path):
     own = tmp_path / "mine"
     write_config(own / "gemma", GEMMA3_270M)
     write_config(own / "llama-70b", LLAMA_70B, LLAMA_70B_TOTAL_SIZE)
+    (own / "cut.gguf").write_bytes(b"GGUF\x03\x00")  # a download cut short
     env = {"MLX_INFER_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"), BUDGET_ENV: "16GiB"}
     result = cli("models", "--json", "--dir", str(own), env=env)
     assert result.returncode == 0, result.stderr
     rows = {Path(r["path"]).name: r for r in json.loads(result.stdout)}
     assert rows["gemma"]["fits"] is True and rows["gemma"]["max_context_that_fits"] == 32768
     assert rows["llama-70b"]["fits"] is False and rows["llama-70b"]["max_context_that_fits"] == 0
+    assert rows["cut.gguf"]["fits"] is False
     table = cli("models", "--dir", str(own), env=env)
-    assert table.returncode == 0 and "FITS" in table.stdout
+    assert table.returncode == 0 and "FITS" in table.stdout and "unreadable" in table.stdout
 
 
 Q4_GROUP_32 = {"group_size": 32, "bits": 4}

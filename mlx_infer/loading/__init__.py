@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_infer.errors import InvalidCheckpoint, ModelNotFound
+from mlx_infer.errors import InvalidCheckpoint, InvalidRequest, ModelNotFound
 from mlx_infer.loading import hf, hub
 from mlx_infer.loading.build import build_model
 from mlx_infer.loading.fp8 import dequantize_fp8
@@ -100,7 +100,7 @@ def resolve(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_file() and path.suffix != ".gguf":
-            raise InvalidCheckpoint(f"{spec}: not a .gguf file nor a model folder")
+            raise InvalidRequest(f"{spec}: not a .gguf file nor a model folder")  # a wrong path: exit 2
         return path
     if hub.looks_like_repo_id(spec):
         return hub.snapshot(spec)

@@ -96,7 +96,8 @@ def read_header(path: Path) -> GGUFHeader:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return _parse(data)
     except (EOFError, ValueError, struct.error, KeyError) as e:
-        raise InvalidCheckpoint(f"{path}: corrupt or truncated GGUF file ({e or type(e).__name__})") from None
+        reason = str(e) or ("it ends inside its header" if isinstance(e, EOFError) else type(e).__name__)
+        raise InvalidCheckpoint(f"{path}: corrupt or truncated GGUF file ({reason})") from None
 
 
 def _parse(data: mmap.mmap) -> GGUFHeader:

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_infer.errors import InvalidCheckpoint, ModelNotFound
+from mlx_infer.errors import InvalidCheckpoint, InvalidRequest, ModelNotFound
 from mlx_infer.loading import hf, hub
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def _resolve(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_file() and path.suffix != ".gguf":
-            raise InvalidCheckpoint(f"{spec}: not a .gguf file nor a model folder")
+            raise InvalidRequest(f"{spec}: not a .gguf file nor a model folder")  # a wrong path: exit 2
         return path
     if not hub.looks_like_repo_id(spec):
         raise ModelNotFound(f"{spec}: no such file or folder")
