@@ -235,7 +235,8 @@ def test_plan_cli_errors_are_one_line(tmp_path: Path):
     # A file that is no model is a wrong path (2); a GGUF that is broken, a broken checkpoint (4).
     (tmp_path / "notes.json").write_text("{}")
     (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00")
-    for name, code, says in (("notes.json", 2, "nor a model folder"), ("cut.gguf", 4, "ends inside its header")):
+    cases = (("notes.json", 2, "nor a model folder"), ("cut.gguf", 4, "ends inside its header"))
+    for name, code, says in cases:
         result = cli("plan", "-m", str(tmp_path / name))
         assert result.returncode == code and says in result.stderr, result.stderr
         assert result.stderr.count("\n") == 1
