@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from mlx_infer.errors import InvalidRequest
-from mlx_infer.loading import Checkpoint, open_checkpoint
+from mlx_infer.loading import Checkpoint, open_checkpoint, resolve
 from mlx_infer.loading.build import build_model
 
 from . import choice, evaluate, mlx_lm_layout, output
@@ -70,6 +70,8 @@ def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
     requested = _validate(opts)
     output.check_target(opts.out, opts.force)
+    # A wrong path or --out is one line, before any progress is drawn.
+    output.check_not_source(opts.out, resolve(opts.model))
     with _progress(console) as progress:
         task = progress.add_task("loading", total=None, detail=opts.model)
         ckpt = open_checkpoint(opts.model)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mlx_infer.cli_options import CPU_ACTIVATIONS, ring_port, stdin_prompt
 from mlx_infer.cpu_kernels import ACTIVATIONS_ENV_VAR
-from mlx_infer.errors import DistributedError
+from mlx_infer.errors import DistributedError, InvalidRequest
 
 from . import hostfile as hf
 from .runtime import BACKEND_ENV, STRATEGIES, STRATEGY_ENV, TEMP_PREFIX
@@ -115,7 +115,7 @@ def plan_ranks(table: hf.HostFile, args: argparse.Namespace) -> list[RankPlan]:
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
-        raise DistributedError("no command: add -- generate|serve ARGS (or -- PROGRAM ARGS)")
+        raise InvalidRequest("no command: add -- generate|serve ARGS (or -- PROGRAM ARGS)")  # usage: 2
     argv = rank_command(command, args.python)
     env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
     if args.cpu_activations is not None:

@@ -316,9 +316,12 @@ def test_bad_options_fail_before_loading(tmp_path: Path, flags, error, message):
     assert not (tmp_path / "out").exists()
 
 
-def test_bad_sources_and_targets(tiny_llama_folder: Path, tmp_path: Path, monkeypatch):
+def test_bad_sources_and_targets(tiny_llama_folder: Path, tmp_path: Path, monkeypatch, capsys):
     with pytest.raises(ModelNotFound, match="no such file or folder"):
         convert(tmp_path / "missing", tmp_path / "out")
+    with pytest.raises(InvalidRequest, match="inside the source model's folder"):
+        convert(tiny_llama_folder, tiny_llama_folder / "q4", "--no-eval")
+    assert capsys.readouterr().err == ""  # refused before the progress bars start: the error is all
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(InvalidRequest, match="cannot write to"):

@@ -41,7 +41,7 @@ from mlx_infer.distributed.pipeline import layer_ranges
 from mlx_infer.distributed.runtime import Session, load_sharded
 from mlx_infer.distributed.tensor import _keep_columns, _keep_rows, _shard_mlp
 from mlx_infer.engine.engine import EngineConfig
-from mlx_infer.errors import DistributedError
+from mlx_infer.errors import DistributedError, InvalidRequest
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.models.native_block import NativeBlock
 
@@ -468,6 +468,9 @@ def test_jaccl_host_file_matches_the_mlx_format(tmp_path: Path, capsys):
         launch.run(
             _launch_args(["--hosts", "127.0.0.1,127.0.0.1", "--backend", "jaccl", "--dry-run", "--", "serve"])
         )
+    with pytest.raises(InvalidRequest, match="no command") as usage:  # a usage error (2), not a host's (6)
+        launch.run(_launch_args(["--hosts", "127.0.0.1,127.0.0.1", "--dry-run"]))
+    assert usage.value.exit_code == 2
 
 
 def _launch_args(argv: list[str]):
