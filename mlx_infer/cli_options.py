@@ -234,8 +234,17 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# The sampling flags by the field each sets, for errors that name the flag a user typed.
+_SAMPLING_FLAGS = {
+    "max_tokens": "--max-tokens", "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p",
+    "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
+    "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+}  # fmt: skip
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
+    """The sampling flags as parameters, checked: a bad value is an InvalidRequest naming its flag."""
+    params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temp,
         top_k=args.top_k,
@@ -248,6 +257,12 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         stop=list(args.stop),
         ignore_eos=args.ignore_eos,
     )
+    try:
+        params.validate()
+    except InvalidRequest as e:
+        field, _, rest = str(e).partition(" ")
+        raise InvalidRequest(f"{_SAMPLING_FLAGS.get(field, field)} {rest}") from None
+    return params
 
 
 @contextmanager

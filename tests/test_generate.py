@@ -79,7 +79,8 @@ def test_prompt_from_stdin_and_stop_string(smollm2_path):
     "args,message",
     [
         (["generate", "-m", "/nonexistent/model.gguf", "-p", "hi"], "no such file or folder"),
-        (["generate", "-m", "{model}", "-p", "hi", "--top-p", "0"], "top_p"),
+        (["generate", "-m", "{model}", "-p", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["generate", "-m", "{model}", "-p", "hi", "--temp", "nan"], "--temp must be in [0, 100]"),
         (["generate", "-m", "{model}", "-p", "hi", "--kv-memory", "100000"], "more than this machine"),
         (["generate", "-m", "{model}", "-p", "hi", "--kv-memory", "nan"], "--kv-memory must be positive"),
         (["generate", "-m", "{model}", "-p", "hi", "--json"], "unrecognized arguments: --json"),
