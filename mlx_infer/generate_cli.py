@@ -51,9 +51,13 @@ def run(args: argparse.Namespace) -> int:
     params = cli_options.sampling_params(args)
     params.constraint = constraint_cli.from_args(args)
     params.validate()  # before the model loads: bad flags fail at once
+    if args.tools is not None:
+        tool_cli.read_tools(args.tools)  # its file too (each tool is checked against the template later)
     if args.system is not None and args.no_chat_template:
         raise InvalidRequest("--system needs the chat template (raw text has no system prompt)")
     prompt = cli_options.stdin_prompt() if args.prompt == "-" else args.prompt
+    if args.prompt == "-" and not prompt:
+        raise InvalidRequest("-p -: nothing was piped in (an empty prompt)")
     with cli_options.open_engine(args) as opened:
         if opened is None:  # a follower rank under `mlx-infer launch`
             return 0

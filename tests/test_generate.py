@@ -81,6 +81,8 @@ def test_prompt_from_stdin_and_stop_string(smollm2_path):
         (["generate", "-m", "/nonexistent/model.gguf", "-p", "hi"], "no such file or folder"),
         (["generate", "-m", "{model}", "-p", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["generate", "-m", "{model}", "-p", "hi", "--temp", "nan"], "--temp must be in [0, 100]"),
+        (["generate", "-m", "{model}", "-p", "-"], "nothing was piped in"),  # stdin is empty
+        (["generate", "-m", "{model}", "-p", "hi", "--tools", "/nonexistent/tools.json"], "cannot read"),
         (["generate", "-m", "{model}", "-p", "hi", "--kv-memory", "100000"], "more than this machine"),
         (["generate", "-m", "{model}", "-p", "hi", "--kv-memory", "nan"], "--kv-memory must be positive"),
         (["generate", "-m", "{model}", "-p", "hi", "--json"], "unrecognized arguments: --json"),
@@ -91,7 +93,7 @@ def test_prompt_from_stdin_and_stop_string(smollm2_path):
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(smollm2_path, args, message):
-    result = _run(*[a.format(model=smollm2_path) for a in args])
+    result = _run(*[a.format(model=smollm2_path) for a in args], input_text="")
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and message in lines[0], result.stderr

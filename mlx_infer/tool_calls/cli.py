@@ -56,7 +56,7 @@ def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
 
 def chat_plan(args: argparse.Namespace, tokenizer: Any) -> ChatPlan:
     """The prompt rendering and answer parsing the flags ask for, checked before the chat starts."""
-    tools = _read_tools(args.tools) if args.tools is not None else []
+    tools = read_tools(args.tools) if args.tools is not None else []
     choice = args.tool_choice
     tool_choice = ToolChoice.parse(choice if choice in ("auto", "none", "required") else _named(choice))
     family, reasoning_name = model_parsers(tokenizer, args.tool_call_parser, args.reasoning_parser)
@@ -74,7 +74,8 @@ def _named(name: str) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name}}
 
 
-def _read_tools(path: Path) -> list[dict[str, Any]]:
+def read_tools(path: Path) -> list[dict[str, Any]]:
+    """The --tools file's list; a file that cannot be read or is no JSON list is an InvalidRequest."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
