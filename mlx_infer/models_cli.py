@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from mlx_infer import model_store
+from mlx_infer.errors import InvalidRequest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
 
     from mlx_infer.plan.planner import human_bytes, memory_budget
 
+    for folder in args.dir:  # one the user typed (those of the environment variable may come and go)
+        if not Path(folder).expanduser().is_dir():
+            raise InvalidRequest(f"--dir {folder}: no such folder")
     found = model_store.list_models(args.dir, check_fit=False)
     budget, budget_source = memory_budget()
     fit_texts = {m.path: _check_fit(m, budget) for m in found}

@@ -270,6 +270,8 @@ def test_models_shows_what_fits(tmp_path: Path):
     assert rows["cut.gguf"]["fits"] is False
     table = cli("models", "--dir", str(own), env=env)
     assert table.returncode == 0 and "FITS" in table.stdout and "unreadable" in table.stdout
+    missing = cli("models", "--dir", str(own / "typo"), env=env)
+    assert missing.returncode == 2 and "no such folder" in missing.stderr
 
 
 Q4_GROUP_32 = {"group_size": 32, "bits": 4}
