@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
+from mlx_infer.cli_options import stderr_console
 from mlx_infer.errors import InvalidRequest
 from mlx_infer.loading import Checkpoint, open_checkpoint, resolve
 from mlx_infer.loading.build import build_model
@@ -67,7 +68,7 @@ class Options:
 
 def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
     """Write ``opts.out``; return the report (also saved in the folder and printed)."""
-    console = console or Console(stderr=True)
+    console = console or stderr_console()
     requested = _validate(opts)
     output.check_target(opts.out, opts.force)
     # A wrong path or --out is one line, before any progress is drawn.

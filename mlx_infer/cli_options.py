@@ -38,6 +38,14 @@ def stdin_prompt() -> str:
     return sys.stdin.read().rstrip("\r\n")
 
 
+def stderr_console():
+    """rich's console on stderr for progress and notes; when stderr is a file or a pipe (a log), lines
+    are not cut or wrapped at 80 columns, as rich does where it cannot ask a terminal its width."""
+    from rich.console import Console
+
+    return Console(stderr=True, width=None if sys.stderr.isatty() else 1_000_000)
+
+
 def ring_port(text: str) -> int:
     """The first of the ring's consecutive ports (launch, hosts): 1 to 65535."""
     return tcp_port(text, lowest=1)

@@ -45,7 +45,6 @@ def rich_bars(progress):
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -55,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
         TransferSpeedColumn,
     )
 
-    console = Console(stderr=True)
+    from mlx_infer.cli_options import stderr_console
+
+    console = stderr_console()
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),

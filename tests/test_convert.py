@@ -387,6 +387,16 @@ def test_cli_exits_with_one_line(tmp_path: Path):
     ]
 
 
+def test_progress_written_to_a_log_is_not_cut_at_80_columns(tiny_llama_folder: Path, tmp_path: Path):
+    out = tmp_path / ("a-long-folder-name-" * 4) / "q4"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_infer.cli", "convert", "-m", str(tiny_llama_folder), "--out", str(out),
+         "--q-bits", "4", "--no-eval"], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "quantizing" in proc.stderr and "…" not in proc.stderr, proc.stderr  # rich cut "quantizi…"
+
+
 # --------------------------------------------------------------------------------- the real model
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
