@@ -6,6 +6,7 @@ GGUF metadata. Behaviour follows transformers, the reference every model's files
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -143,6 +144,23 @@ class Tokenizer:
             raise InvalidRequest(f"token ids must lie in [0, {self.vocab_size})")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for. Its text alone may be no whole character (one of the tokens
+        an emoji or a CJK character is split into decodes to U+FFFD): then its bytes are read from the
+        vocabulary, a byte-level BPE token's characters each standing for one byte (GPT-2's map) and a
+        SentencePiece fallback token ``<0xNN>`` for the byte NN."""
+        text = self.decode([token_id])
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        token = self._backend.id_to_token(token_id) or ""
+        if token_id in self._byte_token_ids:
+            return bytes([int(token[3:5], 16)])
+        if isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel):
+            byte_of = _byte_level_bytes()
+            if all(c in byte_of for c in token):
+                return bytes(byte_of[c] for c in token)
+        return text.encode("utf-8")
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
@@ -203,6 +221,17 @@ class Tokenizer:
             tid = self._backend.token_to_id(f"<0x{b:02X}>")
             if tid is not None:
                 yield tid
+
+
+@functools.cache
+def _byte_level_bytes() -> dict[str, int]:
+    """Byte-level BPE's character -> byte (GPT-2's ``bytes_to_unicode``, inverted): printable bytes stand
+    for themselves, the others for the characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {chr(b): b for b in printable}
+    chars.update({chr(256 + i): b for i, b in enumerate(others)})
+    return chars
 
 
 def _read_json(path: Path) -> dict:

@@ -215,11 +215,9 @@ class ResponsesRequest(_Lenient):
         return None if fmt is None else text_format_constraint(fmt.type, fmt.schema_)
 
     def logprobs_count(self) -> int | None:
-        """Top alternatives a token's log-probability comes with, or None: not asked (``include`` names
-        them, or ``top_logprobs`` is set)."""
-        if LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None:
-            return self.top_logprobs or 0
-        return None
+        """Top alternatives a token's log-probability comes with, or None: not asked (as OpenAI's, only
+        ``include`` asks; ``top_logprobs`` says how many alternatives)."""
+        return (self.top_logprobs or 0) if LOGPROBS_INCLUDE in (self.include or []) else None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(

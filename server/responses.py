@@ -61,8 +61,14 @@ class LogprobFormatter:
 
     def chat(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         def item(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            # A piece of a character (an emoji split in tokens) has its own bytes, which joined with its
+            # neighbours' spell the text; its token is written as OpenAI writes such a piece.
+            raw = self.tokenizer.token_bytes(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
         return {
             "content": [

@@ -259,6 +259,9 @@ def test_responses_create_plain_and_streamed(client: openai.OpenAI, tok: Tokeniz
 @pytest.mark.slow
 def test_output_text_logprobs_are_the_chat_routes(client: openai.OpenAI):
     kwargs = dict(model="smollm2", temperature=0)
+    # Both from the prefix cache (the suite's float32 activations round a prompt computed whole and one
+    # computed after a cached prefix differently; the default int16 ones do not).
+    client.chat.completions.create(messages=[{"role": "user", "content": FRANCE}], max_tokens=1, **kwargs)
     chat = client.chat.completions.create(
         messages=[{"role": "user", "content": FRANCE}], max_tokens=8, logprobs=True, top_logprobs=2, **kwargs
     )
@@ -280,3 +283,13 @@ def test_output_text_logprobs_are_the_chat_routes(client: openai.OpenAI):
     assert streamed == [t for t, _, _ in expected]
     plain = client.responses.create(input=FRANCE, max_output_tokens=8, **kwargs)
     assert plain.output[0].content[0].logprobs == []  # not asked for
+    only_count = client.responses.create(input=FRANCE, max_output_tokens=8, top_logprobs=2, **kwargs)
+    assert only_count.output[0].content[0].logprobs == []  # as OpenAI's: include asks, not top_logprobs
+    # Characters split across tokens (emoji, CJK): each piece's bytes, joined, spell the text.
+    split = "Repeat exactly: 😀 café 🎉 naïve 日本語"
+    pieces = client.responses.create(input=split, max_output_tokens=24, include=include, **kwargs)
+    part = pieces.output[0].content[0]
+    assert "🎉" in part.text and "日本語" in part.text  # (the greedy answer this test relies on)
+    assert bytes(b for t in part.logprobs for b in t.bytes).decode("utf-8") == part.text
+    assert any(t.token.startswith("bytes:\\x") for t in part.logprobs)  # a piece of a character
+    assert all("\ufffd" not in t.token for t in part.logprobs)
