@@ -146,6 +146,17 @@ def test_sentencepiece_detokenizer_byte_fallback(sentencepiece: Tokenizer):
             assert_streams_like_decode(sentencepiece, ids, skip)
 
 
+def test_token_bytes_of_the_pieces_of_a_character(smol: Tokenizer, sentencepiece: Tokenizer):
+    # Byte-level BPE: an emoji or a CJK character split across tokens, each piece's own bytes.
+    text = "🎉 Café 日本語 naïve <|im_end|>"
+    ids = smol.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in smol.decode([i]) for i in ids)  # (some token is a piece of a character)
+    assert b"".join(smol.token_bytes(i) for i in ids) == text.encode("utf-8")
+    # SentencePiece byte fallback: <0xNN> is the byte NN.
+    ids = sentencepiece.encode("日!", add_special_tokens=False)  # ▁ <0xE6> <0x97> <0xA5> !
+    assert [sentencepiece.token_bytes(i) for i in ids[1:4]] == [b"\xe6", b"\x97", b"\xa5"]
+
+
 # ------------------------------------------------------------------ templates (transformers' jinja env)
 @pytest.mark.parametrize("case", REFS["extra_templates"], ids=lambda c: c["name"])
 def test_templates_render_like_transformers(case: dict):
