@@ -17,7 +17,7 @@ import tokenizers
 from mlx_infer.chat_template import render_chat, select_template
 from mlx_infer.detokenizer import IncrementalDetokenizer
 from mlx_infer.errors import InvalidCheckpoint, InvalidRequest
-from mlx_infer.tokenizer_gguf import bos_eos_post_processor, build_gguf_vocab
+from mlx_infer.tokenizer_gguf import bos_eos_post_processor, build_gguf_vocab, bytes_to_unicode
 from mlx_infer.tokenizer_tiktoken import is_kimi_folder, kimi_backend
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]
@@ -225,13 +225,8 @@ class Tokenizer:
 
 @functools.cache
 def _byte_level_bytes() -> dict[str, int]:
-    """Byte-level BPE's character -> byte (GPT-2's ``bytes_to_unicode``, inverted): printable bytes stand
-    for themselves, the others for the characters from U+0100 on, in byte order."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    others = [b for b in range(256) if b not in printable]
-    chars = {chr(b): b for b in printable}
-    chars.update({chr(256 + i): b for i, b in enumerate(others)})
-    return chars
+    """Byte-level BPE's character -> byte: GPT-2's map (``bytes_to_unicode``), inverted."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _read_json(path: Path) -> dict:
