@@ -73,9 +73,14 @@ class RequestFailed(MlxInferError):
 
 class ServiceUnavailable(MlxInferError):
     """The server cannot take requests now: the model is loading, the server is shutting down, or the
-    engine has stopped."""
+    engine has stopped. ``retry_after``: seconds after which a retry may succeed (the 503's Retry-After),
+    when that is known."""
 
     http_status = 503
+
+    def __init__(self, message: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineFailure(ServiceUnavailable):

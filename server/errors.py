@@ -33,7 +33,7 @@ def describe(error: Exception) -> tuple[int, str, str, str | None]:
 
 def retry_after(error: Exception) -> dict[str, str] | None:
     """A Retry-After header for an error worth retrying: a full queue, or a 503 that says when."""
-    seconds = 1 if isinstance(error, QueueFull) else getattr(error, "retry_after", None)
+    seconds = 1 if isinstance(error, QueueFull) else getattr(error, "retry_after", None)  # ServiceUnavailable
     return None if seconds is None else {"Retry-After": str(seconds)}
 
 

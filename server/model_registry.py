@@ -221,13 +221,12 @@ class ModelRegistry:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 busy = ", ".join(map(repr, self._loaded))
-                error = ServiceUnavailable(
+                raise ServiceUnavailable(
                     f"the model {name!r} cannot be loaded now: every loaded model ({busy}) is answering "
                     f"requests and no room is left (--max-loaded-models {self.max_loaded}, --models-memory "
-                    f"{self.memory_budget / GIB:.2f} GiB); retry shortly"
+                    f"{self.memory_budget / GIB:.2f} GiB); retry shortly",
+                    retry_after=5,
                 )
-                error.retry_after = 5  # the Retry-After of the 503
-                raise error
             # No await between the check above and this clear: a release cannot slip through.
             self._released.clear()
             try:
