@@ -322,8 +322,7 @@ def test_a_503_that_says_when_to_retry_carries_retry_after():
     from mlx_infer.errors import ServiceUnavailable
     from mlx_infer.server.errors import anthropic_from_exception, from_exception
 
-    busy = ServiceUnavailable("every loaded model is answering requests; retry shortly")
-    busy.retry_after = 5
+    busy = ServiceUnavailable("every loaded model is answering requests; retry shortly", retry_after=5)
     assert from_exception(busy).status_code == 503 and from_exception(busy).headers["Retry-After"] == "5"
     assert anthropic_from_exception(busy).headers["Retry-After"] == "5"
     assert "Retry-After" not in from_exception(ServiceUnavailable("shut down")).headers
