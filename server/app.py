@@ -77,6 +77,12 @@ def authorized(request: Request, api_key: str | None) -> bool:
     )
 
 
+def from_anthropic_client(request: Request) -> bool:
+    """Whether Anthropic's client sent ``request`` (every one sends ``anthropic-version``): on the routes
+    both clients use, it is answered in Anthropic's shapes."""
+    return "anthropic-version" in request.headers
+
+
 # A step (a prefill chunk, a decode step) takes well under a second to seconds: one running this long
 # will not end by itself.
 STALLED_STEP_S = 120.0
@@ -140,7 +146,7 @@ class OpenAIServer:
         sends an ``anthropic-version`` header: the routes both clients use)."""
 
         async def wrapped(request: Request) -> Response:
-            shape = "anthropic-version" in request.headers if anthropic is None else anthropic
+            shape = from_anthropic_client(request) if anthropic is None else anthropic
             if not self.authorized(request):
                 return unauthorized(shape)
             try:
@@ -206,7 +212,7 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         cards = self.model_cards()
-        if "anthropic-version" not in request.headers:  # every Anthropic client sends it
+        if not from_anthropic_client(request):
             return JSONResponse({"object": "list", "data": cards})
         # Anthropic's page, which its client pages through by the first and last id.
         data = [_anthropic_card(card) for card in cards]
@@ -220,8 +226,7 @@ class OpenAIServer:
         cards = self.model_cards()
         for card in cards:
             if card["id"] == wanted:
-                anthropic = "anthropic-version" in request.headers
-                return JSONResponse(_anthropic_card(card) if anthropic else card)
+                return JSONResponse(_anthropic_card(card) if from_anthropic_client(request) else card)
         offered = ", ".join(repr(c["id"]) for c in cards)
         raise ModelNotFound(f"model: {wanted!r} does not exist; this server has {offered}", param="model")
 

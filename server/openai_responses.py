@@ -37,7 +37,7 @@ from mlx_infer.server.engine_call import LatencyClock, collect, default_max_toke
 from mlx_infer.server.errors import describe
 from mlx_infer.server.responses import new_id, now
 from mlx_infer.server.schemas import INT32_MAX
-from mlx_infer.server.structured import text_format_constraint
+from mlx_infer.server.structured import SCHEMA_NAME_PATTERN, text_format_constraint
 from mlx_infer.tool_calls import ToolChoice
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class NamedFunction(_Lenient):
 
 class TextFormat(_Lenient):
     type: Literal["text", "json_schema", "json_object"]
-    name: str | None = Field(default=None, pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    name: str | None = Field(default=None, pattern=SCHEMA_NAME_PATTERN)
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 

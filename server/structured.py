@@ -74,7 +74,8 @@ def _spec(param: str, kind: str, value: Any) -> ConstraintSpec:
         raise InvalidRequest(f"{param}: {e}", param=param) from None
 
 
-_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# A json_schema format's name, as OpenAI takes it (response_format here, text.format on /v1/responses).
+SCHEMA_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 def _response_format(fmt: dict[str, Any]) -> ConstraintSpec | None:
@@ -90,7 +91,7 @@ def _response_format(fmt: dict[str, Any]) -> ConstraintSpec | None:
         if not isinstance(body, dict):
             raise InvalidRequest("response_format.json_schema must be an object", param="response_format")
         name = body.get("name")
-        if not (isinstance(name, str) and _NAME.fullmatch(name)):
+        if not (isinstance(name, str) and re.fullmatch(SCHEMA_NAME_PATTERN, name)):
             # As OpenAI and vLLM require it (the Responses route's text.format too).
             raise InvalidRequest(
                 "response_format.json_schema.name is required: 1 to 64 letters, digits, _ or -",
