@@ -28,6 +28,7 @@ HELP = (
     "stats line), /help, /exit; end a line with \\ to continue it, start it with // to send a message that "
     "begins with /; Ctrl-C stops an answer, twice at the prompt leaves"
 )
+SYSTEM_NEEDS_TEMPLATE = "--system needs the chat template (raw text has no system prompt)"
 PROMPT = "[bold green]>>> [/bold green]"
 CONTINUATION = "[bold green]... [/bold green]"
 
@@ -48,13 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    params = cli_options.sampling_params(args)
+    params = cli_options.sampling_params(args)  # checked: bad flags fail before the model loads
     params.constraint = constraint_cli.from_args(args)
-    params.validate()  # before the model loads: bad flags fail at once
     if args.tools is not None:
         tool_cli.read_tools(args.tools)  # its file too (each tool is checked against the template later)
     if args.system is not None and args.no_chat_template:
-        raise InvalidRequest("--system needs the chat template (raw text has no system prompt)")
+        raise InvalidRequest(SYSTEM_NEEDS_TEMPLATE)
     prompt = cli_options.stdin_prompt() if args.prompt == "-" else args.prompt
     if args.prompt == "-" and not prompt:
         raise InvalidRequest("-p -: nothing was piped in (an empty prompt)")
@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         loaded, engine = opened
         use_template = not args.no_chat_template and loaded.tokenizer.has_chat_template
-        if args.system is not None and not use_template:
-            raise InvalidRequest("--system needs the chat template (raw text has no system prompt)")
+        if args.system is not None and not use_template:  # (a model without a template, found now)
+            raise InvalidRequest(SYSTEM_NEEDS_TEMPLATE)
         if not use_template and not args.no_chat_template and prompt is None:
             raise InvalidRequest("this model has no chat template; use --no-chat-template for raw text")
         plan = tool_cli.chat_plan(args, loaded.tokenizer) if use_template else None
