@@ -76,7 +76,6 @@ def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
     with _progress(console) as progress:
         task = progress.add_task("loading", total=None, detail=opts.model)
         ckpt = open_checkpoint(opts.model)
-        output.check_not_source(opts.out, ckpt.path)
         model = build_model(ckpt.config, ckpt.weights, ckpt.path.name)
         ckpt.weights = {}
         progress.update(task, total=1, completed=1)
