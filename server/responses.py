@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -50,6 +51,15 @@ def usage(num_prompt_tokens: int, choices: list[Choice]) -> dict[str, Any]:
     }
 
 
+def _token_text(raw: bytes) -> str:
+    """A token's text, or for a piece of a character (whose bytes joined with its neighbours' spell the
+    text) ``bytes:\\xNN...``, as OpenAI writes such a piece."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 class LogprobFormatter:
     """Turns token ids into the text OpenAI's logprobs fields carry."""
 
@@ -57,18 +67,12 @@ class LogprobFormatter:
         self.tokenizer = tokenizer
 
     def _text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return _token_text(self.tokenizer.token_bytes(token_id))
 
     def chat(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         def item(token_id: int, logprob: float) -> dict[str, Any]:
-            # A piece of a character (an emoji split in tokens) has its own bytes, which joined with its
-            # neighbours' spell the text; its token is written as OpenAI writes such a piece.
             raw = self.tokenizer.token_bytes(token_id)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-            return {"token": text, "logprob": logprob, "bytes": list(raw)}
+            return {"token": _token_text(raw), "logprob": logprob, "bytes": list(raw)}
 
         return {
             "content": [
@@ -78,11 +82,15 @@ class LogprobFormatter:
         }
 
     def completion(self, entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+        # An offset counts the characters of the text before the token: the pieces of one character
+        # (an emoji split in tokens) share the offset where it starts.
         tokens, offsets = [], []
+        characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
         for e in entries:
             offsets.append(text_offset)
-            tokens.append(self._text(e.token_id))
-            text_offset += len(tokens[-1])
+            raw = self.tokenizer.token_bytes(e.token_id)
+            tokens.append(_token_text(raw))
+            text_offset += len(characters.decode(raw))
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],

@@ -316,6 +316,24 @@ def test_completions_logprobs(client: openai.OpenAI):
         assert token in top
 
 
+def test_completions_logprobs_of_the_pieces_of_a_character(client: openai.OpenAI):
+    # An echoed prompt of emoji and CJK, which the tokenizer splits: each piece is a "bytes:" token and the
+    # pieces of one character share the offset where it starts in the text.
+    text = "Hi 😀 日本"
+    r = client.completions.create(
+        model="smollm2", prompt=text, echo=True, logprobs=1, max_tokens=0, temperature=0
+    )
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == text
+    assert any(t.startswith("bytes:\\x") for t in lp.tokens) and all("\ufffd" not in t for t in lp.tokens)
+    pieces = [
+        bytes.fromhex(t[6:].replace("\\x", "")) if t.startswith("bytes:") else t.encode() for t in lp.tokens
+    ]
+    assert b"".join(pieces).decode("utf-8") == text
+    starts = [len(b"".join(pieces[:i]).decode("utf-8", errors="ignore")) for i in range(len(pieces))]
+    assert lp.text_offset == starts and lp.text_offset[-1] == text.index("本")
+
+
 def test_completions_echo_scores_the_prompt_as_the_oracle_does(client: openai.OpenAI):
     """Echo with logprobs gives each prompt token's log-probability given the tokens before it (what
     lm-evaluation-harness reads), max_tokens 0 only those; checked against transformers' teacher-forced
