@@ -483,6 +483,39 @@ def test_forced_grammar_admits_the_family_call_and_its_parser_reads_it(family):
     assert parsed.content == ""
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_forced_grammar_resolves_the_references_pydantic_writes(family):
+    # pydantic_function_tool puts nested models and enums in $defs, a recursive model refers to one by
+    # itself: each reference must resolve where the family's grammar places the parameters.
+    parameters = {
+        "$defs": {
+            "Unit": {"type": "string", "enum": ["C", "F"]},
+            "Place": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "near": {"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]},
+                },
+                "required": ["city", "near"],
+                "additionalProperties": False,
+            },
+        },
+        "type": "object",
+        "properties": {"place": {"$ref": "#/$defs/Place"}, "unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["place", "unit"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    grammar = forced_call_grammar(FAMILIES[family], [tool])
+    accepts = lambda arguments: _byte_matcher(grammar)(  # noqa: E731
+        FAMILIES[family].render_calls([("get_weather", arguments)])
+    )
+    near = {"city": "Paris", "near": {"city": "Versailles", "near": None}}
+    assert accepts({"place": near, "unit": "C"})
+    assert not accepts({"place": near, "unit": "K"})  # not in the referenced enum
+    assert not accepts({"place": {"city": "Paris", "near": {"city": 3, "near": None}}, "unit": "C"})
+
+
 class _TextTokenizer:
     """Token ids are characters: enough of a tokenizer for a ChatPlan's parser."""
 

@@ -237,7 +237,10 @@ class ToolFamily:
         schema = {
             "x-guidance": COMPACT_JSON,
             "type": "object",
-            "properties": {"name": {"const": name}, self.arguments_key: parameters},
+            "properties": {
+                "name": {"const": name},
+                self.arguments_key: moved_schema(parameters, f"#/properties/{self.arguments_key}"),
+            },
             "required": ["name", self.arguments_key],
             "additionalProperties": False,
         }
@@ -249,6 +252,34 @@ class ToolFamily:
         if parallel:
             return f'start: {call_rule} | "[" {call_rule} (", " {call_rule})* "]"'
         return f"start: {call_rule}"
+
+
+def moved_schema(schema: Any, pointer: str) -> Any:
+    """``schema`` with its local ``$ref``s (``#/$defs/X``, ``#`` for recursion) rewritten for its new place
+    ``pointer`` inside a larger schema, as a forced call's grammar embeds a tool's parameters (pydantic
+    writes every nested model and enum as a ``$defs`` reference)."""
+    if isinstance(schema, Mapping):
+        moved = {k: moved_schema(v, pointer) for k, v in schema.items()}
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            moved["$ref"] = pointer + ref[1:]
+        return moved
+    if isinstance(schema, list):
+        return [moved_schema(v, pointer) for v in schema]
+    return schema
+
+
+def property_schema(parameters: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """The schema of one property of ``parameters``, standing alone (families that write each argument
+    value on its own, as Gemma 3 and GLM do): references it makes into ``parameters`` resolve against a
+    copy of ``parameters`` carried in its ``$defs``."""
+    pointer = "#/$defs/mlx_infer_parameters"
+    own = (parameters.get("properties") or {})[key]
+    moved = moved_schema(own, pointer)
+    if moved == own:  # no references: no copy
+        return {"x-guidance": COMPACT_JSON, **own}
+    whole = moved_schema(parameters, pointer)
+    return {"x-guidance": COMPACT_JSON, **moved, "$defs": {"mlx_infer_parameters": whole}}
 
 
 def marker_literal(marker: str, special: Mapping[str, int]) -> str:

@@ -12,7 +12,7 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from mlx_infer.tool_calls.base import COMPACT_JSON, NO_PARAMETERS, Parameters, ToolFamily, ToolParser
+from mlx_infer.tool_calls.base import NO_PARAMETERS, Parameters, ToolFamily, ToolParser, property_schema
 from mlx_infer.tool_calls.events import Event, TextDelta, ToolCallArgumentsDelta, ToolCallStart, new_call_id
 from mlx_infer.tool_calls.scan import WHITESPACE, split_at_marker
 
@@ -184,7 +184,7 @@ class Gemma3(ToolFamily):
         optional = [k for k in properties if k not in required]
 
         def pair(key: str) -> str:
-            return f'"{key}=" %json{json.dumps({"x-guidance": COMPACT_JSON, **properties[key]})}'
+            return f'"{key}=" %json{json.dumps(property_schema(parameters, key))}'
 
         parts = [' ", " '.join(pair(k) for k in required)] if required else []
         if optional:

@@ -22,12 +22,12 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from mlx_infer.tool_calls.base import (
-    COMPACT_JSON,
     NO_PARAMETERS,
     Parameters,
     ToolFamily,
     ToolParser,
     marker_literal,
+    property_schema,
 )
 from mlx_infer.tool_calls.marked import CallView, MarkedCallParser, dumps, is_name
 from mlx_infer.tool_calls.scan import WHITESPACE
@@ -109,7 +109,7 @@ class Glm45(ToolFamily):
         def pair(key: str) -> str:
             key_text = json.dumps(key, ensure_ascii=False)
             head = f'{lit(ARG_KEY)} {key_text} {lit("</arg_key>")} "\\n" {lit("<arg_value>")}'
-            schema = json.dumps({"x-guidance": COMPACT_JSON, **properties[key]}, ensure_ascii=False)
+            schema = json.dumps(property_schema(parameters, key), ensure_ascii=False)
             return f'{head} %json{schema} {lit("</arg_value>")} "\\n"'
 
         parts = [" ".join(pair(k) for k in required)] if required else []
