@@ -510,8 +510,7 @@ class AnthropicRoutes:
     async def messages(self, request: Request) -> Response:
         body: MessagesRequest = await self._body(request, MessagesRequest)
         plan, prompt_ids = await self._prompt(body)
-        constraint = await self.server.output_constraint(plan)
-        params = dataclasses.replace(body.sampling_params(), constraint=constraint)
+        [params] = await self.server.constrain([body.sampling_params()], plan)
         parser = plan.parser(prompt_ids)
         group = submit(self.server.engine, [(prompt_ids, params)], "messages")
         call = _Call(self, body, prompt_ids, group, parser)

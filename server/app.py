@@ -28,6 +28,7 @@ from mlx_infer.engine.async_engine import AsyncEngine, RequestGroup
 from mlx_infer.engine.request import RequestOutput
 from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
 from mlx_infer.reasoning import template_kwargs
+from mlx_infer.sampling import SamplingParams
 from mlx_infer.server import chat_output
 from mlx_infer.server.anthropic import AnthropicRoutes
 from mlx_infer.server.embeddings import EmbeddingRoutes
@@ -250,39 +251,44 @@ class OpenAIServer:
             template_kwargs=template_kwargs,
         )
 
-    async def output_constraint(
-        self, plan: ChatPlan | None, requested: ConstraintSpec | None = None, field: str | None = None
-    ) -> ConstraintSpec | None:
-        """The one constraint an answer follows: the call ``plan`` forces (tool_choice required or a named
-        function) or the format the request's ``field`` asks for (both: a 400), compiled off the event
-        loop (a large schema compiles for a while; the engine then finds it cached) so that one that
-        does not compile is a 400 naming its field before anything is submitted."""
+    async def constrain(
+        self,
+        params: list[SamplingParams],
+        plan: ChatPlan | None,
+        requested: ConstraintSpec | None = None,
+        field: str | None = None,
+    ) -> list[SamplingParams]:
+        """``params`` with the one constraint an answer follows: the call ``plan`` forces (tool_choice
+        required or a named function: a response format then has no content to shape, as OpenAI's
+        accepts both) or the format the request's ``field`` asks for. Compiled off the event loop (a large
+        schema compiles for a while; the engine then finds it cached), so that one that does not compile
+        is a 400 naming its field before anything is submitted. A forced call ends where its grammar
+        does: stop strings, which could cut it inside its arguments, do not apply to it."""
         forced = plan.constraint if plan is not None else None
-        if forced is not None and requested is not None:
-            raise InvalidRequest("a forced tool call cannot also follow an output constraint", "tool_choice")
+        if forced is not None:
+            await self._compile_forced(plan)
+            return [dataclasses.replace(p, constraint=forced, stop=[]) for p in params]
         if requested is not None:
             try:
                 await run_in_threadpool(compile_constraint, requested, self.tokenizer)
             except InvalidRequest as e:
                 raise InvalidRequest(f"{field}: {e}", param=field) from None
-            return requested
-        if forced is not None:
-            try:
-                await run_in_threadpool(compile_constraint, forced, self.tokenizer)
-            except InvalidRequest:
-                # The grammar of the calls is long and its error says little: name the tool at fault.
-                for i, tool in enumerate(plan.tools):
-                    parameters = function_of(tool).get("parameters") or {}
-                    try:
-                        await run_in_threadpool(
-                            compile_constraint, ConstraintSpec("json_schema", parameters), self.tokenizer
-                        )
-                    except InvalidRequest as e:
-                        raise InvalidRequest(f"tools.{i}.function.parameters: {e}", param="tools") from None
-                raise InvalidRequest(
-                    "tools: the calls they allow do not compile to a grammar", "tools"
-                ) from None
-        return forced
+        return [dataclasses.replace(p, constraint=requested) for p in params]
+
+    async def _compile_forced(self, plan: ChatPlan) -> None:
+        try:
+            await run_in_threadpool(compile_constraint, plan.constraint, self.tokenizer)
+        except InvalidRequest:
+            # The grammar of the calls is long and its error says little: name the tool at fault.
+            for i, tool in enumerate(plan.tools):
+                parameters = function_of(tool).get("parameters") or {}
+                try:
+                    await run_in_threadpool(
+                        compile_constraint, ConstraintSpec("json_schema", parameters), self.tokenizer
+                    )
+                except InvalidRequest as e:
+                    raise InvalidRequest(f"tools.{i}.function.parameters: {e}", param="tools") from None
+            raise InvalidRequest("tools: the calls they allow do not compile to a grammar", "tools") from None
 
     # ---- completions ----------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -335,11 +341,8 @@ class OpenAIServer:
         longest = max(len(p) for p in prompts)
         max_tokens = body.max_new_tokens() or default_max_tokens(self.engine.engine, longest)
         logprobs = body.logprobs_count()
-        forced = plan.constraint if plan is not None else None  # tool_choice required / a named function
-        await self.output_constraint(plan, body.constraint(), body.constraint_field())
         params = [body.sampling_params(max_tokens, logprobs, i) for i in range(body.n)]
-        if forced is not None:
-            params = [dataclasses.replace(p, constraint=forced) for p in params]
+        params = await self.constrain(params, plan, body.constraint(), body.constraint_field())
         requests = [(prompt, p) for prompt in prompts for p in params]
         group = submit(self.engine, requests, "messages" if chat else "prompt")
         try:

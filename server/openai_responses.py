@@ -15,7 +15,6 @@ the whole conversation as ``input`` (the prefix cache makes resending it cheap).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -559,8 +558,9 @@ class ResponsesRoute:
         )
         prompt_ids = fitted.prompt_ids
         max_tokens = body.max_output_tokens or default_max_tokens(engine, len(prompt_ids))
-        constraint = await self.server.output_constraint(plan, body.format_constraint(), "text.format")
-        params = dataclasses.replace(body.sampling_params(max_tokens), constraint=constraint)
+        [params] = await self.server.constrain(
+            [body.sampling_params(max_tokens)], plan, body.format_constraint(), "text.format"
+        )
         parser = plan.parser(prompt_ids)
         group = submit(self.server.engine, [(prompt_ids, params)], "input")
         call = _Call(self.server, body, prompt_ids, group, parser)

@@ -174,6 +174,24 @@ def test_forced_call_cut_by_max_tokens_leaks_no_markup(client: openai.OpenAI, cl
     assert reply.stop_reason == "max_tokens" and all(b.type != "text" or not b.text for b in reply.content)
 
 
+def test_stop_strings_do_not_cut_a_forced_call(client: openai.OpenAI, claude: anthropic.Anthropic):
+    # "Paris" would cut the call inside its arguments; the grammar, not a stop string, ends a forced call.
+    kwargs = dict(model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice="required", temperature=0)
+    whole = client.chat.completions.create(**kwargs, stop=["Paris"]).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    for call in whole.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert any("Paris" in c.function.arguments for c in whole.message.tool_calls)
+    reply = claude.messages.create(
+        model="smollm2", max_tokens=100, messages=QUESTION, tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "any"}, stop_sequences=["Paris"], extra_body={"temperature": 0},
+    )
+    assert reply.stop_reason == "tool_use" and any(b.type == "tool_use" and b.input for b in reply.content)
+    # A response format has no content to shape beside a forced call: accepted, as OpenAI's.
+    formatted = client.chat.completions.create(**kwargs, response_format={"type": "json_object"}).choices[0]
+    assert formatted.finish_reason == "tool_calls" and formatted.message.tool_calls
+
+
 def test_tool_choice_none_gives_text_without_tools_in_the_prompt(client: openai.OpenAI):
     kwargs = dict(model="smollm2", messages=QUESTION, temperature=0, max_tokens=12)
     plain = client.chat.completions.create(**kwargs)
@@ -212,10 +230,6 @@ def test_reasoning_content_split_whole_and_streamed(client: openai.OpenAI):
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [{"type": "function"}]}, "each tool"),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
-        (
-            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-            "forced tool",
-        ),
         (
             {
                 "tools": [
