@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlx_infer import tool_calls
+from mlx_infer.constraints import ConstraintSpec
 from mlx_infer.engine.request import RequestOutput
 from mlx_infer.errors import InvalidRequest, MlxInferError, ModelNotFound
 from mlx_infer.sampling import SamplingParams
@@ -39,6 +40,7 @@ from mlx_infer.server.errors import (
 from mlx_infer.server.request_body import read_json
 from mlx_infer.server.responses import new_id
 from mlx_infer.server.schemas import INT32_MAX, MAX_STOP_LENGTH
+from mlx_infer.server.structured import json_schema_constraint
 
 if TYPE_CHECKING:
     from mlx_infer.server.app import OpenAIServer
@@ -79,7 +81,7 @@ class ToolResultBlock(_Lenient):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(_text_of(b, "tool_result content") for b in self.content)
+        return "\n".join(_text_of(b, "tool_result content") for b in self.content)  # a line each
 
 
 class ThinkingBlock(_Lenient):
@@ -165,6 +167,15 @@ class _Conversation(_Lenient):
         return tools
 
 
+class OutputFormat(_Lenient):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Lenient):
+    format: OutputFormat | None = None  # (``effort`` is accepted and has nothing to set here)
+
+
 class MessagesRequest(_Conversation):
     max_tokens: int = Field(ge=1, le=INT32_MAX)
     # The current SDK sends these three through extra_body; older ones as fields: the JSON is the same.
@@ -174,6 +185,9 @@ class MessagesRequest(_Conversation):
     stop_sequences: list[str] | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    # Structured outputs: the answer is JSON valid against the schema (``output_format`` is the beta's).
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None
     # Extensions (through extra_body), as the OpenAI routes take them.
     seed: int | None = None
     ignore_eos: bool = False
@@ -187,6 +201,15 @@ class MessagesRequest(_Conversation):
         if value and any(len(s) > MAX_STOP_LENGTH for s in value):
             raise ValueError(f"stop sequences are at most {MAX_STOP_LENGTH} characters long")
         return value
+
+    def format_constraint(self) -> ConstraintSpec | None:
+        """The JSON schema the answer follows (``output_config.format``, or the beta's ``output_format``)."""
+        fmt = (self.output_config.format if self.output_config else None) or self.output_format
+        if fmt is None:
+            return None
+        if self.messages[-1].role == "assistant":  # as Anthropic's: a prefill is no start of the JSON
+            raise InvalidRequest("an assistant prefill cannot be continued as structured output", "messages")
+        return json_schema_constraint("output_config.format.schema", fmt.schema_)
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
@@ -218,6 +241,13 @@ def chat_messages(body: _Conversation) -> list[dict[str, Any]]:
                         f"{where}: unexpected tool_use_id {block.tool_use_id!r} in a tool_result block: each "
                         "tool_result answers a tool_use block of the assistant message before it"
                     )
+            unanswered = offered - {b.tool_use_id for b in blocks if isinstance(b, ToolResultBlock)}
+            if unanswered:
+                raise InvalidRequest(
+                    f"{where}: tool_use ids were found without tool_result blocks immediately after: "
+                    f"{', '.join(sorted(unanswered))}; each tool_use block needs a tool_result block in the "
+                    "next message"
+                )
             messages.extend(_user_turn(blocks, where))
             offered = set()
         else:
@@ -510,7 +540,9 @@ class AnthropicRoutes:
     async def messages(self, request: Request) -> Response:
         body: MessagesRequest = await self._body(request, MessagesRequest)
         plan, prompt_ids = await self._prompt(body)
-        [params] = await self.server.constrain([body.sampling_params()], plan)
+        [params] = await self.server.constrain(
+            [body.sampling_params()], plan, body.format_constraint(), "output_config.format"
+        )
         parser = plan.parser(prompt_ids)
         group = submit(self.server.engine, [(prompt_ids, params)], "messages")
         call = _Call(self, body, prompt_ids, group, parser)

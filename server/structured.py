@@ -107,6 +107,11 @@ def _response_format(fmt: dict[str, Any]) -> ConstraintSpec | None:
     )
 
 
+def json_schema_constraint(param: str, schema: dict[str, Any]) -> ConstraintSpec:
+    """A schema some request field holds (Anthropic's ``output_config.format.schema``) as a constraint."""
+    return _spec(param, "json_schema", schema)
+
+
 def text_format_constraint(kind: str, schema: dict[str, Any] | None) -> ConstraintSpec | None:
     """The Responses API's ``text.format`` (flat: type, name, schema, strict) as a constraint."""
     if kind == "text":

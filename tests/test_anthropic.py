@@ -14,6 +14,7 @@ import anthropic
 import httpx
 import httpx2
 import pytest
+from pydantic import BaseModel
 from server_helpers import LiveServer, wait_for_idle
 from starlette.testclient import TestClient
 
@@ -80,6 +81,18 @@ BAD_REQUESTS: list[tuple[str, object, int]] = [
     (MESSAGES, _answered({"type": "tool_result", "tool_use_id": "t1", "content": [NOT_TEXT]}), 400),
     (MESSAGES, _answered({"type": "tool_result", "tool_use_id": "t2", "content": "w1"}), 400),  # no such call
     (MESSAGES, _user([{"type": "tool_result", "tool_use_id": "t1", "content": "w1"}]), 400),  # no call before
+    (MESSAGES, _answered({"type": "text", "text": "w2"}), 400),  # the call unanswered, the talk goes on
+    (MESSAGES, _msg(output_config={"format": {"type": "json_schema"}}), 400),  # no schema
+    (MESSAGES, _msg(output_config={"format": {"type": "json_schema", "schema": {"type": "frob"}}}), 400),
+    (MESSAGES, _msg(output_format={"type": "regex", "schema": {}}), 400),
+    (
+        MESSAGES,
+        _msg(
+            output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}},
+            messages=[{"role": "user", "content": "w1"}, {"role": "assistant", "content": "{"}],
+        ),
+        400,
+    ),  # a prefill is no start of structured output
     (
         MESSAGES,
         _msg(
@@ -226,8 +239,9 @@ def test_turns_in_a_row_from_one_role_are_one_turn_and_a_failed_tool_says_so():
                 {"role": "user", "content": "w1"},
                 {"role": "user", "content": [{"type": "text", "text": "w2"}, {"type": "text", "text": "w3"}]},
                 {"role": "assistant", "content": [call]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "boom",
-                                              "is_error": True}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+                                              "content": [{"type": "text", "text": "boom"},
+                                                          {"type": "text", "text": "at line 2"}]}]},
                 {"role": "assistant", "content": "Hello."},
                 {"role": "assistant", "content": " How"},
             ],
@@ -239,7 +253,7 @@ def test_turns_in_a_row_from_one_role_are_one_turn_and_a_failed_tool_says_so():
         {"role": "user", "content": "w1\nw2\nw3"},
         {"role": "assistant", "content": "",
          "tool_calls": [{"id": "t1", "type": "function", "function": function}]},
-        {"role": "tool", "tool_call_id": "t1", "content": "Error: boom"},
+        {"role": "tool", "tool_call_id": "t1", "content": "Error: boom\nat line 2"},
         {"role": "assistant", "content": "Hello. How"},  # one prefill, continued
     ]  # fmt: skip
 
@@ -359,6 +373,23 @@ def test_max_tokens_system_and_prefill(client: anthropic.Anthropic, tok: Tokeniz
         client.messages.create(model="smollm2", max_tokens=0, messages=FRANCE)
     assert e.value.body["error"]["type"] == "invalid_request_error"
     assert wait_for_idle(server)["mlx_infer_kv_blocks_used"] == 0
+
+
+@pytest.mark.slow
+def test_structured_output_as_the_sdks_parse_asks_for_it(client: anthropic.Anthropic):
+    class City(BaseModel):
+        city: str
+        population: int
+
+    messages = [{"role": "user", "content": "Name a city and its population."}]
+    kwargs = dict(model="smollm2", max_tokens=100, output_format=City, messages=messages, extra_body=GREEDY)
+    parsed = client.messages.parse(**kwargs)  # output_config.format
+    assert isinstance(parsed.parsed_output, City) and parsed.stop_reason == "end_turn"
+    assert list(json.loads(parsed.content[0].text)) == ["city", "population"]
+    beta = client.beta.messages.parse(**kwargs)
+    assert beta.parsed_output == parsed.parsed_output
+    with client.messages.stream(**kwargs) as s:
+        assert s.get_final_message().parsed_output == parsed.parsed_output
 
 
 @pytest.mark.slow

@@ -128,7 +128,10 @@ def vocabulary(tokenizer) -> Vocabulary:
     eos = list(dict.fromkeys(first + sorted(tokenizer.eos_token_ids)))
     if not eos:
         raise InvalidRequest("structured output needs a model with an end-of-sequence token")
-    return Vocabulary(LLTokenizer(backend.to_str(), n_vocab=tokenizer.vocab_size, eos_token=eos))
+    try:
+        return Vocabulary(LLTokenizer(backend.to_str(), n_vocab=tokenizer.vocab_size, eos_token=eos))
+    except ValueError as e:  # a vocabulary llguidance cannot read (no byte-level or SentencePiece decoder)
+        raise InvalidRequest(f"structured output is not available for this model's tokenizer: {e}") from None
 
 
 def _one_line(error: object) -> str:
