@@ -20,7 +20,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -68,7 +68,9 @@ Part = Annotated[TextPart | OtherPart, Field(discriminator="type")]
 
 def _part_text(part: TextPart | OtherPart, where: str) -> str:
     if isinstance(part, OtherPart):
-        raise InvalidRequest(f"{where}: {part.type} parts are not supported: this server reads text only")
+        raise InvalidRequest(
+            f"{where}: {part.type} parts are not supported: this server reads text only", param=where
+        )
     return part.refusal if part.type == "refusal" else part.text
 
 
@@ -118,7 +120,12 @@ Item = Annotated[
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_kind),
+    Discriminator(
+        _item_kind,
+        custom_error_type="invalid_item",
+        custom_error_message="an input item is a message, function_call, function_call_output or reasoning "
+        "item (item references and hosted tools' items need stored state or tools this server lacks)",
+    ),
 ]
 
 
@@ -184,6 +191,8 @@ class ResponsesRequest(_Lenient):
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None  # (stored conversations and prompts: refused)
+    prompt: dict[str, Any] | None = None
     background: bool = False
     metadata: dict[str, str] | None = None
     # "auto": a conversation longer than the context loses its oldest turns (the chat route's
@@ -202,6 +211,14 @@ class ResponsesRequest(_Lenient):
     seed: int | None = None
     ignore_eos: bool = False
     speculative: bool = True  # false: this request never speculates (when the server does)
+
+    @field_validator("tools")
+    @classmethod
+    def _names_unique(cls, tools: list[FunctionTool] | None) -> list[FunctionTool] | None:
+        names = [t.name for t in tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tool names must be unique")
+        return tools
 
     def openai_tool_choice(self) -> ToolChoice:
         if isinstance(self.tool_choice, str):
@@ -239,7 +256,7 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
-    called: set[str] = set()  # the call_ids of the function calls so far, which outputs answer
+    called: list[str] = []  # the call_ids of the function calls so far, which outputs answer
     for i, item in enumerate(items):
         where = f"input.{i}"
         if isinstance(item, MessageItem):
@@ -256,13 +273,13 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             output = (
                 item.output
                 if isinstance(item.output, str)
-                else "".join(_part_text(p, where) for p in item.output)
+                else "\n".join(_part_text(p, where) for p in item.output)  # a line each
             )
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:
             turn = _assistant_turn(messages)
             if isinstance(item, FunctionCallItem):
-                called.add(item.call_id)
+                called.append(item.call_id)
                 call = {"name": item.name, "arguments": item.arguments}
                 turn.setdefault("tool_calls", []).append(
                     {"id": item.call_id, "type": "function", "function": call}
@@ -272,6 +289,10 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 turn["reasoning_content"] = turn.get("reasoning_content", "") + "".join(t.text for t in texts)
     if not messages:
         raise InvalidRequest("input: the conversation is empty", param="input")
+    answered = {m["tool_call_id"] for m in messages if m["role"] == "tool"}
+    unanswered = [c for c in called if c not in answered]
+    if unanswered:  # as OpenAI's: a call the model made is answered before the conversation goes on
+        raise InvalidRequest(f"input: no tool output found for function call {unanswered[0]}", param="input")
     return messages
 
 
@@ -540,8 +561,9 @@ class ResponsesRoute:
 
     async def create(self, request: Request) -> Response:
         body: ResponsesRequest = await self.server._body(request, ResponsesRequest)
-        if body.previous_response_id is not None or body.store or body.background:
-            field = next(f for f in ("previous_response_id", "store", "background") if getattr(body, f))
+        stateful = ("previous_response_id", "conversation", "prompt", "store", "background")
+        field = next((f for f in stateful if getattr(body, f)), None)
+        if field is not None:
             raise InvalidRequest(
                 f"{field}: this server keeps no responses; send store=false and the whole conversation "
                 "as input (the prefix cache makes resending it cheap)",

@@ -73,6 +73,18 @@ BAD_REQUESTS: list[tuple[object, int]] = [
     (_resp(top_logprobs=21), 400),
     (_resp(reasoning={"effort": "extreme"}), 400),
     (_resp(previous_response_id="resp_123"), 400),
+    (_resp(conversation="conv_123"), 400),
+    (_resp(prompt={"id": "pmpt_123"}), 400),
+    (
+        _resp(
+            input=[
+                {"role": "user", "content": "w1"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            ]
+        ),
+        400,
+    ),  # a function_call with no output
+    (_resp(tools=[{"type": "function", "name": "f"}] * 2), 400),  # two tools of one name
     (_resp(input="w1 " * 3_000_000), 413),
     (b"[" * 10_000 + b"]" * 10_000, 400),
     (_resp(model="gpt-5"), 404),
@@ -109,6 +121,10 @@ def test_bad_requests_get_openai_errors_and_server_stays_healthy(http: TestClien
     # A union's error is its most specific member's: the item's missing field, not "a valid string".
     missing = send(http, _resp(input=[{"role": "user", "content": "w1"}, {"type": "function_call_output"}]))
     assert missing.json()["error"]["param"] == "input.1.function_call_output.call_id"
+    unknown = send(http, _resp(input=[{"type": "item_reference", "id": "msg_1"}])).json()["error"]
+    assert unknown["message"].startswith("input.0: an input item is a message, function_call")
+    image = {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
+    assert send(http, _resp(input=[image])).json()["error"]["param"] == "input.0"
     assert async_engine.num_pending == 0
     assert http.get("/health").json() == {"status": "ok"}
     assert send(http, GOOD).status_code == 200
@@ -163,7 +179,11 @@ def test_input_items_become_the_chat_template_messages(http: TestClient):
         {"role": "developer", "content": "w4"},
         {"role": "user", "content": [{"type": "input_text", "text": w} for w in ("w1", "w2")]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c1", "output": "w5"},
+        {
+            "type": "function_call_output",
+            "call_id": "c1",
+            "output": [{"type": "input_text", "text": w} for w in ("w5", "w6")],
+        },
     ]
     reply = http.post(RESPONSES, json=_resp(input=items, instructions="w9")).json()
     chat = {
@@ -180,7 +200,7 @@ def test_input_items_become_the_chat_template_messages(http: TestClient):
                     {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
                 ],
             },
-            {"role": "tool", "tool_call_id": "c1", "content": "w5"},
+            {"role": "tool", "tool_call_id": "c1", "content": "w5\nw6"},
         ],
     }
     expected = http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"]
