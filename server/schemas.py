@@ -185,6 +185,35 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     @model_validator(mode="after")
+    def _tool_messages_answer_calls(self) -> ChatCompletionRequest:
+        """As OpenAI's: a tool message answers a call of the assistant message before it (tool messages
+        between), and each of that message's calls is answered before the conversation goes on."""
+        offered: set[str] = set()
+        pending: set[str] = set()
+        for i, message in enumerate(self.messages):
+            if message.role == "tool":
+                call_id = getattr(message, "tool_call_id", None)
+                if call_id not in offered:
+                    raise InvalidRequest(
+                        f"messages.{i}: a tool message answers a tool call of the assistant message before "
+                        f"it, and none has the id {call_id!r}",
+                        param=f"messages.{i}.tool_call_id",
+                    )
+                pending.discard(call_id)
+                continue
+            if pending:
+                raise InvalidRequest(
+                    f"messages.{i}: an assistant message with tool_calls must be followed by tool messages "
+                    f"answering each call; none answers {', '.join(sorted(pending))}",
+                    param=f"messages.{i}",
+                )
+            calls = getattr(message, "tool_calls", None) if message.role == "assistant" else None
+            calls = calls if isinstance(calls, list) else []
+            offered = {c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)}
+            pending = set(offered)
+        return self
+
+    @model_validator(mode="after")
     def _one_way_to_answer(self) -> ChatCompletionRequest:
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequest(

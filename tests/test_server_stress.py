@@ -47,6 +47,17 @@ def _completion(**changes) -> dict:
     return {**GOOD_COMPLETION, **changes}
 
 
+W1 = {"role": "user", "content": "w1"}
+CALLED = {
+    "role": "assistant",
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+}
+
+
+def _tool_result(call_id: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": "w2"}
+
+
 # (method, path, body: dict to send as JSON or raw bytes or None, expected status)
 BAD_REQUESTS: list[tuple[str, str, object, int]] = [
     # malformed JSON and non-object bodies
@@ -68,6 +79,10 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
     ("POST", CHAT, _chat(messages="w1 w2"), 400),
     ("POST", CHAT, _chat(messages=[{"role": "user", "content": 5}]), 400),
     ("POST", CHAT, _chat(messages=[{"role": "robot", "content": "w1"}]), 400),
+    # a tool result answering no call of the assistant message before, and a call left unanswered
+    ("POST", CHAT, _chat(messages=[W1, _tool_result("c1")]), 400),
+    ("POST", CHAT, _chat(messages=[W1, CALLED, W1]), 400),
+    ("POST", CHAT, _chat(messages=[W1, CALLED, _tool_result("c2")]), 400),
     ("POST", CHAT, _chat(messages=[{"content": "w1"}]), 400),
     (
         "POST",
