@@ -278,3 +278,75 @@ def test_page_picks_among_several_models_and_leaves_out_embedding_ones(
         page.close()
     finally:
         server.stop()
+
+
+def _canned_stream(reasoning: list[str], content: list[str]) -> str:
+    """An SSE answer as the chat route streams it, thinking (reasoning_content) first."""
+    chunks = [{"role": "assistant", "content": ""}]
+    chunks += [{"reasoning_content": r} for r in reasoning] + [{"content": c} for c in content]
+    events = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in chunks]
+    events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    usage = {"prompt_tokens": 9, "completion_tokens": len(reasoning) + len(content), "total_tokens": 0}
+    events.append({"choices": [], "usage": usage})
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+
+def test_page_shows_thinking_and_html_as_text_and_tabs_keep_each_others_chats(
+    browser, keyed_server: LiveServer
+):
+    context = browser.new_context()
+    # Answers come canned (what a server with --reasoning-parser streams), so this tests the page alone.
+    answer = _canned_stream(["Let me ", "think."], ["Use `vector<int>` or ", "List<String>; x<y and y>z."])
+    context.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=answer),
+    )
+    a = context.new_page()
+    a.goto(keyed_server.base_url + "/")
+    a.wait_for_selector("#key-form:not([hidden])")
+    a.fill("#api-key", API_KEY)
+    a.click("#api-key-save")
+    a.wait_for_function("() => document.getElementById('model-name').textContent === 'tiny'")
+
+    b = context.new_page()  # a second tab, opened before the first one's chat exists
+    b.goto(keyed_server.base_url + "/")
+    b.wait_for_function("() => document.getElementById('model-name').textContent === 'tiny'")
+    for page, text in ((b, "the chat of tab b"), (a, "the chat of tab a")):
+        page.fill("#prompt", text)
+        page.click("#send")
+        page.wait_for_selector(".msg.assistant .stats:has-text('generated')")
+    # Thinking shown apart, above the answer; HTML-like text in the answer shown as written.
+    assert a.inner_text(".msg.assistant .reasoning") == "Let me think."
+    assert a.inner_text(".msg.assistant .content") == "Use vector<int> or List<String>; x<y and y>z."
+    shown = a.evaluate(
+        "() => { const d = document.createElement('div'); renderMarkdown(d, 'The <div> tag and <b>bold</b>');"
+        " return [d.textContent.trim(), d.querySelector('b') === null] }"
+    )
+    assert shown == ["The <div> tag and <b>bold</b>", True]
+
+    # Neither tab wrote over the other's conversation: a third tab has both, and so has the first.
+    c = context.new_page()
+    c.goto(keyed_server.base_url + "/")
+    titles = c.eval_on_selector_all("#conversations .open", "bs => bs.map(b => b.textContent)")
+    assert sorted(titles) == ["the chat of tab a", "the chat of tab b"]
+    a.wait_for_function("() => document.querySelectorAll('#conversations .open').length === 2")
+
+    # Storage full: the turn goes on from memory, and the page says it is not saved.
+    a.evaluate(
+        "() => { let i = 0; for (let size = 1 << 20; size >= 1; size >>= 1) for (;;) {"
+        " try { localStorage.setItem('filler' + i++, 'x'.repeat(size)) } catch (e) { break } } }"
+    )
+    a.fill("#prompt", "one more")
+    a.click("#send")
+    a.wait_for_selector(".msg.assistant:nth-of-type(4) .stats:has-text('generated')")
+    assert "storage is full" in a.inner_text("#storage-error")
+    a.evaluate("() => Object.keys(localStorage).filter(k => k.startsWith('filler')).forEach(k => localStorage.removeItem(k))")  # noqa: E501
+
+    # A phone's width: the page fits it, the message box usable.
+    phone = context.new_page()
+    phone.set_viewport_size({"width": 375, "height": 740})
+    phone.goto(keyed_server.base_url + "/")
+    phone.wait_for_function("() => document.getElementById('model-name').textContent === 'tiny'")
+    assert phone.evaluate("() => document.documentElement.scrollWidth") <= 375
+    assert phone.eval_on_selector("#prompt", "e => e.getBoundingClientRect().width") > 200
+    context.close()

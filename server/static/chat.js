@@ -9,31 +9,76 @@
 
   const state = {
     model: null,
+    models: [],
     data: load(),
     controller: null, // AbortController of the request in flight
+    streaming: null, // the conversation being answered
   };
 
   // ---- storage -----------------------------------------------------------------------------------
-  function load() {
+  // Other tabs of this page share the storage: every write first merges what is stored (the newer copy
+  // of a conversation wins; one deleted anywhere stays deleted), and their writes are merged in here,
+  // so no tab overwrites another's conversations.
+  const MAX_DELETED = 500; // remembered deletions
+
+  function parse(text) {
     try {
-      const data = JSON.parse(localStorage.getItem(STORE_KEY));
+      const data = JSON.parse(text);
       if (data && Array.isArray(data.conversations)) return data;
     } catch (e) {
       /* unreadable: start afresh */
     }
-    return { conversations: [], current: null, settings: { temperature: 0.7, max_tokens: 512, extra: "" } };
+    return null;
+  }
+
+  function load() {
+    const data = parse(localStorage.getItem(STORE_KEY)) ||
+      { conversations: [], current: null, settings: { temperature: 0.7, max_tokens: 512, extra: "" } };
+    data.deleted = data.deleted || [];
+    return data;
+  }
+
+  function merge(stored) {
+    if (!stored) return;
+    const deleted = [...new Set([...state.data.deleted, ...(stored.deleted || [])])].slice(-MAX_DELETED);
+    const gone = new Set(deleted);
+    const byId = new Map(state.data.conversations.map((c) => [c.id, c]));
+    for (const other of stored.conversations) {
+      const own = byId.get(other.id);
+      const newer = !own || ((other.updated || 0) > (own.updated || 0) && own !== state.streaming);
+      if (newer) byId.set(other.id, other);
+    }
+    state.data.deleted = deleted;
+    state.data.conversations = [...byId.values()]
+      .filter((c) => !gone.has(c.id))
+      .sort((a, b) => (b.updated || 0) - (a.updated || 0));
   }
 
   function save() {
-    localStorage.setItem(STORE_KEY, JSON.stringify(state.data));
+    merge(parse(localStorage.getItem(STORE_KEY)));
+    try {
+      localStorage.setItem(STORE_KEY, JSON.stringify(state.data));
+      $("storage-error").textContent = "";
+    } catch (e) {
+      // Over the browser's quota (a few MB): the page goes on from memory and says so.
+      $("storage-error").textContent =
+        "The browser's storage is full, so this chat is not saved: delete old conversations to make room.";
+    }
   }
+
+  window.addEventListener("storage", (e) => {
+    if (e.key !== STORE_KEY) return;
+    merge(parse(e.newValue));
+    renderSidebar();
+    if (!state.controller) renderMessages();
+  });
 
   function current() {
     return state.data.conversations.find((c) => c.id === state.data.current) || null;
   }
 
   function newConversation() {
-    const conv = { id: String(Date.now()) + Math.random().toString(16).slice(2, 6), title: "New chat",
+    const conv = { id: String(Date.now()) + Math.random().toString(16).slice(2, 8), title: "New chat",
       system: "", messages: [], updated: Date.now() };
     state.data.conversations.unshift(conv);
     state.data.current = conv.id;
@@ -75,6 +120,7 @@
       $("model-name").textContent = "no chat model on this server";
       return;
     }
+    state.models = models;
     const picker = $("model-select");
     picker.replaceChildren(...models.map((m) => new Option(m.id, m.id)));
     picker.hidden = models.length < 2;
@@ -160,6 +206,7 @@
     const reply = conv.messages[conv.messages.length - 1];
     const stats = (reply.stats = { chunks: 0 });
     const controller = (state.controller = new AbortController());
+    state.streaming = conv;
     setBusy(true);
     const started = performance.now();
     let first = null;
@@ -200,11 +247,14 @@
             if (chunk.usage) stats.usage = chunk.usage;
             const choice = chunk.choices && chunk.choices.find((c) => c.index === 0);
             if (!choice) continue;
-            if (choice.delta && choice.delta.content) {
+            const delta = choice.delta || {};
+            // A reasoning model's thinking (a server with --reasoning-parser) comes as reasoning_content.
+            if (delta.reasoning_content) reply.reasoning = (reply.reasoning || "") + delta.reasoning_content;
+            if (delta.content) reply.content += delta.content;
+            if (delta.content || delta.reasoning_content) {
               last = performance.now();
               if (first === null) first = last;
               stats.chunks += 1;
-              reply.content += choice.delta.content;
               scheduleRender(conv);
             }
             if (choice.finish_reason) stats.finish = choice.finish_reason;
@@ -221,7 +271,13 @@
         if (tokens > 1 && last > first) stats.tps = (tokens - 1) / ((last - first) / 1000);
       }
       state.controller = null;
+      state.streaming = null;
       conv.updated = Date.now();
+      const model = state.models.find((m) => m.id === state.model);
+      if (model && !reply.error && model.state && model.state !== "loaded") {
+        model.state = "loaded"; // (its first answer loaded it)
+        selectModel(model);
+      }
       save();
       setBusy(false);
       renderMessages();
@@ -234,6 +290,7 @@
     const conv = current() || newConversation();
     if (!conv.messages.length) conv.title = text.slice(0, 48);
     conv.messages.push({ role: "user", content: text }, { role: "assistant", content: "" });
+    conv.updated = Date.now();
     save();
     renderSidebar();
     renderMessages();
@@ -256,6 +313,7 @@
     conv.messages.length = index;
     if (index === 0) conv.title = text.slice(0, 48);
     conv.messages.push({ role: "user", content: text }, { role: "assistant", content: "" });
+    conv.updated = Date.now();
     save();
     renderSidebar();
     renderMessages();
@@ -269,10 +327,18 @@
     renderPending = true;
     requestAnimationFrame(() => {
       renderPending = false;
-      const node = document.querySelector("#messages .msg:last-child .content");
-      if (node && conv === current()) window.renderMarkdown(node, conv.messages[conv.messages.length - 1].content);
+      const item = document.querySelector("#messages .msg:last-child");
+      if (item && conv === current()) renderAnswer(item, conv.messages[conv.messages.length - 1]);
       scrollToEnd();
     });
+  }
+
+  // An answer: its thinking, when the model thinks, as plain dimmed text; then the answer as markdown.
+  function renderAnswer(item, m) {
+    const reasoning = item.querySelector(".reasoning");
+    reasoning.hidden = !m.reasoning;
+    reasoning.textContent = m.reasoning || "";
+    window.renderMarkdown(item.querySelector(".content"), m.content);
   }
 
   function scrollToEnd() {
@@ -317,12 +383,17 @@
       const role = document.createElement("div");
       role.className = "role";
       role.textContent = m.role;
+      const reasoning = document.createElement("div");
+      reasoning.className = "reasoning";
       const content = document.createElement("div");
       content.className = "content";
+      item.append(role, reasoning, content);
       // The user's own text is shown as typed; the model's is markdown.
-      if (m.role === "assistant") window.renderMarkdown(content, m.content);
-      else content.textContent = m.content;
-      item.append(role, content);
+      if (m.role === "assistant") renderAnswer(item, m);
+      else {
+        reasoning.hidden = true;
+        content.textContent = m.content;
+      }
       if (m.error) {
         const error = document.createElement("div");
         error.className = "error";
@@ -378,6 +449,7 @@
       const remove = button("×", "delete", () => {
         if (state.controller) return;
         state.data.conversations = state.data.conversations.filter((c) => c !== conv);
+        state.data.deleted.push(conv.id);
         if (state.data.current === conv.id) state.data.current = null;
         save();
         renderSidebar();
@@ -415,6 +487,7 @@
     $("system").addEventListener("change", (e) => {
       const conv = current() || newConversation();
       conv.system = e.target.value;
+      conv.updated = Date.now();
       save();
       renderSidebar();
     });

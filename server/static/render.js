@@ -4,6 +4,11 @@
 
 window.renderMarkdown = (function () {
   marked.setOptions({ gfm: true, breaks: true });
+  // HTML in model text is shown as written, not parsed: "vector<int>", "x<y and y>z" or "the <div> tag"
+  // would otherwise become unknown elements that the sanitizer drops, words and all.
+  const escapeHtml = (text) =>
+    text.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/"/g, "&quot;");
+  marked.use({ renderer: { html: ({ text }) => escapeHtml(text) } });
   // Links open in a new tab and cannot reach back into this page.
   DOMPurify.addHook("afterSanitizeAttributes", (node) => {
     if (node.tagName === "A") {
