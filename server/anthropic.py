@@ -39,7 +39,7 @@ from mlx_infer.server.errors import (
 )
 from mlx_infer.server.request_body import read_json
 from mlx_infer.server.responses import new_id
-from mlx_infer.server.schemas import INT32_MAX, MAX_STOP_LENGTH
+from mlx_infer.server.schemas import INT32_MAX, MAX_STOP_LENGTH, check_unique_names
 from mlx_infer.server.structured import json_schema_constraint
 
 if TYPE_CHECKING:
@@ -161,9 +161,7 @@ class _Conversation(_Lenient):
     @field_validator("tools")
     @classmethod
     def _names_unique(cls, tools: list[Tool] | None) -> list[Tool] | None:
-        names = [t.name for t in tools or []]
-        if len(set(names)) < len(names):
-            raise ValueError("tool names must be unique")
+        check_unique_names([t.name for t in tools or []])
         return tools
 
 

@@ -35,7 +35,7 @@ from mlx_infer.server import chat_output
 from mlx_infer.server.engine_call import LatencyClock, collect, default_max_tokens, submit
 from mlx_infer.server.errors import describe
 from mlx_infer.server.responses import new_id, now
-from mlx_infer.server.schemas import INT32_MAX
+from mlx_infer.server.schemas import INT32_MAX, check_unique_names
 from mlx_infer.server.structured import SCHEMA_NAME_PATTERN, text_format_constraint
 from mlx_infer.tool_calls import ToolChoice
 
@@ -215,9 +215,7 @@ class ResponsesRequest(_Lenient):
     @field_validator("tools")
     @classmethod
     def _names_unique(cls, tools: list[FunctionTool] | None) -> list[FunctionTool] | None:
-        names = [t.name for t in tools or []]
-        if len(set(names)) < len(names):
-            raise ValueError("tool names must be unique")
+        check_unique_names([t.name for t in tools or []])
         return tools
 
     def openai_tool_choice(self) -> ToolChoice:

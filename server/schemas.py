@@ -123,6 +123,12 @@ class _SamplingFields(StructuredOutputFields):
         )
 
 
+def check_unique_names(names: list[str]) -> None:
+    """Tools named alike cannot be told apart in the calls a model writes (Messages and Responses)."""
+    if len(set(names)) < len(names):
+        raise ValueError("tool names must be unique")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
