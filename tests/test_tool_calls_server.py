@@ -7,6 +7,7 @@ and its arguments validate against the tool's schema, whatever the temperature.
 
 from __future__ import annotations
 
+import enum
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 from server_helpers import LiveServer, wait_for_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -190,6 +192,30 @@ def test_stop_strings_do_not_cut_a_forced_call(client: openai.OpenAI, claude: an
     # A response format has no content to shape beside a forced call: accepted, as OpenAI's.
     formatted = client.chat.completions.create(**kwargs, response_format={"type": "json_object"}).choices[0]
     assert formatted.finish_reason == "tool_calls" and formatted.message.tool_calls
+
+
+def test_pydantic_tools_with_nested_models_and_enums_are_forced_and_parsed(client: openai.OpenAI):
+    # pydantic_function_tool writes nested models and enums as $defs references, strict.
+    class Unit(str, enum.Enum):
+        celsius = "celsius"
+        fahrenheit = "fahrenheit"
+
+    class Place(BaseModel):
+        city: str
+
+    class GetForecast(BaseModel):
+        place: Place
+        unit: Unit
+        days: int
+
+    tool = openai.pydantic_function_tool(GetForecast)
+    assert "$defs" in tool["function"]["parameters"]
+    kwargs = dict(model="smollm2", tools=[tool], temperature=0, max_tokens=60)
+    messages = [{"role": "user", "content": "The forecast for Paris, 3 days, in celsius?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "GetForecast"}}):
+        parsed = client.chat.completions.parse(messages=messages, tool_choice=choice, **kwargs).choices[0]
+        assert parsed.finish_reason == "tool_calls"
+        assert isinstance(parsed.message.tool_calls[0].function.parsed_arguments, GetForecast)
 
 
 def test_tool_choice_none_gives_text_without_tools_in_the_prompt(client: openai.OpenAI):
