@@ -15,6 +15,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
+from mlx_infer.errors import DistributedError
 from mlx_infer.interface.batch import BatchMetadata, SequenceSlice, build_metadata
 
 from .traffic import Traffic
@@ -55,6 +56,8 @@ class StepChannel:
         kind, length = int(first[0]), int(first[1])
         if kind == _STOP:
             return None
+        if kind != _STEP:  # the ring hands back zeros once rank 0's connection is gone
+            raise DistributedError("lost rank 0: its connection closed")
         payload = first[_HEAD : _HEAD + length]
         if length > CAPACITY - _HEAD:
             rest = np.array(self._all_sum(np.zeros(length - (CAPACITY - _HEAD), np.int32)))

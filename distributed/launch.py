@@ -32,6 +32,10 @@ from .runtime import BACKEND_ENV, STRATEGIES, STRATEGY_ENV, TEMP_PREFIX
 DEFAULT_SSH = "ssh -tt -o LogLevel=QUIET -o BatchMode=yes"
 DEFAULT_PORT = 32323
 STOP_GRACE_S = 3.0
+# serve's own stop: its requests finish for --shutdown-timeout (default 30 s), then the last ones get their
+# final errors; rank 0 is given that long, and this margin, before it is stopped harder.
+SERVE_SHUTDOWN_DEFAULT_S = 30.0
+SERVE_STOP_MARGIN_S = 5.0
 PARTIAL_LINE_S = 0.1  # a partial line waits this long for the rest of its line
 _LINES = re.compile(b"(?<=\n)")  # split after each newline, keeping it
 # Passed on to every rank when set here (ssh does not carry the environment): every rank must compute with
@@ -107,13 +111,34 @@ def run(args: argparse.Namespace) -> int:
             print(f"# rank {p.rank} on {p.host.ssh}")
             print(shlex.join(p.argv))
         return 0
-    return Launcher(plans).run()
+    return Launcher(plans, stop_grace_s(command_of(args))).run()
+
+
+def command_of(args: argparse.Namespace) -> list[str]:
+    """The command after ``--``."""
+    command = list(args.program)
+    return command[1:] if command[:1] == ["--"] else command
+
+
+def stop_grace_s(command: list[str]) -> float:
+    """How long rank 0 may take to stop by itself once interrupted: a ``serve`` drains its requests for
+    its ``--shutdown-timeout``; anything else stops at once."""
+    if command[:1] != ["serve"]:
+        return STOP_GRACE_S
+    timeout = SERVE_SHUTDOWN_DEFAULT_S
+    for i, arg in enumerate(command):
+        value = command[i + 1] if arg == "--shutdown-timeout" and i + 1 < len(command) else None
+        if arg.startswith("--shutdown-timeout="):
+            value = arg.partition("=")[2]
+        try:
+            timeout = float(value) if value is not None else timeout
+        except ValueError:
+            pass  # serve refuses it itself
+    return timeout + SERVE_STOP_MARGIN_S
 
 
 def plan_ranks(table: hf.HostFile, args: argparse.Namespace) -> list[RankPlan]:
-    command = list(args.program)
-    if command[:1] == ["--"]:
-        command = command[1:]
+    command = command_of(args)
     if not command:
         raise InvalidRequest("no command: add -- generate|serve ARGS (or -- PROGRAM ARGS)")  # usage: 2
     argv = rank_command(command, args.python)
@@ -194,8 +219,11 @@ def rank_script(env: dict[str, str], files: dict[str, str], cwd: str | None, arg
 
 
 class Launcher:
-    def __init__(self, plans: list[RankPlan]):
+    """``stop_grace_s``: how long rank 0 may take to stop by itself when the launcher is interrupted."""
+
+    def __init__(self, plans: list[RankPlan], stop_grace_s: float = STOP_GRACE_S):
         self.plans = plans
+        self.stop_grace_s = stop_grace_s
         self.procs: list[subprocess.Popen] = []
         self.lock = threading.Lock()
         self._open_line: int | None = None  # the rank whose partial line ends the output so far
@@ -227,7 +255,10 @@ class Launcher:
             return self._watch()
         except KeyboardInterrupt:
             self._note("interrupted; stopping every rank")
-            return 128 + self.interrupted_by
+            self._stop_all(self.interrupted_by, self.stop_grace_s)
+            # Rank 0's own status when it stopped by itself (a serve that drained its requests: 0).
+            code = self.procs[0].poll() if self.procs else None
+            return code if code is not None and code >= 0 else 128 + self.interrupted_by
         finally:
             self._stop_all()
             for t in threads:
@@ -248,20 +279,25 @@ class Launcher:
                 return 0
             time.sleep(0.05)
 
-    def _stop_all(self) -> None:
-        # Rank 0 first: it tells the others to stop, so the ring ends cleanly rather than on lost
-        # peers; then whoever is left, and SIGKILL for whoever outlives the grace.
+    def _stop_all(self, first: int = signal.SIGTERM, first_grace_s: float = STOP_GRACE_S) -> None:
+        # Rank 0 first (with the signal the launcher got: a serve then drains its requests): it tells
+        # the others to stop, so the ring ends cleanly rather than on lost peers; then whoever is left,
+        # and SIGKILL for whoever outlives the grace. Another Ctrl-C cuts a wait short.
         term, kill = signal.SIGTERM, signal.SIGKILL
-        for group, sig in ((self.procs[:1], term), (self.procs, term), (self.procs, kill)):
+        stages = ((self.procs[:1], first, first_grace_s), (self.procs, term, STOP_GRACE_S))
+        for group, sig, grace in (*stages, (self.procs, kill, STOP_GRACE_S)):
             alive = [proc for proc in group if proc.poll() is None]
             for proc in alive:
                 try:
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:
                     pass
-            deadline = time.monotonic() + STOP_GRACE_S
-            while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
-                time.sleep(0.05)
+            deadline = time.monotonic() + grace
+            try:
+                while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
+                    time.sleep(0.05)
+            except KeyboardInterrupt:
+                continue
 
     def _forward(self, rank: int, stream, out) -> None:
         """Copy a rank's output with ``[rank N]`` before each line, whole lines at a time so ranks do not

@@ -300,8 +300,10 @@ def open_engine(args: argparse.Namespace) -> Iterator[tuple[LoadedModel, Engine]
         model = draft.model if draft is not None else None
         yield loaded, Engine(loaded.model, loaded.tokenizer, loaded.max_context, config, draft_model=model)
         return
-    if config.speculative.method == "draft":
-        raise InvalidRequest("--speculative draft is not supported across several processes")
+    if config.speculative.method is not None:  # (the other ranks follow plain steps only)
+        raise InvalidRequest(
+            f"--speculative {config.speculative.method} is not supported across several processes"
+        )
     session = open_session(args.model, group, config, keep_quantized=keep_quantized)
     if session.rank != 0:
         session.follow()

@@ -36,10 +36,11 @@ from mlx.utils import tree_flatten
 
 from mlx_infer import cpu_kernels
 from mlx_infer.distributed import hostfile, launch, shard_pipeline, shard_tensor
-from mlx_infer.distributed.channel import decode_step, encode_step
+from mlx_infer.distributed.channel import StepChannel, decode_step, encode_step
 from mlx_infer.distributed.pipeline import layer_ranges
 from mlx_infer.distributed.runtime import Session, load_sharded
 from mlx_infer.distributed.tensor import _keep_columns, _keep_rows, _shard_mlp
+from mlx_infer.distributed.traffic import Traffic
 from mlx_infer.engine.engine import EngineConfig
 from mlx_infer.errors import DistributedError, InvalidRequest
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
@@ -816,35 +817,106 @@ def test_killing_a_rank_mid_generation_fails_the_launch_quickly(smollm2_path: Pa
 
 
 # ------------------------------------------------------------------------------- network namespaces
-def test_sigterm_stops_a_launched_server_cleanly(tiny_tp):
-    """SIGTERM to launch: rank 0's server shuts down and tells the others to stop (no lost-peer errors),
-    launch exits 143 as a terminated process does, and no rank is left."""
-    folder, _ = tiny_tp
+def _launched_server(model: Path, *serve_args: str) -> tuple[subprocess.Popen, int]:
+    """``launch`` of two local ranks serving ``model``, once it answers /health; returns it and its port."""
     http = free_port(1)
     proc = subprocess.Popen(
         [PY, "-m", "mlx_infer.distributed.launch", "--hosts", "127.0.0.1,127.0.0.1", "--port",
-         str(free_port()), "--", "serve", "-m", str(folder), "--port", str(http)],
+         str(free_port()), "--", "serve", "-m", str(model), "--port", str(http), *serve_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=TESTS.parent,
-    )
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read()[-3000:])
+        try:
+            if httpx.get(f"http://127.0.0.1:{http}/health", timeout=2).status_code == 200:
+                return proc, http
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("the launched server never answered /health")
+
+
+def _no_rank_left(out: str) -> bool:
+    pids = [int(line.split()[-1]) for line in out.splitlines() if re.search(r"rank \d on \S+: pid", line)]
+    return len(pids) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+def test_sigterm_stops_a_launched_server_cleanly(tiny_tp):
+    """SIGTERM to launch: rank 0's server shuts down as one process does (exit 0) and tells the others to
+    stop (no lost-peer errors), and no rank is left."""
+    folder, _ = tiny_tp
+    proc, _ = _launched_server(folder)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{http}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 143, out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
     assert "internal error" not in out and "connection to a peer was lost" not in out, out[-3000:]
-    pids = [int(line.split()[-1]) for line in out.splitlines() if re.search(r"rank \d on \S+: pid", line)]
-    assert len(pids) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in pids), out[-3000:]
+    assert _no_rank_left(out), out[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_lets_a_launched_servers_requests_finish(smollm2_path: Path):
+    """As ``serve`` alone: a stream running when launch gets SIGTERM finishes within --shutdown-timeout
+    (the ranks were stopped 3 s after the signal, cutting it with a connection reset)."""
+    proc, http = _launched_server(smollm2_path, "--shutdown-timeout", "60")
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 240,
+            "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+    finish = []
+    try:
+        url = f"http://127.0.0.1:{http}/v1/chat/completions"
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break  # streaming: now stop the launcher
+            proc.send_signal(signal.SIGTERM)
+            for line in lines:
+                choices = json.loads(line[6:])["choices"] if line.startswith("data: {") else []
+                finish += [c["finish_reason"] for c in choices if c["finish_reason"]]
+        out = proc.communicate(timeout=90)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert finish == ["length"], out[-3000:]
+    assert proc.returncode == 0 and _no_rank_left(out), out[-3000:]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_is_refused_across_processes(tiny_tp, method):
+    # The other ranks follow plain steps only: a speculative step would leave them waiting for good.
+    folder, _ = tiny_tp
+    draft = ["--draft-model", str(folder)] if method == "draft" else []
+    done = subprocess.run(
+        [PY, "-m", "mlx_infer.distributed.launch", "--hosts", "127.0.0.1,127.0.0.1", "--port",
+         str(free_port()), "--", "generate", "-m", str(folder), "-p", "w1", "--max-tokens", "4",
+         "--speculative", method, *draft],
+        capture_output=True, text=True, timeout=120, env=ENV, cwd=TESTS.parent,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"--speculative {method} is not supported across several processes" in done.stderr
+
+
+def test_a_follower_that_lost_rank_0_says_so(monkeypatch: pytest.MonkeyPatch):
+    # Once rank 0's connection is gone the ring's all_sum hands back zeros: a clear error, not a
+    # ValueError from decoding an empty step.
+    channel = StepChannel(None, Traffic())
+    monkeypatch.setattr(channel, "_all_sum", lambda values: mx.array(np.zeros_like(values)))
+    with pytest.raises(DistributedError, match="lost rank 0"):
+        channel.receive()
+
+
+def test_stop_grace_is_serves_shutdown_timeout():
+    assert launch.stop_grace_s(["generate", "-m", "x"]) == launch.STOP_GRACE_S
+    margin = launch.SERVE_STOP_MARGIN_S
+    assert launch.stop_grace_s(["serve", "-m", "x"]) == launch.SERVE_SHUTDOWN_DEFAULT_S + margin
+    assert launch.stop_grace_s(["serve", "--shutdown-timeout", "5"]) == 5 + margin
+    assert launch.stop_grace_s(["serve", "--shutdown-timeout=0"]) == margin
 
 
 def test_hosts_check_across_namespaces(netns):
