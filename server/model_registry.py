@@ -121,8 +121,11 @@ class ModelRegistry:
             raise ModelNotFound(self.not_found_message(name), param="model")
         entry = self._loaded.get(name)
         if entry is None:
+            # The wait for room counts from here: requests queued behind another's load of the same
+            # model share its deadline rather than each waiting anew once the one before gives up.
+            deadline = time.monotonic() + self._wait_timeout
             async with self._model_locks.setdefault(name, asyncio.Lock()):
-                entry = self._loaded.get(name) or await self._load(spec)
+                entry = self._loaded.get(name) or await self._load(spec, deadline)
                 # Counted before any await: an unload cannot come between the load and this request.
                 entry.in_flight += 1
         else:
@@ -155,7 +158,7 @@ class ModelRegistry:
         return {name: e.loaded for name, e in self._loaded.items()}
 
     # ---- loading and unloading -------------------------------------------------------------------
-    async def _load(self, spec: ModelSpec) -> _Entry:
+    async def _load(self, spec: ModelSpec, deadline: float) -> _Entry:
         if self._closed_reason is not None:
             raise ServiceUnavailable(self._closed_reason)
         # From headers, but a folder's model is built (lazily) to name its weights: off the loop.
@@ -168,7 +171,7 @@ class ModelRegistry:
                 param="model",
             )
         async with self._room:
-            await self._make_room(spec.name, need)
+            await self._make_room(spec.name, need, deadline)
             loop = asyncio.get_running_loop()
             start = time.perf_counter()
             self._loading[spec.name] = need
@@ -211,8 +214,7 @@ class ModelRegistry:
         count = len(self._loaded) + len(self._loading)
         return count >= self.max_loaded or self.used_bytes() + need > self.memory_budget
 
-    async def _make_room(self, name: str, need: int) -> None:
-        deadline = time.monotonic() + self._wait_timeout
+    async def _make_room(self, name: str, need: int, deadline: float) -> None:
         while self._full(need):
             victim = next((e for e in self._loaded.values() if e.in_flight == 0), None)
             if victim is not None:

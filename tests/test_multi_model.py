@@ -155,6 +155,25 @@ def test_a_busy_model_is_never_unloaded_the_load_waits_then_fails_clearly():
     registry.close()
 
 
+def test_requests_queued_for_one_load_share_its_deadline():
+    # Three requests for b while a is busy: each gets its 503 when the wait ends, not one wait after the
+    # other (the second began waiting only when the first gave up).
+    loader = Loader({"a": 10, "b": 10})
+    registry = loader.registry(max_loaded=1, wait=0.3)
+
+    async def main():
+        await registry.acquire("a")  # held: a stream in progress
+        start = time.monotonic()
+        waits = [asyncio.create_task(registry.acquire("b")) for _ in range(3)]
+        results = await asyncio.gather(*waits, return_exceptions=True)
+        return time.monotonic() - start, results
+
+    elapsed, results = run(main())
+    assert all(isinstance(r, ServiceUnavailable) for r in results)
+    assert elapsed < 0.6, elapsed
+    registry.close()
+
+
 def test_memory_budget_evicts_and_a_model_that_cannot_fit_is_refused():
     loader = Loader({"a": 600, "b": 500, "huge": 1001})
     registry = loader.registry(max_loaded=3, budget=1000)
