@@ -438,10 +438,11 @@ class _Call:
 
     def stop(self) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence) of the finished request."""
-        if self.blocks.has_tool_use:
-            return "tool_use", None
+        # max_tokens first: a call it cut off is no call to run (its input is incomplete).
         if self.last is None or self.last.finish_reason == "length":
             return "max_tokens", None
+        if self.blocks.has_tool_use:
+            return "tool_use", None
         tokenizer = self.server.tokenizer
         ended_by_eos = not self.output_ids or self.output_ids[-1] in tokenizer.eos_token_ids
         if ended_by_eos or not self.body.stop_sequences:

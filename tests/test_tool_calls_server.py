@@ -174,6 +174,16 @@ def test_forced_call_cut_by_max_tokens_leaks_no_markup(client: openai.OpenAI, cl
         model="smollm2", max_tokens=6, messages=QUESTION, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"}
     )
     assert reply.stop_reason == "max_tokens" and all(b.type != "text" or not b.text for b in reply.content)
+    # Cut inside its arguments: still max_tokens, not a tool_use to run with an incomplete input.
+    for stream in (False, True):
+        kwargs = dict(model="smollm2", max_tokens=18, messages=QUESTION, tools=ANTHROPIC_TOOLS)
+        if stream:
+            with claude.messages.stream(**kwargs, tool_choice={"type": "any"}) as s:
+                reply = s.get_final_message()
+        else:
+            reply = claude.messages.create(**kwargs, tool_choice={"type": "any"})
+        assert any(b.type == "tool_use" for b in reply.content)
+        assert reply.stop_reason == "max_tokens"
 
 
 def test_stop_strings_do_not_cut_a_forced_call(client: openai.OpenAI, claude: anthropic.Anthropic):
