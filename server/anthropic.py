@@ -39,7 +39,7 @@ from mlx_infer.server.errors import (
 )
 from mlx_infer.server.request_body import read_json
 from mlx_infer.server.responses import new_id
-from mlx_infer.server.schemas import INT32_MAX, MAX_STOP_LENGTH, check_unique_names
+from mlx_infer.server.schemas import INT32_MAX, MAX_STOP_LENGTH
 from mlx_infer.server.structured import json_schema_constraint
 
 if TYPE_CHECKING:
@@ -157,12 +157,6 @@ class _Conversation(_Lenient):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _names_unique(cls, tools: list[Tool] | None) -> list[Tool] | None:
-        check_unique_names([t.name for t in tools or []])
-        return tools
 
 
 class OutputFormat(_Lenient):

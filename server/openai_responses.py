@@ -20,7 +20,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -35,7 +35,7 @@ from mlx_infer.server import chat_output
 from mlx_infer.server.engine_call import LatencyClock, collect, default_max_tokens, submit
 from mlx_infer.server.errors import describe
 from mlx_infer.server.responses import new_id, now
-from mlx_infer.server.schemas import INT32_MAX, check_unique_names
+from mlx_infer.server.schemas import INT32_MAX
 from mlx_infer.server.structured import SCHEMA_NAME_PATTERN, text_format_constraint
 from mlx_infer.tool_calls import ToolChoice
 
@@ -211,12 +211,6 @@ class ResponsesRequest(_Lenient):
     seed: int | None = None
     ignore_eos: bool = False
     speculative: bool = True  # false: this request never speculates (when the server does)
-
-    @field_validator("tools")
-    @classmethod
-    def _names_unique(cls, tools: list[FunctionTool] | None) -> list[FunctionTool] | None:
-        check_unique_names([t.name for t in tools or []])
-        return tools
 
     def openai_tool_choice(self) -> ToolChoice:
         if isinstance(self.tool_choice, str):
@@ -559,7 +553,12 @@ class ResponsesRoute:
 
     async def create(self, request: Request) -> Response:
         body: ResponsesRequest = await self.server._body(request, ResponsesRequest)
-        stateful = ("previous_response_id", "conversation", "prompt", "store", "background")
+        if body.prompt:
+            raise InvalidRequest(
+                "prompt: this server keeps no prompt templates; send the instructions and input themselves",
+                param="prompt",
+            )
+        stateful = ("previous_response_id", "conversation", "store", "background")
         field = next((f for f in stateful if getattr(body, f)), None)
         if field is not None:
             raise InvalidRequest(

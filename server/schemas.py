@@ -123,12 +123,6 @@ class _SamplingFields(StructuredOutputFields):
         )
 
 
-def check_unique_names(names: list[str]) -> None:
-    """Tools named alike cannot be told apart in the calls a model writes (Messages and Responses)."""
-    if len(set(names)) < len(names):
-        raise ValueError("tool names must be unique")
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -217,6 +211,12 @@ class ChatCompletionRequest(_SamplingFields):
             calls = calls if isinstance(calls, list) else []
             offered = {c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)}
             pending = set(offered)
+        if pending:  # the conversation ends on calls not all answered (as OpenAI's, a 400 too)
+            raise InvalidRequest(
+                f"messages: an assistant message with tool_calls must be followed by tool messages "
+                f"answering each call; none answers {', '.join(sorted(pending))}",
+                param="messages",
+            )
         return self
 
     @model_validator(mode="after")

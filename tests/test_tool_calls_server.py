@@ -228,6 +228,19 @@ def test_pydantic_tools_with_nested_models_and_enums_are_forced_and_parsed(clien
         assert isinstance(parsed.message.tool_calls[0].function.parsed_arguments, GetForecast)
 
 
+def test_a_forced_function_without_parameters_is_called_with_none(client: openai.OpenAI):
+    # OpenAI: "omitting parameters defines a function with an empty parameter list".
+    now = {"type": "function", "function": {"name": "now", "description": "The current time."}}
+    messages = [{"role": "user", "content": "What time is it?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "now"}}):
+        reply = client.chat.completions.create(
+            model="smollm2", messages=messages, tools=[now], tool_choice=choice, temperature=1, seed=3,
+            max_tokens=40,
+        ).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in reply.message.tool_calls]
+        assert calls[0] == ("now", "{}"), calls
+
+
 def test_tool_choice_none_gives_text_without_tools_in_the_prompt(client: openai.OpenAI):
     kwargs = dict(model="smollm2", messages=QUESTION, temperature=0, max_tokens=12)
     plain = client.chat.completions.create(**kwargs)
@@ -270,12 +283,31 @@ def test_reasoning_content_split_whole_and_streamed(client: openai.OpenAI):
             {
                 "tools": [
                     TIME,
-                    {"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}},
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"properties": {"x": {"type": "frob"}}}},
+                    },
                 ],
                 "tool_choice": "required",
             },
             "tools.1.function.parameters: the JSON schema does not compile",
         ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "parameters must be a JSON schema of type 'object'",
+        ),
+        ({"tools": [TIME, TIME]}, "tool names must be unique"),
+        (
+            {
+                "tools": [TIME],
+                "messages": [
+                    *QUESTION,
+                    {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                        "name": "get_time", "arguments": "{}"}}]},
+                ],
+            },
+            "none answers c1",
+        ),  # the conversation ends on a call without its result
         (
             {
                 "response_format": {

@@ -9,13 +9,44 @@ from typing import Any
 from mlx_infer.errors import InvalidRequest
 from mlx_infer.tool_calls.base import ToolFamily
 
+# A function that leaves out its parameters takes none (OpenAI's words): its forced call's arguments are {}.
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
 
 def function_of(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     """The ``function`` object of an OpenAI tool (``{"type": "function", "function": {...}}``)."""
     function = tool.get("function") if tool.get("type", "function") == "function" else None
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
         raise InvalidRequest("each tool must be {'type': 'function', 'function': {'name': ...}}", "tools")
+    parameters = function.get("parameters")
+    if parameters is not None and not _an_object_schema(parameters):
+        # As OpenAI and Anthropic refuse it: arguments are a JSON object, named values.
+        raise InvalidRequest(
+            f"tool {function['name']!r}: parameters must be a JSON schema of type 'object'", "tools"
+        )
     return function
+
+
+def _an_object_schema(schema: Any) -> bool:
+    if not isinstance(schema, Mapping):
+        return False
+    kind = schema.get("type", "object")
+    return kind == "object" and not any(k in schema for k in ("enum", "const"))
+
+
+def check_unique_names(tools: Sequence[Mapping[str, Any]]) -> None:
+    """Tools named alike cannot be told apart in the calls a model writes."""
+    names = [function_of(t)["name"] for t in tools]
+    if len(set(names)) < len(names):
+        raise InvalidRequest("tools: tool names must be unique", "tools")
+
+
+def call_parameters(function: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The schema a forced call's arguments follow: none, or an object with no properties, is no arguments."""
+    parameters = function.get("parameters")
+    if not parameters or (parameters.get("properties") == {} and len(parameters) <= 2):
+        return NO_ARGUMENTS
+    return parameters
 
 
 def forced_call_grammar(
@@ -37,7 +68,7 @@ def forced_call_grammar(
     if not functions:
         raise InvalidRequest("tool_choice 'required' needs at least one tool", "tool_choice")
     rules = [
-        f"call_{i}: {family.call_rule(f['name'], f.get('parameters') or {'type': 'object'}, special or {})}"
+        f"call_{i}: {family.call_rule(f['name'], call_parameters(f), special or {})}"
         for i, f in enumerate(functions)
     ]
     call = "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))

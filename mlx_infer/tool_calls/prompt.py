@@ -12,7 +12,7 @@ from typing import Any
 from mlx_infer.chat_template import select_template
 from mlx_infer.errors import InvalidRequest
 from mlx_infer.tool_calls.base import ToolFamily
-from mlx_infer.tool_calls.forcing import forced_call_constraint, function_of
+from mlx_infer.tool_calls.forcing import check_unique_names, forced_call_constraint, function_of
 from mlx_infer.tool_calls.output import OutputParser
 from mlx_infer.tool_calls.think import starts_in_reasoning
 
@@ -129,8 +129,7 @@ def prepare_chat(
     """Check a chat request's tool fields and plan its prompt and parsing. ``family`` / ``reasoning``:
     the model's parsers (``resolve``; None: off). Bad tools or tool_choice raise ``InvalidRequest``."""
     tools = list(tools or [])
-    for t in tools:
-        function_of(t)
+    check_unique_names(tools)  # (every tool checked on the way)
     if tool_choice.mode == "required" and not tools:
         raise InvalidRequest("tool_choice forces a tool call, which needs tools", "tool_choice")
     if tool_choice.mode == "required" and family is None:
