@@ -71,6 +71,14 @@ class RequestFailed(MlxInferError):
     """Something went wrong inside the engine for this one request; the engine goes on with the others."""
 
 
+class ConstraintFailed(RequestFailed):
+    """A request's output constraint could not be followed (a schema no output satisfies, a grammar past
+    llguidance's limits): the request's fault, so a 400, though only found while generating."""
+
+    http_status = 400
+    openai_type = "invalid_request_error"
+
+
 class ServiceUnavailable(MlxInferError):
     """The server cannot take requests now: the model is loading, the server is shutting down, or the
     engine has stopped. ``retry_after``: seconds after which a retry may succeed (the 503's Retry-After),

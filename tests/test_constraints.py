@@ -18,7 +18,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from mlx_infer.constraints import ConstraintSpec, compile_constraint
 from mlx_infer.engine.engine import Engine, EngineConfig, check_block_accounting
 from mlx_infer.engine.scheduler import SchedulerConfig
-from mlx_infer.errors import InvalidRequest
+from mlx_infer.errors import ConstraintFailed, InvalidRequest
 from mlx_infer.sampling import SamplingParams
 from mlx_infer.tokenizer import Tokenizer
 from mlx_infer.tokenizer_gguf import bytes_to_unicode
@@ -196,6 +196,29 @@ def test_uncompilable_constraints_fail_before_anything_is_held(model, tokenizer)
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
     with pytest.raises(InvalidRequest):
         ConstraintSpec("choice", [])
+
+
+def test_a_schema_no_output_satisfies_fails_its_request_as_the_requests_fault(model, tokenizer):
+    # Compiles, but every object needs an object inside it: llguidance gives up while masking. The
+    # request fails alone, as a 400 (ConstraintFailed), and its blocks go back.
+    endless = {
+        "$defs": {
+            "A": {
+                "type": "object",
+                "properties": {"a": {"$ref": "#/$defs/A"}},
+                "required": ["a"],
+                "additionalProperties": False,
+            }
+        },
+        "$ref": "#/$defs/A",
+    }
+    engine = make_engine(model, tokenizer)
+    requests = [(PROMPTS[0], params(ConstraintSpec("json_schema", endless))), (PROMPTS[1], params())]
+    bad, free = run_all(engine, requests)
+    assert bad[-1].finish_reason == "error" and isinstance(bad[-1].error, ConstraintFailed)
+    assert bad[-1].error.http_status == 400
+    assert free[-1].finish_reason in ("stop", "length")
+    check_block_accounting(engine)
 
 
 def test_compiled_constraints_are_cached_by_spec(tokenizer):

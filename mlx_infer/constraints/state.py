@@ -12,7 +12,7 @@ import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from mlx_infer.constraints.compiler import CompiledConstraint
-from mlx_infer.errors import RequestFailed
+from mlx_infer.errors import ConstraintFailed
 
 
 class ConstraintState:
@@ -25,9 +25,9 @@ class ConstraintState:
     def advance(self, token: int) -> bool:
         """Consume an emitted token; True when the grammar is complete (only end-of-sequence may follow).
 
-        Raises RequestFailed if the grammar rejects the token or hit one of llguidance's limits."""
+        Raises ConstraintFailed if the grammar rejects the token or hit one of llguidance's limits."""
         if not self._matcher.consume_token(token):
-            raise RequestFailed(f"the output constraint failed: {self.error or f'token {token} rejected'}")
+            raise ConstraintFailed(f"the output constraint failed: {self.error or f'token {token} rejected'}")
         return self._matcher.is_stopped()
 
     @property

@@ -34,10 +34,10 @@ from mlx_infer.engine.speculative import (
 )
 from mlx_infer.engine.stop import StopMatcher
 from mlx_infer.errors import (
+    ConstraintFailed,
     ContextTooLong,
     EngineFailure,
     InvalidRequest,
-    RequestFailed,
     UnsupportedArchitecture,
 )
 from mlx_infer.interface.kv import window_of
@@ -403,7 +403,7 @@ class Engine:
         states = [r.constraint if r.status is not Status.FINISHED else None for r in requests]
         allowed, failed = batch_mask(states, width)
         for i in failed:
-            error = RequestFailed(f"the output constraint failed: {states[i].error}")
+            error = ConstraintFailed(f"the output constraint failed: {states[i].error}")
             outputs.append(self._fail(requests[i], error))
         return allowed
 
