@@ -36,6 +36,7 @@ STOP_GRACE_S = 3.0
 # final errors; rank 0 is given that long, and this margin, before it is stopped harder.
 SERVE_SHUTDOWN_DEFAULT_S = 30.0
 SERVE_STOP_MARGIN_S = 5.0
+SERVE_FINAL_ERROR_S = 2.0  # a serve's second Ctrl-C: its requests' final errors go out this long
 PARTIAL_LINE_S = 0.1  # a partial line waits this long for the rest of its line
 _LINES = re.compile(b"(?<=\n)")  # split after each newline, keeping it
 # Passed on to every rank when set here (ssh does not carry the environment): every rank must compute with
@@ -236,6 +237,9 @@ class Launcher:
             raise KeyboardInterrupt
 
         previous = signal.signal(signal.SIGTERM, terminated)
+        # Also when SIGINT came ignored (a background job of a script): the launcher still stops on it,
+        # and the ranks, which inherit an ignored signal across exec but not a handler, take it again.
+        previous_int = signal.signal(signal.SIGINT, terminated)
         threads: list[threading.Thread] = []
         try:
             for p in self.plans:
@@ -264,6 +268,7 @@ class Launcher:
             for t in threads:
                 t.join(timeout=2)
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
 
     def _watch(self) -> int:
         while True:
@@ -280,24 +285,38 @@ class Launcher:
             time.sleep(0.05)
 
     def _stop_all(self, first: int = signal.SIGTERM, first_grace_s: float = STOP_GRACE_S) -> None:
-        # Rank 0 first (with the signal the launcher got: a serve then drains its requests): it tells
-        # the others to stop, so the ring ends cleanly rather than on lost peers; then whoever is left,
-        # and SIGKILL for whoever outlives the grace. Another Ctrl-C cuts a wait short.
-        term, kill = signal.SIGTERM, signal.SIGKILL
-        stages = ((self.procs[:1], first, first_grace_s), (self.procs, term, STOP_GRACE_S))
-        for group, sig, grace in (*stages, (self.procs, kill, STOP_GRACE_S)):
-            alive = [proc for proc in group if proc.poll() is None]
-            for proc in alive:
+        """Rank 0 first, with the signal the launcher got (a serve then drains its requests): it tells the
+        others to stop, so the ring ends cleanly rather than on lost peers. Another Ctrl-C meanwhile is
+        passed on to rank 0 as such (a serve then ends its requests with their final errors at once).
+        Then SIGTERM for whoever is left, and SIGKILL for whoever outlives that."""
+        rank0 = self.procs[:1]
+        self._signal(rank0, first)
+        if not self._wait(first_grace_s):
+            self._signal(rank0, first)
+            self._wait(STOP_GRACE_S + SERVE_FINAL_ERROR_S)
+        self._signal(self.procs, signal.SIGTERM)
+        self._wait(STOP_GRACE_S)
+        self._signal(self.procs, signal.SIGKILL)
+        self._wait(STOP_GRACE_S)
+
+    @staticmethod
+    def _signal(procs: list[subprocess.Popen], sig: int) -> None:
+        for proc in procs:
+            if proc.poll() is None:
                 try:
-                    os.killpg(proc.pid, sig)
+                    os.killpg(proc.pid, sig)  # the rank's whole process group
                 except ProcessLookupError:
                     pass
-            deadline = time.monotonic() + grace
-            try:
-                while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
-                    time.sleep(0.05)
-            except KeyboardInterrupt:
-                continue
+
+    def _wait(self, seconds: float) -> bool:
+        """Until every rank has ended or ``seconds`` passed; False when a Ctrl-C came meanwhile."""
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            return False
+        return True
 
     def _forward(self, rank: int, stream, out) -> None:
         """Copy a rank's output with ``[rank N]`` before each line, whole lines at a time so ranks do not

@@ -887,6 +887,35 @@ def test_sigterm_lets_a_launched_servers_requests_finish(smollm2_path: Path):
     assert proc.returncode == 0 and _no_rank_left(out), out[-3000:]
 
 
+@pytest.mark.slow
+def test_a_second_ctrl_c_reaches_a_launched_server_as_its_second_ctrl_c(smollm2_path: Path):
+    """As ``serve`` alone: the second Ctrl-C ends the running stream with its final error and the exit
+    status is 130 (the ranks were killed, the stream cut by a reset)."""
+    proc, http = _launched_server(smollm2_path)
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 4000,
+            "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+    errors = []
+    try:
+        url = f"http://127.0.0.1:{http}/v1/chat/completions"
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break  # streaming: now the two Ctrl-Cs
+            proc.send_signal(signal.SIGINT)
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGINT)
+            for line in lines:
+                if line.startswith('data: {"error"'):
+                    errors.append(json.loads(line[6:])["error"]["message"])
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert errors == ["the server shut down before this request finished"], out[-3000:]
+    assert proc.returncode == 130 and _no_rank_left(out), out[-3000:]
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculative_decoding_is_refused_across_processes(tiny_tp, method):
     # The other ranks follow plain steps only: a speculative step would leave them waiting for good.

@@ -323,6 +323,12 @@ def test_page_shows_thinking_and_html_as_text_and_tabs_keep_each_others_chats(
         " return [d.textContent.trim(), d.querySelector('b') === null] }"
     )
     assert shown == ["The <div> tag and <b>bold</b>", True]
+    block = a.evaluate(
+        "() => { const m = document.createElement('div'); m.className = 'msg'; document.body.append(m);"
+        " const d = document.createElement('div'); d.className = 'content'; m.append(d);"
+        " renderMarkdown(d, '<div>\\n<b>x</b>\\n</div>\\n\\nafter'); return d.innerText }"
+    )
+    assert block.startswith("<div>\n<b>x</b>\n</div>")  # an HTML block keeps its lines
 
     # Neither tab wrote over the other's conversation: a third tab has both, and so has the first.
     c = context.new_page()
@@ -330,6 +336,13 @@ def test_page_shows_thinking_and_html_as_text_and_tabs_keep_each_others_chats(
     titles = c.eval_on_selector_all("#conversations .open", "bs => bs.map(b => b.textContent)")
     assert sorted(titles) == ["the chat of tab a", "the chat of tab b"]
     a.wait_for_function("() => document.querySelectorAll('#conversations .open').length === 2")
+    # Another tab's save leaves an edit being typed here alone.
+    a.click(".msg.user .edit")
+    a.fill(".msg.user .edit-box", "half-typed")
+    b.click("#new-chat")
+    a.wait_for_function("() => document.querySelectorAll('#conversations .open').length === 3")
+    assert a.input_value(".msg.user .edit-box") == "half-typed"
+    a.click(".msg.user .cancel")
 
     # Storage full: the turn goes on from memory, and the page says it is not saved.
     a.evaluate(

@@ -70,7 +70,9 @@
     if (e.key !== STORE_KEY) return;
     merge(parse(e.newValue));
     renderSidebar();
-    if (!state.controller) renderMessages();
+    // Not while this tab answers, or while the user types an edit or a system prompt here.
+    const typing = document.querySelector("#messages .edit-box") || document.activeElement === $("system");
+    if (!state.controller && !typing) renderMessages();
   });
 
   function current() {

@@ -8,7 +8,13 @@ window.renderMarkdown = (function () {
   // would otherwise become unknown elements that the sanitizer drops, words and all.
   const escapeHtml = (text) =>
     text.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/"/g, "&quot;");
-  marked.use({ renderer: { html: ({ text }) => escapeHtml(text) } });
+  // A block of HTML keeps its lines.
+  marked.use({
+    renderer: {
+      html: ({ text, block }) =>
+        block ? '<p class="raw-html">' + escapeHtml(text.replace(/\n+$/, "")) + "</p>" : escapeHtml(text),
+    },
+  });
   // Links open in a new tab and cannot reach back into this page.
   DOMPurify.addHook("afterSanitizeAttributes", (node) => {
     if (node.tagName === "A") {
