@@ -860,29 +860,32 @@ def test_sigterm_stops_a_launched_server_cleanly(tiny_tp):
     assert _no_rank_left(out), out[-3000:]
 
 
+def _stream_signalled(proc: subprocess.Popen, http: int, max_tokens: int, *signals: int) -> list[dict]:
+    """A long greedy stream from a launched server: once it streams, ``signals`` go to launch a second
+    apart; returns the chunks that came after."""
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"http://127.0.0.1:{http}/v1/chat/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        for i, sig in enumerate(signals):
+            time.sleep(1.0 if i else 0.0)
+            proc.send_signal(sig)
+        return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
 @pytest.mark.slow
 def test_sigterm_lets_a_launched_servers_requests_finish(smollm2_path: Path):
     """As ``serve`` alone: a stream running when launch gets SIGTERM finishes within --shutdown-timeout
     (the ranks were stopped 3 s after the signal, cutting it with a connection reset)."""
     proc, http = _launched_server(smollm2_path, "--shutdown-timeout", "60")
-    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 240,
-            "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
-    finish = []
     try:
-        url = f"http://127.0.0.1:{http}/v1/chat/completions"
-        with httpx.stream("POST", url, json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    break  # streaming: now stop the launcher
-            proc.send_signal(signal.SIGTERM)
-            for line in lines:
-                choices = json.loads(line[6:])["choices"] if line.startswith("data: {") else []
-                finish += [c["finish_reason"] for c in choices if c["finish_reason"]]
+        chunks = _stream_signalled(proc, http, 240, signal.SIGTERM)
         out = proc.communicate(timeout=90)[0]
     finally:
         if proc.poll() is None:
             proc.kill()
+    finish = [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
     assert finish == ["length"], out[-3000:]
     assert proc.returncode == 0 and _no_rank_left(out), out[-3000:]
 
@@ -892,26 +895,13 @@ def test_a_second_ctrl_c_reaches_a_launched_server_as_its_second_ctrl_c(smollm2_
     """As ``serve`` alone: the second Ctrl-C ends the running stream with its final error and the exit
     status is 130 (the ranks were killed, the stream cut by a reset)."""
     proc, http = _launched_server(smollm2_path)
-    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 4000,
-            "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
-    errors = []
     try:
-        url = f"http://127.0.0.1:{http}/v1/chat/completions"
-        with httpx.stream("POST", url, json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    break  # streaming: now the two Ctrl-Cs
-            proc.send_signal(signal.SIGINT)
-            time.sleep(1.0)
-            proc.send_signal(signal.SIGINT)
-            for line in lines:
-                if line.startswith('data: {"error"'):
-                    errors.append(json.loads(line[6:])["error"]["message"])
+        chunks = _stream_signalled(proc, http, 4000, signal.SIGINT, signal.SIGINT)
         out = proc.communicate(timeout=60)[0]
     finally:
         if proc.poll() is None:
             proc.kill()
+    errors = [chunk["error"]["message"] for chunk in chunks if "error" in chunk]
     assert errors == ["the server shut down before this request finished"], out[-3000:]
     assert proc.returncode == 130 and _no_rank_left(out), out[-3000:]
 
