@@ -362,4 +362,8 @@ def test_page_shows_thinking_and_html_as_text_and_tabs_keep_each_others_chats(
     phone.wait_for_function("() => document.getElementById('model-name').textContent === 'tiny'")
     assert phone.evaluate("() => document.documentElement.scrollWidth") <= 375
     assert phone.eval_on_selector("#prompt", "e => e.getBoundingClientRect().width") > 200
+    phone.set_viewport_size({"width": 320, "height": 568})
+    phone.click("#settings-toggle")  # the settings open, the message box stays on screen
+    assert phone.evaluate("() => document.documentElement.scrollWidth") <= 320
+    assert phone.eval_on_selector("#send", "e => e.getBoundingClientRect().bottom") <= 568
     context.close()
