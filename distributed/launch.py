@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_infer.cli_options import CPU_ACTIVATIONS, ring_port, stdin_prompt
+from mlx_infer.cli_options import CPU_ACTIVATIONS, FINAL_ERROR_S, SHUTDOWN_TIMEOUT_S, ring_port, stdin_prompt
 from mlx_infer.cpu_kernels import ACTIVATIONS_ENV_VAR
 from mlx_infer.errors import DistributedError, InvalidRequest
 
@@ -32,11 +32,9 @@ from .runtime import BACKEND_ENV, STRATEGIES, STRATEGY_ENV, TEMP_PREFIX
 DEFAULT_SSH = "ssh -tt -o LogLevel=QUIET -o BatchMode=yes"
 DEFAULT_PORT = 32323
 STOP_GRACE_S = 3.0
-# serve's own stop: its requests finish for --shutdown-timeout (default 30 s), then the last ones get their
-# final errors; rank 0 is given that long, and this margin, before it is stopped harder.
-SERVE_SHUTDOWN_DEFAULT_S = 30.0
+# A serving rank 0 stops as serve does: its requests finish for --shutdown-timeout, then their final errors
+# go out (FINAL_ERROR_S); it is given that long, and this margin, before it is stopped harder.
 SERVE_STOP_MARGIN_S = 5.0
-SERVE_FINAL_ERROR_S = 2.0  # a serve's second Ctrl-C: its requests' final errors go out this long
 PARTIAL_LINE_S = 0.1  # a partial line waits this long for the rest of its line
 _LINES = re.compile(b"(?<=\n)")  # split after each newline, keeping it
 # Passed on to every rank when set here (ssh does not carry the environment): every rank must compute with
@@ -126,15 +124,12 @@ def stop_grace_s(command: list[str]) -> float:
     its ``--shutdown-timeout``; anything else stops at once."""
     if command[:1] != ["serve"]:
         return STOP_GRACE_S
-    timeout = SERVE_SHUTDOWN_DEFAULT_S
-    for i, arg in enumerate(command):
-        value = command[i + 1] if arg == "--shutdown-timeout" and i + 1 < len(command) else None
-        if arg.startswith("--shutdown-timeout="):
-            value = arg.partition("=")[2]
-        try:
-            timeout = float(value) if value is not None else timeout
-        except ValueError:
-            pass  # serve refuses it itself
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S)
+    try:
+        timeout = parser.parse_known_args(command[1:])[0].shutdown_timeout
+    except argparse.ArgumentError:
+        timeout = SHUTDOWN_TIMEOUT_S  # serve refuses it itself
     return timeout + SERVE_STOP_MARGIN_S
 
 
@@ -293,7 +288,7 @@ class Launcher:
         self._signal(rank0, first)
         if not self._wait(first_grace_s):
             self._signal(rank0, first)
-            self._wait(STOP_GRACE_S + SERVE_FINAL_ERROR_S)
+            self._wait(STOP_GRACE_S + FINAL_ERROR_S)
         self._signal(self.procs, signal.SIGTERM)
         self._wait(STOP_GRACE_S)
         self._signal(self.procs, signal.SIGKILL)

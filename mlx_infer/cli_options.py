@@ -38,6 +38,13 @@ def stdin_prompt() -> str:
     return sys.stdin.read().rstrip("\r\n")
 
 
+# serve's stop (SIGTERM/SIGINT): running requests may finish for --shutdown-timeout seconds (this default);
+# once they are ended (that wait over, or a second Ctrl-C) their clients get this long to receive the final
+# error. `launch` waits as long for a serving rank 0.
+SHUTDOWN_TIMEOUT_S = 30.0
+FINAL_ERROR_S = 2.0
+
+
 def stderr_console():
     """rich's console on stderr for progress and notes; when stderr is a file or a pipe (a log), lines
     are not cut or wrapped at 80 columns, as rich does where it cannot ask a terminal its width."""

@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
+        default=cli_options.SHUTDOWN_TIMEOUT_S,
         metavar="SECONDS",
         help="on SIGTERM/SIGINT, how long running requests may finish before they are aborted (default: 30)",
     )

@@ -14,6 +14,7 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mlx_infer.cli_options import FINAL_ERROR_S
 from mlx_infer.engine.async_engine import AsyncEngine
 from mlx_infer.errors import ServiceUnavailable
 from mlx_infer.server.errors import error_response
@@ -22,9 +23,6 @@ from mlx_infer.server.request_body import STOP_READING
 log = logging.getLogger("mlx_infer")
 
 ENGINE_FAILURE_GRACE_SECONDS = 3.0  # /health reports the failure this long before the process exits
-# After the last requests were ended (the shutdown timeout, or a second Ctrl-C), the time their clients
-# get to receive the final error before uvicorn cancels what is left.
-FINAL_ERROR_SECONDS = 2.0
 
 
 class Supervisor:
@@ -143,7 +141,8 @@ class ServeServer(uvicorn.Server):
             engine.abort_all(ServiceUnavailable("the server shut down before this request finished"))
         if self.supervisor.stop_reading is not None:
             self.supervisor.stop_reading.set()
-        self._loop.call_later(FINAL_ERROR_SECONDS, setattr, self, "force_exit", True)
+        # Then uvicorn cancels what is left.
+        self._loop.call_later(FINAL_ERROR_S, setattr, self, "force_exit", True)
 
     async def on_tick(self, counter: int) -> bool:
         if self.supervisor.load_error is not None:

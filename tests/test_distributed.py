@@ -933,7 +933,7 @@ def test_a_follower_that_lost_rank_0_says_so(monkeypatch: pytest.MonkeyPatch):
 def test_stop_grace_is_serves_shutdown_timeout():
     assert launch.stop_grace_s(["generate", "-m", "x"]) == launch.STOP_GRACE_S
     margin = launch.SERVE_STOP_MARGIN_S
-    assert launch.stop_grace_s(["serve", "-m", "x"]) == launch.SERVE_SHUTDOWN_DEFAULT_S + margin
+    assert launch.stop_grace_s(["serve", "-m", "x"]) == 30 + margin
     assert launch.stop_grace_s(["serve", "--shutdown-timeout", "5"]) == 5 + margin
     assert launch.stop_grace_s(["serve", "--shutdown-timeout=0"]) == margin
 
