@@ -187,11 +187,11 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _tool_messages_answer_calls(self) -> ChatCompletionRequest:
         """As OpenAI's: a tool message answers a call of the assistant message before it (tool messages
-        between), and each of that message's calls is answered before the conversation goes on."""
+        between), and each of that message's calls is answered before the conversation goes on or ends."""
         offered: set[str] = set()
         pending: set[str] = set()
-        for i, message in enumerate(self.messages):
-            if message.role == "tool":
+        for i, message in enumerate([*self.messages, None]):  # None: the end of the conversation
+            if message is not None and message.role == "tool":
                 call_id = getattr(message, "tool_call_id", None)
                 if call_id not in offered:
                     raise InvalidRequest(
@@ -202,21 +202,16 @@ class ChatCompletionRequest(_SamplingFields):
                 pending.discard(call_id)
                 continue
             if pending:
+                where = f"messages.{i}" if message is not None else "messages"
                 raise InvalidRequest(
-                    f"messages.{i}: an assistant message with tool_calls must be followed by tool messages "
+                    f"{where}: an assistant message with tool_calls must be followed by tool messages "
                     f"answering each call; none answers {', '.join(sorted(pending))}",
-                    param=f"messages.{i}",
+                    param=where,
                 )
-            calls = getattr(message, "tool_calls", None) if message.role == "assistant" else None
+            calls = getattr(message, "tool_calls", None) if message and message.role == "assistant" else None
             calls = calls if isinstance(calls, list) else []
             offered = {c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)}
             pending = set(offered)
-        if pending:  # the conversation ends on calls not all answered (as OpenAI's, a 400 too)
-            raise InvalidRequest(
-                f"messages: an assistant message with tool_calls must be followed by tool messages "
-                f"answering each call; none answers {', '.join(sorted(pending))}",
-                param="messages",
-            )
         return self
 
     @model_validator(mode="after")
