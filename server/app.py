@@ -47,7 +47,7 @@ from mlx_infer.server.responses import Choice, LogprobFormatter, new_id, now, us
 from mlx_infer.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlx_infer.server.web import routes as web_routes
 from mlx_infer.tool_calls import ChatPlan, Event, ToolChoice, model_parsers, prepare_chat
-from mlx_infer.tool_calls.forcing import function_of
+from mlx_infer.tool_calls.forcing import call_parameters, function_of
 
 log = logging.getLogger("mlx_infer")
 
@@ -281,7 +281,7 @@ class OpenAIServer:
         except InvalidRequest:
             # The grammar of the calls is long and its error says little: name the tool at fault.
             for i, tool in enumerate(plan.tools):
-                parameters = function_of(tool).get("parameters") or {}
+                parameters = call_parameters(function_of(tool))
                 try:
                     await run_in_threadpool(
                         compile_constraint, ConstraintSpec("json_schema", parameters), self.tokenizer

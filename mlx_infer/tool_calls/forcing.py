@@ -42,9 +42,10 @@ def check_unique_names(tools: Sequence[Mapping[str, Any]]) -> None:
 
 
 def call_parameters(function: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The schema a forced call's arguments follow: none, or an object with no properties, is no arguments."""
+    """The schema a forced call's arguments follow: none, ``{}`` or ``{"type": "object", "properties": {}}``
+    (what the Responses route writes for none) is no arguments."""
     parameters = function.get("parameters")
-    if not parameters or (parameters.get("properties") == {} and len(parameters) <= 2):
+    if not parameters or (parameters.get("properties") == {} and set(parameters) <= {"type", "properties"}):
         return NO_ARGUMENTS
     return parameters
 
