@@ -68,6 +68,9 @@ class Metrics:
             lambda: engine.scheduler.num_preemptions
         )
         Gauge(
+            "mlx_infer_requests_finished_total", "Requests that ran to a stop or their length", registry=r
+        ).set_function(lambda: engine.stats.finished_requests)
+        Gauge(
             "mlx_infer_requests_failed_total", "Requests that failed inside the engine", registry=r
         ).set_function(lambda: engine.stats.failed_requests)
         Gauge(

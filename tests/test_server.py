@@ -32,6 +32,7 @@ METRIC_NAMES = [
     "mlx_infer_requests_waiting",
     "mlx_infer_kv_blocks_total",
     "mlx_infer_kv_blocks_used",
+    "mlx_infer_requests_finished_total",
     "mlx_infer_kv_blocks_cached",
     "mlx_infer_prefix_cache_hit_rate",
     "mlx_infer_generation_tokens_total",
@@ -109,6 +110,9 @@ def test_models_health_and_metrics(server: LiveServer, client: openai.OpenAI):
     text = httpx.get(f"{server.base_url}/metrics").text
     for name in METRIC_NAMES:
         assert f"\n{name}" in text, name
+    finished = server.metrics()["mlx_infer_requests_finished_total"]
+    client.completions.create(model="smollm2", prompt="Hi", max_tokens=1)
+    assert server.metrics()["mlx_infer_requests_finished_total"] == finished + 1
     assert server.metrics()["mlx_infer_kv_blocks_total"] > 0
 
 
