@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if prompt is not None:
             return _one_shot(session, prompt, args.verbose, err)
-        return _Chat(session, Console(highlight=False)).run()
+        console = Console(highlight=False)
+        return _Chat(session, console, console if sys.stdin.isatty() else err).run()
 
 
 def _one_shot(session: ChatSession, prompt: str, verbose: bool, err: Console) -> int:
@@ -184,31 +185,35 @@ def _enable_line_editing() -> None:
 
 @dataclass
 class _Chat:
-    """The interactive loop: a failing turn is reported in one line and dropped; the chat goes on."""
+    """The interactive loop: a failing turn is reported in one line and dropped; the chat goes on.
+
+    ``console`` gets the answers; ``notes`` the help, the prompts, the stats and the notices. They are the
+    same terminal in a chat; with piped input they part, so stdout holds only the answers (as ``-p``)."""
 
     session: ChatSession
     console: Console
+    notes: Console
     show_stats: bool = True
 
     def run(self) -> int:
         _enable_line_editing()
-        self.console.print(f"[dim]{escape(HELP)}[/dim]")
+        self.notes.print(f"[dim]{escape(HELP)}[/dim]")
         interrupted = False  # the last prompt ended with Ctrl-C
         while True:
             try:
                 text = self._read_message()
             except EOFError:
-                self.console.print()
+                self.notes.print()
                 return 0
             except Terminated:
                 raise
             except KeyboardInterrupt:
                 # Ctrl-C pressed a moment after an answer ended must not lose the conversation: a
                 # second one in a row leaves (as a shell's interrupted command, 130).
-                self.console.print()
+                self.notes.print()
                 if interrupted:
                     return 130
-                self.console.print("[dim](Ctrl-C again, Ctrl-D or /exit to leave)[/dim]")
+                self.notes.print("[dim](Ctrl-C again, Ctrl-D or /exit to leave)[/dim]")
                 interrupted = True
                 continue
             interrupted = False
@@ -225,14 +230,14 @@ class _Chat:
 
     def _read_message(self) -> str:
         """One message; a line ending in a backslash continues on the next."""
-        lines = [self.console.input(PROMPT)]
+        lines = [self.notes.input(PROMPT)]
         while lines[-1].endswith("\\"):
             lines[-1] = lines[-1][:-1]
-            lines.append(self.console.input(CONTINUATION))
+            lines.append(self.notes.input(CONTINUATION))
         return "\n".join(lines)
 
     def _turn(self, text: str) -> None:
-        console = self.console
+        console, notes = self.console, self.notes
         stats = TurnStats()
         printer = _AnswerPrinter(console)
         try:
@@ -256,23 +261,23 @@ class _Chat:
         console.print()
         if stats.dropped_turns:
             turns = "turn" if stats.dropped_turns == 1 else "turns"
-            console.print(
+            notes.print(
                 f"[dim]({stats.dropped_turns} earlier {turns} left out to fit the context of "
                 f"{stats.context} tokens)[/dim]"
             )
         if self.show_stats:
-            console.print(f"[dim]{stats.line()}[/dim]", soft_wrap=True)
+            notes.print(f"[dim]{stats.line()}[/dim]", soft_wrap=True)
 
     def _dropped(self, why: str, printed: bool) -> None:
         if printed:
-            self.console.print()
-        self.console.print(
+            self.console.print()  # ends the answer's line
+        self.notes.print(
             f"[yellow]({escape(why)}; turn dropped, the conversation is kept)[/yellow]", soft_wrap=True
         )
 
     def _command(self, text: str) -> bool:
         """Handle a /command; True means leave the chat."""
-        session, console = self.session, self.console
+        session, console = self.session, self.notes
         name, _, rest = text.partition(" ")
         arg = rest.strip()
         if name in ("/exit", "/quit"):

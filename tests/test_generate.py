@@ -60,6 +60,16 @@ def test_one_shot_prints_the_answer(smollm2_path):
     assert "tok/s" in result.stderr and "TTFT" in result.stderr
 
 
+def test_piped_chat_writes_only_the_answers_to_stdout(smollm2_path):
+    """Scripted input (no terminal): the help, the prompts and the stats go to stderr, as with -p."""
+    questions = "What is the capital of France?\n/stats\nWhat is the capital of France?\n"
+    result = _run("generate", "-m", str(smollm2_path), "--temp", "0", input_text=questions)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["The capital of France is Paris."] * 2
+    assert result.stderr.count("finish: stop") == 1 and "(stats line off)" in result.stderr
+    assert ">>> " in result.stderr and "/reset" in result.stderr
+
+
 def test_prompt_from_stdin_and_stop_string(smollm2_path):
     result = _run(
         "generate",
