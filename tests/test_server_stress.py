@@ -256,6 +256,9 @@ def test_queue_full_gets_429_with_retry_after(tiny_engine: Engine):
             assert int(refused.headers["retry-after"]) >= 1
             held.close()
             assert (await client.post(CHAT, json=GOOD_CHAT)).status_code == 200
+            # Nothing pending: a request with more choices than the limit runs (a 429 it could never pass).
+            several = await client.post(CHAT, json={**GOOD_CHAT, "n": 3})
+            assert several.status_code == 200 and len(several.json()["choices"]) == 3
 
     try:
         asyncio.run(scenario())

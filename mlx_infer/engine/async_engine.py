@@ -115,8 +115,12 @@ class AsyncEngine:
                 raise EngineFailure(f"the engine has stopped: {self.failure}")
             if self._closed_reason is not None:
                 raise ServiceUnavailable(self._closed_reason)
-            if self._pending + len(requests) > self.max_pending:
-                raise QueueFull(f"{self._pending} requests are pending; retry later")
+            # A group larger than the limit is admitted alone: refusing it would be a 429 that no retry
+            # can ever turn into an answer.
+            if self._pending and self._pending + len(requests) > self.max_pending:
+                raise QueueFull(
+                    f"{self._pending} requests are pending (--max-pending {self.max_pending}); retry later"
+                )
             self._pending += len(requests)
             # Enqueued under the lock: a dying engine thread, which sets ``failure`` under it first,
             # then drains the inbox, answers every add that got in.
