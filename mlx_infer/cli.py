@@ -62,25 +62,34 @@ def _terminated(signum, frame) -> None:
     raise Terminated
 
 
+def _stopped_status(error: KeyboardInterrupt, argv: list[str]) -> int:
+    """Ctrl-C: 130. SIGTERM: 143, but for ``serve``, whose SIGTERM is its normal stop (0) however early
+    it comes (before the server runs: while Python imports, the arguments are read, the model opens)."""
+    if not isinstance(error, Terminated):
+        return 130
+    return 0 if argv[:1] == ["serve"] else 143
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    try:  # building the parser imports every subcommand (MLX among them): seconds a Ctrl-C can land in
-        args, unknown = build_parser().parse_known_args(argv)
-    except KeyboardInterrupt:
-        return 130
-    if unknown:  # named by the subcommand they were given to, not by the top-level parser
-        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    argv = sys.argv[1:] if argv is None else argv
     # SIGTERM (a supervisor, `kill`) cleans up as Ctrl-C does: a half-written convert output is removed,
     # a request aborted. Commands with their own handling (serve's server, launch) replace this one.
     if threading.current_thread() is threading.main_thread():  # (main called from a test's thread)
         signal.signal(signal.SIGTERM, _terminated)
+    try:  # building the parser imports every subcommand (MLX among them): seconds a signal can land in
+        args, unknown = build_parser().parse_known_args(argv)
+    except KeyboardInterrupt as e:
+        return _stopped_status(e, argv)
+    if unknown:  # named by the subcommand they were given to, not by the top-level parser
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return importlib.import_module(args._module).run(args)
     except MlxInferError as e:
         print(f"mlx-infer {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:
-        return 143 if isinstance(e, Terminated) else 130
+        return _stopped_status(e, argv)
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly as a Unix filter does, and keep Python's flush
         # of stdout at exit from failing again.
