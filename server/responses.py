@@ -81,6 +81,13 @@ class LogprobFormatter:
             ]
         }
 
+    def _completion_top(self, entry: TokenLogprob) -> dict[str, float]:
+        """The alternatives and, where it is not among them, the chosen token: OpenAI's legacy API
+        "always returns the logprob of the sampled token", up to ``logprobs`` + 1 entries (as vLLM)."""
+        top = {self._text(t): lp for t, lp in entry.top}
+        top.setdefault(self._text(entry.token_id), entry.logprob)
+        return top
+
     def completion(self, entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
         # An offset counts the characters of the text before the token: the pieces of one character
         # (an emoji split in tokens) share the offset where it starts.
@@ -95,8 +102,6 @@ class LogprobFormatter:
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
             # An entry without a log-probability (an echoed prompt's first token) has no top either.
-            "top_logprobs": [
-                None if e.logprob is None else {self._text(t): lp for t, lp in e.top} for e in entries
-            ],
+            "top_logprobs": [None if e.logprob is None else self._completion_top(e) for e in entries],
             "text_offset": offsets,
         }

@@ -318,6 +318,18 @@ def test_completions_logprobs(client: openai.OpenAI):
         assert chosen <= 0
         assert chosen >= max(top.values()) - LOGPROB_EPS
         assert token in top
+    # Sampled: the chosen token is in its entry whether or not it is among the best (up to logprobs + 1
+    # entries, as OpenAI's legacy API and vLLM), and alone there with logprobs 0.
+    for count in (0, 1):
+        r = client.completions.create(
+            model="smollm2", prompt="Once upon a time", temperature=1.5, seed=101, max_tokens=12,
+            logprobs=count,
+        )
+        lp = r.choices[0].logprobs
+        for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert top[token] == chosen and 1 <= len(top) <= count + 1
+        assert count or all(len(top) == 1 for top in lp.top_logprobs)
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # some sampled token was not the best
 
 
 def test_completions_logprobs_of_the_pieces_of_a_character(client: openai.OpenAI):
@@ -354,7 +366,7 @@ def test_completions_echo_scores_the_prompt_as_the_oracle_does(client: openai.Op
     for p in range(1, len(ids)):
         position = oracle["positions"][p - 1]
         top = lp.top_logprobs[p]
-        assert len(top) == 3 and lp.token_logprobs[p] <= 0
+        assert len(top) in (3, 4) and top[lp.tokens[p]] == lp.token_logprobs[p] <= 0
         if ids[p] in position["ids"]:
             expected = position["logprobs"][position["ids"].index(ids[p])]
             assert lp.token_logprobs[p] == pytest.approx(expected, abs=0.01), p
