@@ -20,7 +20,16 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -175,11 +184,18 @@ class Reasoning(_Lenient):
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_NOT_RESPONSES_FIELDS = {
+    "max_tokens": "the Responses API's is max_output_tokens",
+    "max_completion_tokens": "the Responses API's is max_output_tokens",
+    "messages": "the Responses API's is input",
+    "response_format": "the Responses API's is text.format",
+    "n": "the Responses API gives one answer a request",
+}
 
 
 class ResponsesRequest(_Lenient):
     model: str | None = None  # the served model when left out (a server of one model)
-    input: str | list[Item]
+    input: str | list[Item] | None = None  # (optional only to say why a stored prompt is refused)
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction = "auto"
@@ -211,6 +227,19 @@ class ResponsesRequest(_Lenient):
     seed: int | None = None
     ignore_eos: bool = False
     speculative: bool = True  # false: this request never speculates (when the server does)
+    # The chat API's names, which clients moving from it send: refused (as OpenAI refuses them) where
+    # ignoring them would change the answer (an ignored max_tokens runs it to the end of the context).
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    messages: Any = None
+    response_format: Any = None
+    n: Any = None
+
+    @field_validator("max_tokens", "max_completion_tokens", "messages", "response_format", "n")
+    @classmethod
+    def _chat_names(cls, value: Any, info: ValidationInfo) -> None:
+        if value is not None:
+            raise ValueError(_NOT_RESPONSES_FIELDS[info.field_name])
 
     def openai_tool_choice(self) -> ToolChoice:
         if isinstance(self.tool_choice, str):
@@ -558,6 +587,8 @@ class ResponsesRoute:
                 "prompt: this server keeps no prompt templates; send the instructions and input themselves",
                 param="prompt",
             )
+        if body.input is None:
+            raise InvalidRequest("input: Field required", param="input")
         stateful = ("previous_response_id", "conversation", "store", "background")
         field = next((f for f in stateful if getattr(body, f)), None)
         if field is not None:

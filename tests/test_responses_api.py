@@ -75,6 +75,12 @@ BAD_REQUESTS: list[tuple[object, int]] = [
     (_resp(previous_response_id="resp_123"), 400),
     (_resp(conversation="conv_123"), 400),
     (_resp(prompt={"id": "pmpt_123"}), 400),
+    ({"model": "tiny", "prompt": {"id": "pmpt_123"}}, 400),
+    (_resp(max_tokens=2), 400),  # the chat API's names, not ignored
+    (_resp(max_completion_tokens=2), 400),
+    (_resp(messages=[{"role": "user", "content": "w1"}]), 400),
+    (_resp(response_format={"type": "json_object"}), 400),
+    (_resp(n=2), 400),
     (
         _resp(
             input=[
@@ -118,6 +124,11 @@ def test_bad_requests_get_openai_errors_and_server_stays_healthy(http: TestClien
         assert {"type", "param", "code"} <= set(error)
     stored = send(http, _resp(store=True)).json()["error"]
     assert stored["param"] == "store" and "store=false" in stored["message"]
+    chat_name = send(http, _resp(max_tokens=2)).json()["error"]
+    assert chat_name["param"] == "max_tokens" and "max_output_tokens" in chat_name["message"]
+    template = send(http, {"model": "tiny", "prompt": {"id": "pmpt_123"}}).json()["error"]
+    assert template["param"] == "prompt" and "prompt templates" in template["message"]
+    assert send(http, {"model": "tiny"}).json()["error"]["param"] == "input"
     # A union's error is its most specific member's: the item's missing field, not "a valid string".
     missing = send(http, _resp(input=[{"role": "user", "content": "w1"}, {"type": "function_call_output"}]))
     assert missing.json()["error"]["param"] == "input.1.function_call_output.call_id"
