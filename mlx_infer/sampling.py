@@ -79,8 +79,8 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
         ]
         for ok, message in checks:
-            if not ok:
-                raise InvalidRequest(message)
+            if not ok:  # each message starts with the request field at fault
+                raise InvalidRequest(message, param=message.split()[0])
 
     @property
     def greedy(self) -> bool:

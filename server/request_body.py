@@ -131,7 +131,9 @@ def _refuse_lone_surrogates(value: Any, path: list[str]) -> None:
             _refuse_lone_surrogates(item, [*path, str(i)])
 
 
-_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
+# A union member pydantic names in an error's location: a type ("str", "list[int]") or a model's class
+# (CamelCase: the API's own fields are snake_case).
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\]|[A-Z]\w*)$")
 
 
 def validate(schema: type[Schema], body: dict[str, Any]) -> Schema:

@@ -248,7 +248,7 @@ MAX_PROMPTS = 64  # prompts of one completions request (each gets n choices)
 
 class CompletionRequest(_SamplingFields):
     # One prompt (text or token ids) or a batch of them, as OpenAI's and vLLM's completions take.
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     # What OpenAI's legacy completions also take and this server does not do: refused, not ignored.
@@ -290,6 +290,8 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _batch(cls, value: str | list) -> str | list:
+        if len(value) == 0:
+            raise ValueError("the prompt is empty")
         if isinstance(value, list) and value and isinstance(value[0], str | list):
             if len(value) > MAX_PROMPTS:
                 raise ValueError(f"at most {MAX_PROMPTS} prompts a request")

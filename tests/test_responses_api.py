@@ -129,6 +129,8 @@ def test_bad_requests_get_openai_errors_and_server_stays_healthy(http: TestClien
     template = send(http, {"model": "tiny", "prompt": {"id": "pmpt_123"}}).json()["error"]
     assert template["param"] == "prompt" and "prompt templates" in template["message"]
     assert send(http, {"model": "tiny"}).json()["error"]["param"] == "input"
+    allowed = _resp(tool_choice={"type": "allowed_tools", "mode": "auto", "tools": []})
+    assert send(http, allowed).json()["error"]["param"] == "tool_choice.type"  # no pydantic class name
     # A union's error is its most specific member's: the item's missing field, not "a valid string".
     missing = send(http, _resp(input=[{"role": "user", "content": "w1"}, {"type": "function_call_output"}]))
     assert missing.json()["error"]["param"] == "input.1.function_call_output.call_id"

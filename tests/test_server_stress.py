@@ -195,6 +195,12 @@ def test_200_bad_requests_get_openai_errors_and_server_stays_healthy(http: TestC
     for method, path, body, status in itertools.islice(itertools.cycle(BAD_REQUESTS), 200):
         assert_openai_error(send(http, method, path, body), status)
     assert async_engine.num_pending == 0  # no rejected request leaked a queue slot
+    # Refusals that only the engine's check can make name the field as the schema's do.
+    outside = send(http, "POST", CHAT, _chat(logit_bias={"99999": 1}))
+    assert assert_openai_error(outside, 400)["param"] == "logit_bias"
+    assert assert_openai_error(send(http, "POST", COMPLETIONS, _completion(prompt="")), 400)["message"] == (
+        "prompt: the prompt is empty"
+    )
     assert http.get("/health").json() == {"status": "ok"}
     chat = http.post(CHAT, json=GOOD_CHAT)
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
