@@ -41,6 +41,10 @@ class InvalidCheckpoint(MlxInferError):
     http_status = 500
 
 
+class UnreadableWeights(InvalidCheckpoint):
+    """A weight file whose header cannot be read: a download cut short, a corrupt file."""
+
+
 class InvalidRequest(MlxInferError):
     exit_code = 2
     http_status = 400

@@ -65,6 +65,8 @@ def describe_gguf(path: Path) -> tuple[str, str]:
 
 def describe_config(config: dict[str, Any]) -> tuple[str, str]:
     """(architecture, quantization) of a Hugging Face / MLX folder, from its config.json."""
+    if not isinstance(config, dict):
+        raise ValueError("config.json is not a JSON object")
     arch = str(config.get("model_type") or config.get("text_config", {}).get("model_type") or "?")
     quant = config.get("quantization") or config.get("quantization_config")
     if isinstance(quant, dict):

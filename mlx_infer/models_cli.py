@@ -32,10 +32,10 @@ def human_size(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from mlx_infer.plan.planner import human_bytes, memory_budget
+    from mlx_infer.terminal import StdoutConsole
 
     for folder in args.dir:  # one the user typed (those of the environment variable may come and go)
         if not Path(folder).expanduser().is_dir():
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([{**m.as_json(), **fit_texts[m.path][1]} for m in found], indent=2))
         return 0
     # Piped (grep, a file): one row a line, names whole; rich would wrap them at 80 columns.
-    console = Console() if sys.stdout.isatty() else Console(width=1_000_000)
+    console = StdoutConsole() if sys.stdout.isatty() else StdoutConsole(width=1_000_000)
     if not found:
         console.print(
             "No models found. `mlx-infer pull ORG/NAME` downloads one; `--dir DIR` looks in a folder."
@@ -71,13 +71,15 @@ def run(args: argparse.Namespace) -> int:
 def _check_fit(m: model_store.LocalModel, budget: int) -> tuple[str, dict[str, int | None]]:
     """(FITS column, extra JSON keys) from the memory planner; sets ``m.fits``. A model the planner cannot
     read (an encoder, an odd config) is judged by its size on disk, with a question mark."""
-    from mlx_infer.errors import InvalidCheckpoint, MlxInferError
+    from mlx_infer.errors import InvalidCheckpoint, MlxInferError, UnreadableWeights
     from mlx_infer.plan import make_plan
 
     try:
         plan = make_plan(m.path)
     except (MlxInferError, OSError, ValueError) as e:
-        if isinstance(e, InvalidCheckpoint) and m.architecture == "?":  # no header read: truncated or corrupt
+        # A truncated or corrupt file: its header, or the weights' (a config the planner does not know
+        # is judged by size).
+        if isinstance(e, UnreadableWeights) or (isinstance(e, InvalidCheckpoint) and m.architecture == "?"):
             m.fits = False
             return "unreadable", {"max_context_that_fits": None, "planned_bytes": None}
         m.fits = model_store.fits(m.size, budget)

@@ -261,6 +261,10 @@ def test_models_shows_what_fits(tmp_path: Path):
     write_config(own / "gemma", GEMMA3_270M)
     write_config(own / "llama-70b", LLAMA_70B, LLAMA_70B_TOTAL_SIZE)
     (own / "cut.gguf").write_bytes(b"GGUF\x03\x00")  # a download cut short
+    write_config(own / "cut-safetensors", GEMMA3_270M)
+    (own / "cut-safetensors" / "model.safetensors").write_bytes(b"\xff" * 8 + b"{")  # its header cut
+    (own / "listed").mkdir()
+    (own / "listed" / "config.json").write_text("[1, 2]")  # JSON, but no object
     env = {"MLX_INFER_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"), BUDGET_ENV: "16GiB"}
     result = cli("models", "--json", "--dir", str(own), env=env)
     assert result.returncode == 0, result.stderr
@@ -268,8 +272,13 @@ def test_models_shows_what_fits(tmp_path: Path):
     assert rows["gemma"]["fits"] is True and rows["gemma"]["max_context_that_fits"] == 32768
     assert rows["llama-70b"]["fits"] is False and rows["llama-70b"]["max_context_that_fits"] == 0
     assert rows["cut.gguf"]["fits"] is False
+    assert rows["cut-safetensors"]["fits"] is False and rows["listed"]["fits"] is False
     table = cli("models", "--dir", str(own), env=env)
-    assert table.returncode == 0 and "FITS" in table.stdout and "unreadable" in table.stdout
+    assert table.returncode == 0 and "FITS" in table.stdout, table.stderr
+    unreadable = {Path(line.split()[0]).name for line in table.stdout.splitlines() if "unreadable" in line}
+    assert unreadable == {"cut.gguf", "cut-safetensors", "listed"}, table.stdout
+    cut = cli("plan", "-m", str(own / "cut-safetensors"), env=env)
+    assert cut.returncode == 4 and cut.stderr.count("\n") == 1 and "model.safetensors" in cut.stderr
     missing = cli("models", "--dir", str(own / "typo"), env=env)
     assert missing.returncode == 2 and "no such folder" in missing.stderr
 

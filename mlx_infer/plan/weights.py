@@ -26,7 +26,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_infer.errors import InvalidCheckpoint, InvalidRequest, ModelNotFound
+from mlx_infer.errors import InvalidCheckpoint, InvalidRequest, ModelNotFound, UnreadableWeights
 from mlx_infer.loading import hf, hub
 
 log = logging.getLogger(__name__)
@@ -252,7 +252,7 @@ def _folder_metadata(folder: Path) -> Metadata:
 def _safetensors_headers(folder: Path) -> dict[str, str]:
     """Tensor name -> float dtype name, from the headers of the shards present (none when the folder has
     only the config and index, as a Hub id's cached metadata)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         files = hf.weight_files(folder)
@@ -266,8 +266,8 @@ def _safetensors_headers(folder: Path) -> dict[str, str]:
                     kind = f.get_slice(name).get_dtype()
                     if kind in _SAFETENSORS_FLOATS:
                         dtypes[name] = _SAFETENSORS_FLOATS[kind]
-        except (OSError, ValueError) as e:
-            raise InvalidCheckpoint(f"{path.name}: {hf.one_line(e)}") from None
+        except (OSError, ValueError, SafetensorError) as e:  # a download cut short, a corrupt header
+            raise UnreadableWeights(f"{path.name}: {hf.one_line(e)}") from None
     return dtypes
 
 
