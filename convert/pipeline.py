@@ -19,6 +19,7 @@ from mlx_infer.cli_options import stderr_console
 from mlx_infer.errors import InvalidRequest
 from mlx_infer.loading import Checkpoint, open_checkpoint, resolve
 from mlx_infer.loading.build import build_model
+from mlx_infer.terminal import StdoutConsole
 
 from . import choice, evaluate, mlx_lm_layout, output
 from .quant import Plan, QuantParams, make_plan, quant_params
@@ -123,7 +124,7 @@ def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
                 choices=choices, warnings=warnings, tokenizer_files=tokenizer_files, quality=quality,
             )
             output.write_json(tmp / REPORT_FILE, report)
-    print_report(report, Console())
+    print_report(report, StdoutConsole())
     return report
 
 

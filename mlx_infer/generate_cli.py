@@ -20,6 +20,7 @@ from mlx_infer.chat import ChatSession, TurnStats
 from mlx_infer.constraints import cli as constraint_cli
 from mlx_infer.constraints import compile_constraint
 from mlx_infer.errors import EngineFailure, InvalidRequest, MlxInferError, Terminated
+from mlx_infer.terminal import StdoutConsole
 from mlx_infer.tool_calls import Event, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallStart
 from mlx_infer.tool_calls import cli as tool_cli
 
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if prompt is not None:
             return _one_shot(session, prompt, args.verbose, err)
-        console = Console(highlight=False)
+        console = StdoutConsole(highlight=False)
         return _Chat(session, console, console if sys.stdin.isatty() else err).run()
 
 
@@ -251,6 +252,8 @@ class _Chat:
             return
         except EngineFailure:
             raise  # the engine cannot run another step: the chat cannot go on
+        except BrokenPipeError:
+            raise  # stdout's reader went away: nobody reads another answer
         except MlxInferError as e:
             self._dropped(f"error: {e}", printer.printed)
             return

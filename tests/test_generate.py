@@ -122,6 +122,21 @@ def test_a_reader_that_goes_away_stops_generate_quietly(smollm2_path):
     assert "error" not in stderr and "Traceback" not in stderr, stderr
 
 
+@pytest.mark.parametrize("command", ["chat", "models"])
+def test_a_reader_gone_before_the_first_line_is_141_for_rich_output_too(smollm2_path, tmp_path, command):
+    """Output printed through rich (the piped chat's answers, the models table) ends as a filter's too,
+    where rich itself would exit 1."""
+    args = ["generate", "-m", str(smollm2_path)] if command == "chat" else ["models", "--dir", str(tmp_path)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with subprocess.Popen(
+        [*CLI, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    ) as process:
+        process.stdout.close()  # the reader is gone before anything is written
+        _, stderr = process.communicate(b"Count to 50.\n", timeout=120)
+        assert process.returncode == 141, stderr.decode()
+    assert b"Traceback" not in stderr and b"error" not in stderr, stderr.decode()
+
+
 def test_too_long_prompt_names_both_numbers(smollm2):
     engine = Engine(smollm2.model, smollm2.tokenizer, smollm2.max_context, EngineConfig(kv_memory=0.05))
     with pytest.raises(ContextTooLong, match=r"the prompt has 8200 tokens but the context holds 8192"):
