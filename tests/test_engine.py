@@ -174,6 +174,16 @@ def test_rejects_impossible_requests(model):
     assert not engine.has_unfinished()
 
 
+def test_a_context_of_no_whole_blocks_gets_the_pool_it_needs(model):
+    # No --kv-memory: the pool is sized for the context, rounded up to whole blocks of 16 (a prompt that
+    # fits a 40-token context was refused by a pool of 32).
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1))
+    engine = Engine(model, CharTokenizer(), 40, config)
+    assert engine.pool_tokens == 48 and engine.sequence_limit == 40
+    out = run_all(engine, [[1] * 37], [SamplingParams(max_tokens=10, ignore_eos=True)])[0]
+    assert out[-1].finish_reason == "length" and len(tokens_of(out)) == 3  # the context is full at 40
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(model):
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=1234)
     alone = tokens_of(run_all(make_engine(model), [PROMPTS[0]], [params])[0])

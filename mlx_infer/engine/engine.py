@@ -109,9 +109,10 @@ def pool_num_blocks(
     out of it, and no more than every running sequence at full context could use when no explicit
     budget is given."""
     tokens = max(kv_budget_bytes(config.kv_memory) - state_bytes, 0) // kv_bytes_per_token
-    if config.kv_memory is None:
-        tokens = min(tokens, config.scheduler.max_num_seqs * max_context)
-    return max(1, tokens // config.block_size)
+    blocks = tokens // config.block_size
+    if config.kv_memory is None:  # whole blocks: a context of 40 tokens needs 3 of 16, not 2
+        blocks = min(blocks, config.scheduler.max_num_seqs * -(-max_context // config.block_size))
+    return max(1, blocks)
 
 
 class Engine:
