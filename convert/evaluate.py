@@ -38,6 +38,7 @@ class Quality:
     top1_agreement: float
     ppl_source: float
     ppl_output: float
+    text: str = ""  # what was evaluated: the --eval-file, or the shipped prose
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -132,6 +132,8 @@ def _validate(opts: Options) -> QuantParams | None:
     if opts.quantize and opts.dequantize:
         raise InvalidRequest(
             "--dequantize writes floating-point weights: it excludes --q-*, --recipe and --pure")
+    if opts.recipe is not None and opts.q_bits is not None:
+        raise InvalidRequest(f"--recipe {opts.recipe} sets the bits of every layer: it excludes --q-bits")
     if opts.pure and opts.recipe is not None:
         raise InvalidRequest(
             f"--pure gives every layer the same quantization: it excludes --recipe {opts.recipe}")
@@ -238,7 +240,9 @@ def _evaluate(opts: Options, ckpt: Checkpoint, folder: Path, progress: Progress)
     task = progress.add_task("evaluating", total=len(windows), detail=detail)
     source = float32_model(open_checkpoint(opts.model))
     converted = float32_model(open_checkpoint(str(folder)))
-    return evaluate.compare(source, converted, windows, lambda: progress.advance(task))
+    quality = evaluate.compare(source, converted, windows, lambda: progress.advance(task))
+    shipped = "the shipped prose (eval_text.txt)"
+    return replace(quality, text=str(opts.eval_file) if opts.eval_file else shipped)
 
 
 def float32_model(ckpt: Checkpoint) -> nn.Module:

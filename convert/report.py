@@ -10,7 +10,7 @@ from rich.table import Table
 
 from .choice import Choices
 from .evaluate import Quality
-from .quant import Plan
+from .quant import RECIPES, Plan
 
 
 def build_report(
@@ -35,8 +35,10 @@ def build_report(
     out_params = index["metadata"]["total_parameters"]
     if plan is not None:
         q = plan.default
-        quantization: dict[str, Any] = {"mode": q.mode, "bits": q.bits, "group_size": q.group_size,
-                                        "recipe": plan.recipe}
+        # A recipe's bits are its own (mlx-lm's config.json names the low ones), not the default's.
+        low, high = RECIPES[plan.recipe] if plan.recipe else (q.bits, None)
+        quantization: dict[str, Any] = {"mode": q.mode, "bits": low, "group_size": q.group_size,
+                                        "recipe": plan.recipe, "recipe_high_bits": high}
     else:
         quantization = {"mode": "dequantized" if dequantize else "unchanged"}
     return {
@@ -73,11 +75,11 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         table.add_row("perplexity", f"{quality['ppl_source']:.4f}", f"{quality['ppl_output']:.4f}")
         table.add_row("KL divergence mean / p99", "", f"{quality['kl_mean']:.6f} / {quality['kl_p99']:.6f}")
         table.add_row("top-1 agreement", "", f"{quality['top1_agreement']:.2%}")
-        table.add_row("evaluated tokens", "", str(quality["tokens"]))
+        table.add_row("evaluated tokens", "", f"{quality['tokens']} of {quality['text']}")
     q = report["quantization"]
     what = q["mode"] if "bits" not in q else f"{q['mode']} {q['bits']}-bit g{q['group_size']}"
     if q.get("recipe"):
-        what += f" ({q['recipe']})"
+        what += f" ({q['recipe']}: {q['recipe_high_bits']}-bit where errors hurt most)"
     table.add_row("requested", "", what)  # layers kept as stored (see "layers") keep their own
     table.add_row("layers", "", ", ".join(f"{n} {kind}" for kind, n in report["layers"].items()))
     unquantized = report["unquantized_layers"]

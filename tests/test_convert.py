@@ -131,6 +131,9 @@ def test_recipe_and_dequantize(tmp_path: Path, eval_file: Path):
     assert saved["lm_head.weight"].shape == (64, 64 * 6 // 32)
     assert saved["model.layers.1.mlp.down_proj.weight"].shape == (64, 128 * 3 // 32)
     assert 3 < report["bits_per_weight"]["output"] < 6
+    # The report says the recipe's bits, as config.json does, and what text it was evaluated on.
+    assert (report["quantization"]["bits"], report["quantization"]["recipe_high_bits"]) == (3, 6)
+    assert report["evaluation"]["text"] == str(eval_file)
     load(str(mixed))  # the overrides rebuild the right shapes
 
     plain = tmp_path / "plain"
@@ -306,6 +309,7 @@ def test_interrupted_write_leaves_nothing(tiny_llama_folder: Path, tmp_path: Pat
         (["--q-bits", "4", "--dequantize"], InvalidRequest, "--dequantize"),
         (["--pure", "--dequantize"], InvalidRequest, "--dequantize"),
         (["--pure", "--recipe", "mixed_3_6"], InvalidRequest, "--pure gives every layer the same"),
+        (["--recipe", "mixed_3_6", "--q-bits", "8"], InvalidRequest, "it excludes --q-bits"),
         (["--dtype", "float64"], InvalidRequest, "unknown --dtype"),
     ],
 )
