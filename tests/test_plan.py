@@ -132,6 +132,12 @@ def test_70b_from_its_config_alone(tmp_path: Path, monkeypatch):
     assert plan.kv_bytes == 4 * 8192 * 327_680
     assert plan.budget_bytes == 192 * 2**30 and plan.fits
     assert 8192 <= plan.max_context_that_fits < plan.model_max_context == 131072
+    # The most sequences of 8192 tokens does not depend on how many were asked for.
+    assert plan.max_num_seqs_that_fit > 4 and all(
+        make_plan(str(folder), context=8192, max_num_seqs=s, backend="metal").max_num_seqs_that_fit
+        == plan.max_num_seqs_that_fit
+        for s in (1, 1000, 100_000)
+    )
     # Untied: one decode step reads every weight but the embedding table (a row of it).
     read = LLAMA_70B_TOTAL_SIZE - 128256 * 8192 * 2
     assert plan.decode_tok_s_bound == pytest.approx(plan.bandwidth_bytes_s / (read + 8192 * 327_680))
@@ -142,6 +148,17 @@ def test_70b_from_its_config_alone(tmp_path: Path, monkeypatch):
     cpu = make_plan(str(folder), context=8192, backend="cpu")
     assert cpu.weights_bytes == 2 * LLAMA_70B_TOTAL_SIZE and not cpu.fits  # float32 here
     assert cpu.weights_fit is False and cpu.max_context_that_fits == 0
+
+
+def test_the_default_kv_pool_is_a_share_of_the_memory_budget(monkeypatch):
+    # MLX_INFER_MEMORY_BUDGET is the machine's memory for serve's default pool too, not only for plan,
+    # the refusal and --kv-memory (a 114 MiB budget got a 5.6 GiB pool).
+    from mlx_infer.kv.memory import DEFAULT_FRACTION, kv_budget_bytes
+
+    monkeypatch.setenv(BUDGET_ENV, f"{mx.get_active_memory() + 40 * 2**20}")
+    assert kv_budget_bytes(None) == pytest.approx(DEFAULT_FRACTION * 40 * 2**20, rel=0.05)
+    monkeypatch.setenv(BUDGET_ENV, "1KiB")
+    assert kv_budget_bytes(None) <= 256
 
 
 def test_a_config_whose_dtype_is_unknown_is_planned_as_float32_and_says_so(tmp_path: Path, caplog):

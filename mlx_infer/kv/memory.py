@@ -26,27 +26,26 @@ def device_memory_bytes() -> int:
 
 
 def kv_budget_bytes(kv_memory_gib: float | None) -> int:
-    """Bytes for the KV pool: ``kv_memory_gib`` if given, else a share of device memory minus the
-    weights already loaded (``mx.get_active_memory``), capped so a small model does not grab GBs."""
-    if kv_memory_gib is not None:
-        if not math.isfinite(kv_memory_gib) or kv_memory_gib <= 0:
-            raise InvalidRequest(f"--kv-memory must be a positive number of GiB, not {kv_memory_gib}")
-        # The pool grows into its budget as load comes: one past what the machine has left would be
-        # found out by the OS killing the process (or swapping), long after the start.
-        from mlx_infer.plan.planner import memory_budget  # the planner reads this module
+    """Bytes for the KV pool: ``kv_memory_gib`` if given, else a share of the memory budget (the device's,
+    or ``$MLX_INFER_MEMORY_BUDGET``) minus the weights already loaded (``mx.get_active_memory``), capped
+    so a small model does not grab GBs."""
+    from mlx_infer.plan.planner import human_bytes, memory_budget  # the planner reads this module
 
-        budget, where = memory_budget()
-        loaded = mx.get_active_memory()
-        left = max(budget - loaded, 0)
-        if kv_memory_gib * 2**30 > left:
-            raise InvalidRequest(
-                f"--kv-memory {kv_memory_gib:g} GiB is more than this machine has left for it: "
-                f"{left / 2**30:.1f} GiB ({where} {budget / 2**30:.1f} GiB less "
-                f"{loaded / 2**30:.1f} GiB loaded)"
-            )
-        return int(kv_memory_gib * 2**30)
-    free = max(device_memory_bytes() - mx.get_active_memory(), 0)
-    return int(min(free * DEFAULT_FRACTION, MAX_DEFAULT_BYTES))
+    budget, where = memory_budget()
+    loaded = mx.get_active_memory()
+    left = max(budget - loaded, 0)
+    if kv_memory_gib is None:
+        return int(min(left * DEFAULT_FRACTION, MAX_DEFAULT_BYTES))
+    if not math.isfinite(kv_memory_gib) or kv_memory_gib <= 0:
+        raise InvalidRequest(f"--kv-memory must be a positive number of GiB, not {kv_memory_gib}")
+    # The pool grows into its budget as load comes: one past what the machine has left would be found out
+    # by the OS killing the process (or swapping), long after the start.
+    if kv_memory_gib * 2**30 > left:
+        raise InvalidRequest(
+            f"--kv-memory {kv_memory_gib:g} GiB is more than this machine has left for it: "
+            f"{human_bytes(left)} ({where} {human_bytes(budget)} less {human_bytes(loaded)} loaded)"
+        )
+    return int(kv_memory_gib * 2**30)
 
 
 @dataclass(frozen=True)

@@ -219,9 +219,16 @@ def make_plan(
         pool_tokens = max_num_seqs * model_max
     else:
         pool_tokens = int(free / (per_token * (1 + pool_copies)))
-    seqs_that_fit = pool_tokens // seq_tokens
-    if per_token == 0 and state_bytes:  # then each sequence's recurrent state is what bounds them
-        seqs_that_fit = int(max(free + state_bytes, 0) // (state_bytes // max_num_seqs))
+    # The most sequences of N tokens: each brings its K/V (and their copies), its logits and its states,
+    # whatever S was asked for.
+    unshared = _fixed_scratch(meta.model, compute_dtype, 0, step_tokens, native)
+    per_sequence = (
+        seq_tokens * per_token * (1 + pool_copies)
+        + _fixed_scratch(meta.model, compute_dtype, 1, step_tokens, native) - unshared
+        + 2 * layout_state_bytes(layout)
+    )
+    room = budget - weights_bytes - unshared - window_kv_bytes * (1 + pool_copies)
+    seqs_that_fit = int(max(room, 0) // per_sequence)
     bandwidth, bandwidth_source = memory_bandwidth()
     # kv/memory.kv_budget_bytes without --kv-memory, the weights being what is loaded by then.
     default_pool = int(min(max(budget - weights_bytes, 0) * DEFAULT_FRACTION, MAX_DEFAULT_BYTES))
