@@ -35,6 +35,7 @@ from mlx_infer.server.embeddings import EmbeddingRoutes
 from mlx_infer.server.engine_call import LatencyClock, collect, default_max_tokens, submit
 from mlx_infer.server.errors import (
     anthropic_error_response,
+    anthropic_shaped,
     error_response,
     for_exception,
     from_exception,
@@ -71,17 +72,17 @@ def authorized(request: Request, api_key: str | None) -> bool:
     if api_key is None:
         return True
     key = api_key.encode()
-    bearer = request.headers.get("authorization", "").encode()
+    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    bearer = credentials.encode() if scheme.lower() == "bearer" else b""  # a scheme is any case (RFC 9110)
     # Constant-time comparisons, both made: the time a mismatch takes must not reveal the key's prefix.
-    return hmac.compare_digest(bearer, b"Bearer " + key) | hmac.compare_digest(
-        request.headers.get("x-api-key", "").encode(), key
-    )
+    api_key_header = request.headers.get("x-api-key", "").encode()
+    return hmac.compare_digest(bearer, key) | hmac.compare_digest(api_key_header, key)
 
 
 def from_anthropic_client(request: Request) -> bool:
     """Whether Anthropic's client sent ``request`` (every one sends ``anthropic-version``): on the routes
     both clients use, it is answered in Anthropic's shapes."""
-    return "anthropic-version" in request.headers
+    return anthropic_shaped(request.url.path, request.headers)
 
 
 # A step (a prefill chunk, a decode step) takes well under a second to seconds: one running this long
@@ -90,6 +91,8 @@ STALLED_STEP_S = 120.0
 
 
 class OpenAIServer:
+    model_type = "llm"  # what /v1/models says it serves (an embedding server: "embeddings")
+
     def __init__(self, engine: AsyncEngine, config: ServerConfig):
         self.engine = engine
         self.config = config
@@ -137,7 +140,7 @@ class OpenAIServer:
             message = f"no route {request.method} {request.url.path}"
         else:
             message = f"{request.method} {request.url.path}: {exc.detail}"
-        if request.url.path.startswith("/v1/messages"):
+        if from_anthropic_client(request):
             return anthropic_error_response(exc.status_code, message, headers=exc.headers)
         return error_response(exc.status_code, message, headers=exc.headers)
 
@@ -203,6 +206,7 @@ class OpenAIServer:
                 "object": "model",
                 "created": self.created,
                 "owned_by": "mlx-infer",
+                "type": self.model_type,  # LM Studio's: llm or embeddings
                 "context_length": self.context_length(),
                 **self.config.model_details,
             }
@@ -215,10 +219,8 @@ class OpenAIServer:
         cards = self.model_cards()
         if not from_anthropic_client(request):
             return JSONResponse({"object": "list", "data": cards})
-        # Anthropic's page, which its client pages through by the first and last id.
-        data = [_anthropic_card(card) for card in cards]
-        ends = {"first_id": data[0]["id"], "last_id": data[-1]["id"]} if data else {}
-        return JSONResponse({"data": data, "has_more": False, **ends})
+        # Anthropic's list: the models its Messages API can answer with, a page at a time.
+        return JSONResponse(_anthropic_page([c for c in cards if c.get("type") != "embeddings"], request))
 
     async def model(self, request: Request) -> Response:
         """``/v1/models/{id}`` (the OpenAI client's ``models.retrieve``, Anthropic's too): one card of the
@@ -535,6 +537,33 @@ class _Call:
             yield "data: [DONE]\n\n"  # the stream still ends as streams do (vLLM's too)
         finally:
             self.group.close()
+
+
+def _anthropic_page(cards: list[dict[str, Any]], request: Request) -> dict[str, Any]:
+    """Anthropic's page of models: ``limit`` (1 to 1000, default 20) of them after ``after_id`` or before
+    ``before_id``, which its client pages through by the first and last id."""
+    ids = [card["id"] for card in cards]
+    query = request.query_params
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 1000:
+        raise InvalidRequest(f"limit: must be an integer from 1 to 1000, not {query.get('limit')!r}", "limit")
+    start, end = 0, len(ids)
+    for param in ("after_id", "before_id"):
+        if query.get(param) is not None and query[param] not in ids:
+            raise InvalidRequest(f"{param}: no model {query[param]!r} on this server", param)
+    if "before_id" in query:
+        end = ids.index(query["before_id"])
+        start = max(end - limit, 0)
+    else:
+        start = ids.index(query["after_id"]) + 1 if "after_id" in query else 0
+        end = min(start + limit, len(ids))
+    data = [_anthropic_card(card) for card in cards[start:end]]
+    more = start > 0 if "before_id" in query else end < len(ids)
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return {"data": data, "has_more": more, "first_id": first, "last_id": last}
 
 
 def _anthropic_card(card: dict[str, Any]) -> dict[str, Any]:

@@ -40,6 +40,8 @@ GENERATION_ROUTES = (
 
 
 class EmbeddingServer(OpenAIServer):
+    model_type = "embeddings"
+
     def __init__(self, embedder: AsyncEmbedder, config: ServerConfig):
         # Not OpenAIServer.__init__: there is no generation engine, tokenizer formatter or KV metrics.
         self.engine = embedder  # what /health and the lifecycle read (failure, closed_reason)
@@ -61,7 +63,8 @@ class EmbeddingServer(OpenAIServer):
             Route("/v1/models", self.guarded(self.models, anthropic=None), methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.guarded(self.model, anthropic=None), methods=["GET"]),
             *EmbeddingRoutes(self, self.embedder).routes(),
-            *(Route(path, self.guarded(self.not_served), methods=["POST"]) for path in GENERATION_ROUTES),
+            # In the shape of the API asked (Anthropic's on /v1/messages).
+            *(Route(p, self.guarded(self.not_served, None), methods=["POST"]) for p in GENERATION_ROUTES),
         ]
         return Starlette(
             routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
@@ -78,6 +80,12 @@ def anthropic_from_exception(error: Exception) -> JSONResponse:
         return anthropic_error_response(529, str(error), headers={"Retry-After": "1"})
     status, message, _, _ = describe(error)
     return anthropic_error_response(status, message, headers=retry_after(error))
+
+
+def anthropic_shaped(path: str, headers: Mapping[str, str]) -> bool:
+    """Whether an answer takes Anthropic's shape: on its Messages routes, and on any other route for
+    Anthropic's client, which sends ``anthropic-version`` with every request."""
+    return path.startswith("/v1/messages") or "anthropic-version" in headers
 
 
 def unauthorized(anthropic: bool = False) -> JSONResponse:

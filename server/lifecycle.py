@@ -11,13 +11,14 @@ import uuid
 from types import FrameType
 
 import uvicorn
+from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlx_infer.cli_options import FINAL_ERROR_S
 from mlx_infer.engine.async_engine import AsyncEngine
 from mlx_infer.errors import ServiceUnavailable
-from mlx_infer.server.errors import error_response
+from mlx_infer.server.errors import anthropic_error_response, anthropic_shaped, error_response
 from mlx_infer.server.request_body import STOP_READING
 
 log = logging.getLogger("mlx_infer")
@@ -60,12 +61,13 @@ class Supervisor:
             return
         if scope["type"] != "http":
             return
+        loading, retry = "the model is loading; retry shortly", {"Retry-After": "5"}
         if scope["path"] == "/health":
             response = JSONResponse({"status": "loading"}, status_code=503)
+        elif anthropic_shaped(scope["path"], Headers(scope=scope)):
+            response = anthropic_error_response(503, loading, headers=retry)
         else:
-            response = error_response(
-                503, "the model is loading; retry shortly", "server_error", headers={"Retry-After": "5"}
-            )
+            response = error_response(503, loading, "server_error", headers=retry)
         await response(scope, receive, send)
 
 

@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlx_infer import model_store
 from mlx_infer.errors import InvalidRequest, MlxInferError
 from mlx_infer.server.app import STALLED_STEP_S, OpenAIServer, ServerConfig
-from mlx_infer.server.errors import for_exception, unauthorized
+from mlx_infer.server.errors import anthropic_shaped, for_exception, unauthorized
 from mlx_infer.server.lifecycle import Supervisor
 from mlx_infer.server.model_registry import GIB, ModelRegistry
 from mlx_infer.server.request_body import PARSE_INLINE_BYTES, parse_object, read_body
@@ -92,7 +92,7 @@ class MultiModelServer(OpenAIServer):
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
-        anthropic = scope["path"].startswith("/v1/messages")
+        anthropic = anthropic_shaped(scope["path"], request.headers)
         if not self.authorized(request):
             await unauthorized(anthropic)(scope, receive, send)
             return

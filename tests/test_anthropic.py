@@ -397,6 +397,9 @@ def test_models_and_request_ids_as_the_anthropic_client_reads_them(client: anthr
     page = client.models.list()
     assert [m.id for m in page.data] == ["smollm2"]
     assert (page.has_more, page.first_id, page.last_id) == (False, "smollm2", "smollm2")
+    assert client.models.list(after_id="smollm2").data == []
+    with pytest.raises(anthropic.BadRequestError):
+        client.models.list(limit=0)
     info = client.models.retrieve("smollm2")
     assert (info.type, info.display_name, info.lifecycle, info.max_input_tokens) == (
         "model", "smollm2", "active", 8192
@@ -410,3 +413,22 @@ def test_models_and_request_ids_as_the_anthropic_client_reads_them(client: anthr
         model="smollm2", max_tokens=1, messages=FRANCE, extra_headers={"X-Request-Id": "mine-1"}
     )
     assert reply._request_id.startswith("req_") and raw.request_id == "mine-1"  # a proxy's own id kept
+
+
+def test_models_pages_as_anthropics_list():
+    from starlette.requests import Request
+
+    from mlx_infer.server.app import _anthropic_page
+
+    cards = [{"id": name, "created": 0} for name in "abcde"]
+
+    def page(query: str) -> tuple[list[str], bool, str | None, str | None]:
+        got = _anthropic_page(cards, Request({"type": "http", "query_string": query.encode(), "headers": []}))
+        return [m["id"] for m in got["data"]], got["has_more"], got["first_id"], got["last_id"]
+
+    assert page("") == (list("abcde"), False, "a", "e")
+    assert page("limit=2") == (["a", "b"], True, "a", "b")
+    assert page("limit=2&after_id=b") == (["c", "d"], True, "c", "d")
+    assert page("limit=2&after_id=d") == (["e"], False, "e", "e")
+    assert page("limit=2&before_id=d") == (["b", "c"], True, "b", "c")
+    assert page("limit=2&before_id=b") == (["a"], False, "a", "a")

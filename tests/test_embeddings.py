@@ -272,6 +272,22 @@ def test_hostile_inputs_get_4xx_and_the_server_stays_healthy(minilm_server):
         timeout=10,
     )
     assert chat.status_code == 400 and "embedding model" in chat.json()["error"]["message"]
+    # Anthropic's Messages API asked of it: a 400 in Anthropic's shape, and no model to list there.
+    anthropic_headers = {"anthropic-version": "2023-06-01"}
+    messages = httpx.post(
+        f"{minilm_server.base_url}/v1/messages",
+        json={"model": "minilm", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+        headers=anthropic_headers,
+        timeout=10,
+    )
+    assert messages.status_code == 400 and messages.json()["type"] == "error", messages.text
+    assert "embedding model" in messages.json()["error"]["message"]
+    listed = httpx.get(f"{minilm_server.base_url}/v1/models", headers=anthropic_headers, timeout=10).json()
+    assert listed == {"data": [], "has_more": False, "first_id": None, "last_id": None}
+    openai_listed = httpx.get(f"{minilm_server.base_url}/v1/models", timeout=10).json()["data"]
+    assert [(m["id"], m["type"]) for m in openai_listed] == [("minilm", "embeddings")]
+    nowhere = httpx.get(f"{minilm_server.base_url}/v1/nowhere", headers=anthropic_headers, timeout=10)
+    assert nowhere.status_code == 404 and nowhere.json()["error"]["type"] == "not_found_error"
     assert httpx.post(f"{minilm_server.base_url}/v1/nowhere", json={}, timeout=10).status_code == 404
     assert httpx.get(f"{minilm_server.base_url}/health", timeout=10).json() == {"status": "ok"}
     ok = httpx.post(url, json={"model": "minilm", "input": "still fine"}, timeout=60)

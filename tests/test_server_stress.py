@@ -223,6 +223,9 @@ def test_api_key_required(async_engine: AsyncEngine):
         assert assert_openai_error(client.get("/v1/models"), 401)["type"] == "authentication_error"
         assert_openai_error(client.post(CHAT, json=GOOD_CHAT, headers={"Authorization": "Bearer nope"}), 401)
         assert client.get("/health").status_code == 200  # probes need no key
+        for scheme, status in (("bearer", 200), ("BEARER", 200), ("Basic", 401)):  # any case (RFC 9110)
+            models = client.get("/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"})
+            assert models.status_code == status, scheme
         keyed = openai.OpenAI(
             base_url="http://testserver/v1", api_key=API_KEY, http_client=client, max_retries=0
         )
@@ -647,3 +650,18 @@ def test_serve_exits_7_soon_after_the_engine_stops(tiny_folder: Path):
         assert "the engine has stopped" in server.log()
     finally:
         server.stop()
+
+
+def test_a_loading_server_answers_each_client_in_its_own_shape():
+    from mlx_infer.server.lifecycle import Supervisor
+
+    with TestClient(Supervisor()) as loading:
+        assert loading.get("/health").json() == {"status": "loading"}
+        openai_shaped = loading.post(CHAT, json=GOOD_CHAT)
+        assert assert_openai_error(openai_shaped, 503)["message"] == "the model is loading; retry shortly"
+        for request in (
+            loading.post("/v1/messages", json={}),
+            loading.get("/v1/models", headers={"anthropic-version": "2023-06-01"}),
+        ):
+            assert request.status_code == 503 and request.headers["retry-after"] == "5"
+            assert request.json()["type"] == "error" and "loading" in request.json()["error"]["message"]
