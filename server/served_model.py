@@ -41,10 +41,11 @@ def model_specs(models: list[str], models_dir: str | None, pooling: str | None =
     id), then each GGUF file and model folder under ``models_dir`` (named by its path inside it).
     Each is typed ``llm`` or ``embeddings`` (LM Studio's words), so that the chat page offers only
     the models that chat."""
-    found: list[tuple[str, model_store.LocalModel]] = []
+    found: list[tuple[str, model_store.LocalModel, str]] = []
     for spec in models:
         local = model_store.local_model(resolve(spec))  # a missing model fails at start, not on first use
-        found.append((served_name(spec, None), local))
+        kind = "embeddings" if is_embedding_model(local.path, pooling) else "llm"
+        found.append((served_name(spec, None), local, kind))
     if models_dir is not None:
         root = Path(models_dir).expanduser()
         if not root.is_dir():
@@ -52,17 +53,25 @@ def model_specs(models: list[str], models_dir: str | None, pooling: str | None =
         for local in model_store.models_in(root):
             relative = Path(local.path).relative_to(root)
             name = str(relative.with_suffix("") if relative.suffix == ".gguf" else relative)
-            found.append((name, local))
+            # One broken download does not keep the folder's other models from being served.
+            if local.architecture == "?":
+                log.warning("--models-dir: %s is left out: its header or config cannot be read", local.path)
+                continue
+            try:
+                kind = "embeddings" if is_embedding_model(local.path, pooling) else "llm"
+            except MlxInferError as e:
+                log.warning("--models-dir: %s is left out: %s", local.path, e)
+                continue
+            found.append((name, local, kind))
         if not found:
             raise InvalidRequest(f"--models-dir {models_dir}: no GGUF file or model folder in it")
     specs, paths = [], {}
-    for name, local in found:
+    for name, local, kind in found:
         if name in paths:
             raise InvalidRequest(
                 f"two models are named {name!r} ({paths[name]} and {local.path}); rename one"
             )
         paths[name] = local.path
-        kind = "embeddings" if is_embedding_model(local.path, pooling) else "llm"
         details = {"type": kind, "architecture": local.architecture, "quantization": local.quantization}
         specs.append(ModelSpec(name, local.path, local.size, details))
     return specs
