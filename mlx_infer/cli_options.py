@@ -149,7 +149,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int) -> 
     g.add_argument(
         "--num-draft-tokens",
         type=int,
-        default=spec.num_draft_tokens,
+        default=None,
         metavar="K",
         help="most tokens proposed per sequence and step; each sequence adapts its own from its "
         f"acceptance (default: {spec.num_draft_tokens})",
@@ -157,7 +157,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int) -> 
     g.add_argument(
         "--speculative-max-batch",
         type=int,
-        default=spec.max_batch,
+        default=None,
         metavar="N",
         help="speculate only while at most N sequences are running: verifying costs compute that "
         f"larger batches already use (default: {spec.max_batch})",
@@ -195,10 +195,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if not value > 0:  # NaN too
             raise InvalidRequest(f"{flag} must be positive, not {value}")
     check_kv_dtype(args.kv_cache_dtype)
+    method = speculative_method(args)
+    draft_tokens, max_batch = args.num_draft_tokens, args.speculative_max_batch
+    for flag, value in (("--num-draft-tokens", draft_tokens), ("--speculative-max-batch", max_batch)):
+        if value is not None and method is None:  # silently ignored, one would think speculation on
+            raise InvalidRequest(f"{flag} goes with --speculative ngram or --draft-model; speculation is off")
+    defaults = SpeculativeConfig()
     speculative = SpeculativeConfig(
-        method=speculative_method(args),
-        num_draft_tokens=args.num_draft_tokens,
-        max_batch=args.speculative_max_batch,
+        method=method,
+        num_draft_tokens=defaults.num_draft_tokens if draft_tokens is None else draft_tokens,
+        max_batch=defaults.max_batch if max_batch is None else max_batch,
     )
     speculative.validate()
     return EngineConfig(

@@ -135,6 +135,10 @@ def _check_flags(args: argparse.Namespace) -> bool:
     several = len(args.model) != 1 or args.models_dir is not None
     if not several:
         args.model = args.model[0]
+        from mlx_infer.embedding import is_embedding_model
+
+        if cli_options.speculative_method(args) is not None and is_embedding_model(args.model, args.pooling):
+            raise InvalidRequest("an embedding model generates nothing to speculate on: drop --speculative")
     elif not args.model and args.models_dir is None:
         raise InvalidRequest("name a model: -m MODEL (repeatable) or --models-dir DIR")
     elif args.served_model_name is not None:

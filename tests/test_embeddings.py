@@ -336,3 +336,12 @@ def test_embed_cli_errors_are_one_line(minilm_path, tiny_llama_folder):
         done = _embed_cli(*args)
         assert done.returncode == 2, (args, done.stderr)
         assert done.stderr.count("\n") == 1 and words in done.stderr, done.stderr
+
+
+def test_serve_refuses_speculation_for_an_embedding_model(minilm_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_infer.cli", "serve", "-m", str(minilm_path), "--speculative", "ngram"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "nothing to speculate on" in done.stderr

@@ -262,6 +262,9 @@ def test_request_field_and_flags_reach_the_engine():
         cli_options.engine_config(parser.parse_args(["--speculative", "draft"]))
     with pytest.raises(InvalidRequest, match="num-draft-tokens"):
         cli_options.engine_config(parser.parse_args(["--speculative", "ngram", "--num-draft-tokens", "0"]))
+    for tuning in (["--num-draft-tokens", "5"], ["--speculative-max-batch", "3"]):  # without --speculative
+        with pytest.raises(InvalidRequest, match=f"{tuning[0]} goes with --speculative"):
+            cli_options.engine_config(parser.parse_args(tuning))
 
 
 def test_speculation_backs_off_in_large_batches(model):
