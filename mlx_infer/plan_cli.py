@@ -163,3 +163,28 @@ def check_before_serve(args: argparse.Namespace) -> None:
                 f"({plan.weights}) and this machine's budget is {human_bytes(plan.budget_bytes)} "
                 f"({plan.budget_source})"
             )
+        _check_draft(args, plan)
+
+
+def _check_draft(args: argparse.Namespace, plan: Plan) -> None:
+    """A --draft-model's weights and KV pool come on top of the model's plan: logged, and refused when
+    the two models' weights together exceed the budget."""
+    draft = getattr(args, "draft_model", None)
+    if draft is None:
+        return
+    try:
+        extra = make_plan(draft, context=plan.context, max_num_seqs=plan.max_num_seqs,
+                          kv_cache_dtype=plan.kv_cache_dtype, keep_quantized=args.keep_quantized)  # fmt: skip
+    except MlxInferError as e:
+        log.info("memory plan: not available for the draft model %s (%s)", draft, e)
+        return
+    log.info(
+        "draft model   %s: weights %s, KV pool %s (%d B a token) beside the total above",
+        draft, human_bytes(extra.weights_bytes), human_bytes(extra.kv_bytes), extra.kv_bytes_per_token,
+    )  # fmt: skip
+    if plan.weights_bytes + extra.weights_bytes > plan.budget_bytes:
+        raise ModelTooLarge(
+            f"{plan.model} and its draft {draft} do not fit: their weights take "
+            f"{human_bytes(plan.weights_bytes + extra.weights_bytes)} and this machine's budget is "
+            f"{human_bytes(plan.budget_bytes)} ({plan.budget_source})"
+        )

@@ -398,3 +398,13 @@ def test_bandwidth_from_apple_table_or_one_cached_measurement(tmp_path: Path, mo
 
     monkeypatch.setattr(bandwidth, "_measure", measure_again)
     assert bandwidth.memory_bandwidth()[0] == measured
+
+
+def test_serve_counts_a_draft_models_weights(smollm2_path: Path):
+    # SmolLM2's weights (93.8 MiB) fit 150 MiB; twice them, as model and draft, do not.
+    args = ("serve", "-m", str(smollm2_path), "--draft-model", str(smollm2_path), "--port", "0")
+    result = cli(*args, env={BUDGET_ENV: "150MiB"})
+    assert result.returncode == 2, result.stderr
+    assert "draft model" in result.stderr and "187.6 MiB" in result.stderr, result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("mlx-infer serve: error:")]
+    assert len(error) == 1 and "and its draft" in error[0], result.stderr
