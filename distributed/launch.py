@@ -27,9 +27,12 @@ from mlx_infer.cpu_kernels import ACTIVATIONS_ENV_VAR
 from mlx_infer.errors import DistributedError, InvalidRequest
 
 from . import hostfile as hf
-from .runtime import BACKEND_ENV, STRATEGIES, STRATEGY_ENV, TEMP_PREFIX
+from .runtime import BACKEND_ENV, LAUNCHER_PID_ENV, STRATEGIES, STRATEGY_ENV, TEMP_PREFIX
 
-DEFAULT_SSH = "ssh -tt -o LogLevel=QUIET -o BatchMode=yes"
+# LogLevel=ERROR: ssh's own reason for a failure (no route, refused, a key not accepted) reaches the user,
+# its "Connection closed" notes do not; ConnectTimeout: an address that never answers is an error in
+# seconds, not after the system's TCP timeout (minutes).
+DEFAULT_SSH = "ssh -tt -o LogLevel=ERROR -o BatchMode=yes -o ConnectTimeout=15"
 DEFAULT_PORT = 32323
 STOP_GRACE_S = 3.0
 # A serving rank 0 stops as serve does: its requests finish for --shutdown-timeout, then their final errors
@@ -163,8 +166,10 @@ def plan_ranks(table: hf.HostFile, args: argparse.Namespace) -> list[RankPlan]:
     plans = []
     for rank, host in enumerate(table.hosts):
         rank_env = {**env, "MLX_RANK": str(rank)} if distributed else env
-        script = rank_script(rank_env, files, args.cwd, argv)
         local = host.is_local
+        if local:  # its parent is this process: it stops when this one is gone, killed or hung up on
+            rank_env = {**rank_env, LAUNCHER_PID_ENV: str(os.getpid())}
+        script = rank_script(rank_env, files, args.cwd, argv)
         plans.append(
             RankPlan(
                 rank, host, ["bash", "-c", script] if local else [*shlex.split(args.ssh), host.ssh, script]
@@ -225,7 +230,7 @@ class Launcher:
         self._open_line: int | None = None  # the rank whose partial line ends the output so far
 
     def run(self) -> int:
-        self.interrupted_by = signal.SIGINT  # or SIGTERM: the exit status says which (130 / 143)
+        self.interrupted_by = signal.SIGINT  # or SIGTERM, SIGHUP: the exit status says which (130, 143, 129)
 
         def terminated(signum, frame) -> None:
             self.interrupted_by = signum
@@ -235,6 +240,8 @@ class Launcher:
         # Also when SIGINT came ignored (a background job of a script): the launcher still stops on it,
         # and the ranks, which inherit an ignored signal across exec but not a handler, take it again.
         previous_int = signal.signal(signal.SIGINT, terminated)
+        # A closed terminal or ssh session (SIGHUP) stops the job as SIGTERM does.
+        previous_hup = signal.signal(signal.SIGHUP, terminated)
         threads: list[threading.Thread] = []
         try:
             for p in self.plans:
@@ -254,7 +261,9 @@ class Launcher:
             return self._watch()
         except KeyboardInterrupt:
             self._note("interrupted; stopping every rank")
-            self._stop_all(self.interrupted_by, self.stop_grace_s)
+            # A hang-up reaches rank 0 as SIGTERM: what stops a rank (a serve) cleanly.
+            first = signal.SIGTERM if self.interrupted_by == signal.SIGHUP else self.interrupted_by
+            self._stop_all(first, self.stop_grace_s)
             # Rank 0's own status when it stopped by itself (a serve that drained its requests: 0).
             code = self.procs[0].poll() if self.procs else None
             return code if code is not None and code >= 0 else 128 + self.interrupted_by
@@ -264,6 +273,7 @@ class Launcher:
                 t.join(timeout=2)
             signal.signal(signal.SIGTERM, previous)
             signal.signal(signal.SIGINT, previous_int)
+            signal.signal(signal.SIGHUP, previous_hup)
 
     def _watch(self) -> int:
         while True:

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,6 +45,7 @@ STRATEGY_ENV = "MLX_INFER_STRATEGY"
 BACKEND_ENV = "MLX_INFER_BACKEND"
 # Host files launch writes on each host; a rank deletes its own once it has joined.
 TEMP_PREFIX = "mlx-infer-hosts."
+LAUNCHER_PID_ENV = "MLX_INFER_LAUNCHER_PID"  # set for a rank `launch` started on its own machine
 Shard = PipelineShard | TensorShard
 
 
@@ -53,6 +57,7 @@ def init_group() -> mx.distributed.Group | None:
     backend = os.environ.get(BACKEND_ENV, "ring")
     if "MLX_RANK" not in os.environ:
         return None
+    _stop_with_the_launcher()
     try:
         group = mx.distributed.init(strict=True, backend=backend)
     except RuntimeError as e:
@@ -64,6 +69,22 @@ def init_group() -> mx.distributed.Group | None:
         if path.name.startswith(TEMP_PREFIX):
             path.unlink(missing_ok=True)
     return group if group.size() > 1 else None
+
+
+def _stop_with_the_launcher() -> None:
+    """A rank started by ``launch`` on this machine stops (SIGTERM, as ``launch`` would stop it) once
+    ``launch`` is gone without stopping it (SIGKILL): its ranks run in sessions of their own, so nothing
+    else would end them, and rank 0's end then ends the others' ("lost rank 0")."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is None or os.getppid() != int(launcher):
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="mlx-infer-launcher-watch", daemon=True).start()
 
 
 class ShardedModel:

@@ -860,6 +860,25 @@ def test_sigterm_stops_a_launched_server_cleanly(tiny_tp):
     assert _no_rank_left(out), out[-3000:]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL])
+def test_a_launch_hung_up_on_or_killed_leaves_no_rank_running(tiny_tp, sig):
+    """A closed terminal (SIGHUP) stops the job as SIGTERM does; a launch killed outright (its ranks run in
+    sessions of their own) is noticed by its local ranks, which stop too."""
+    folder, _ = tiny_tp
+    proc, _ = _launched_server(folder)
+    try:
+        proc.send_signal(sig)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == (0 if sig == signal.SIGHUP else -signal.SIGKILL), out[-3000:]  # serve's stop: 0
+    deadline = time.monotonic() + 30
+    while not _no_rank_left(out) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _no_rank_left(out), out[-3000:]
+
+
 def _stream_signalled(proc: subprocess.Popen, http: int, max_tokens: int, *signals: int) -> list[dict]:
     """A long greedy stream from a launched server: once it streams, ``signals`` go to launch a second
     apart; returns the chunks that came after."""
