@@ -74,8 +74,9 @@ def test_smollm2_weights_are_on_huge_pages_and_held_once(loaded_both) -> None:
         mlp.down_proj["biases"], moved.model.model.embed_tokens["weight"],
     ]
     assert all(cpu_kernels.huge_page_bytes(a) > 0 for a in arrays)
-    old = unmoved.model.model.layers[3].self_attn
-    assert cpu_kernels.huge_page_bytes(old.q_proj._fused.params["weight"]) == 0
+    # (Not asserted: that the unmoved weights are on small pages. The kernel may give a mapping huge pages
+    # on its own (khugepaged; this VM also runs DAMON's kdamond), and which mapping an unmoved array lands
+    # in depends on what ran before: in one full-suite run its mapping held 118 MiB of huge pages.)
     # A fused member's arrays still lie inside its fused ones (no copy of their own).
     base = np.array(attn.q_proj._fused.params["weight"], copy=False).ctypes.data
     assert np.array(attn.k_proj["weight"], copy=False).ctypes.data == base + attn.q_proj["weight"].nbytes
