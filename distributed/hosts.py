@@ -98,7 +98,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"rank {i} {host.ssh} ({report['system']})")
         for j, r in zip(others, report["results"]):
             via = f"via {r['iface'] or '?'} from {r['src'] or '?'}"
-            if r["reachable"]:
+            if r["reachable"] and r["state"] == "listening":
+                # Before launch nothing of ours listens there: the ring would fail to bind that port.
+                problems += 1
+                print(
+                    f"  -> rank {j} {r['ip']}:{r['port']}: IN USE (something already listens there; another "
+                    f"launch? choose --port), {via}"
+                )
+            elif r["reachable"]:
                 print(
                     f"  -> rank {j} {r['ip']}:{r['port']}: reachable, {r['ms']:.1f} ms ({r['state']}), {via}"
                 )
@@ -111,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                     "the Thunderbolt bridge addresses in the host file (mlx.distributed_config writes one)"
                 )
     if problems:
-        print(f"{problems} unreachable pair(s)")
+        print(f"{problems} pair(s) a ring cannot use")
         return DistributedError.exit_code
     return 0
 

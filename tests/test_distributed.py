@@ -957,6 +957,24 @@ def test_stop_grace_is_serves_shutdown_timeout():
     assert launch.stop_grace_s(["serve", "--shutdown-timeout=0"]) == margin
 
 
+def test_hosts_check_flags_a_ring_port_already_in_use():
+    """Before launch nothing of its own listens on the ring's ports: one that answers is taken, and the
+    ring would fail to bind it."""
+    first = free_port()
+    taken = socket.create_server(("127.0.0.1", first + 1))
+    try:
+        done = subprocess.run(
+            [PY, "-m", "mlx_infer.distributed.hosts", "check", "--hosts", "127.0.0.1,127.0.0.1",
+             "--python", PY, "--port", str(first)],
+            capture_output=True, text=True, timeout=60, env=ENV,
+        )  # fmt: skip
+    finally:
+        taken.close()
+    assert done.returncode == 6, done.stdout + done.stderr
+    assert f"-> rank 1 127.0.0.1:{first + 1}: IN USE" in done.stdout, done.stdout
+    assert f"-> rank 0 127.0.0.1:{first}: reachable" in done.stdout, done.stdout
+
+
 def test_hosts_check_across_namespaces(netns):
     done = subprocess.run(
         [
