@@ -202,13 +202,24 @@ def rank_command(command: list[str], python: str) -> list[str]:
     return command
 
 
+def own_temp_prefix() -> str:
+    """The name start of the host files this launch's ranks write: a rank removes its own once it joined
+    the ring (runtime.init_group); those of ranks stopped before that, launch removes on this machine."""
+    return f"{TEMP_PREFIX}{os.getpid()}."
+
+
+def remove_own_temp_files() -> None:
+    for path in Path(os.environ.get("TMPDIR") or "/tmp").glob(own_temp_prefix() + "*"):
+        path.unlink(missing_ok=True)
+
+
 def rank_script(env: dict[str, str], files: dict[str, str], cwd: str | None, argv: list[str]) -> str:
     """A POSIX shell script (bash locally, the login shell over ssh) that becomes the rank's process."""
     steps = ["set -e"]
     steps += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
     for name, content in files.items():
         steps.append(
-            f'{name}="$(mktemp "${{TMPDIR:-/tmp}}/{TEMP_PREFIX}XXXXXX")"; '
+            f'{name}="$(mktemp "${{TMPDIR:-/tmp}}/{own_temp_prefix()}XXXXXX")"; '
             f'printf %s {shlex.quote(content)} > "${name}"; export {name}'
         )
     if cwd:
@@ -269,6 +280,7 @@ class Launcher:
             return code if code is not None and code >= 0 else 128 + self.interrupted_by
         finally:
             self._stop_all()
+            remove_own_temp_files()
             for t in threads:
                 t.join(timeout=2)
             signal.signal(signal.SIGTERM, previous)

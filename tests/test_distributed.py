@@ -957,6 +957,24 @@ def test_stop_grace_is_serves_shutdown_timeout():
     assert launch.stop_grace_s(["serve", "--shutdown-timeout=0"]) == margin
 
 
+def test_ranks_stopped_before_the_ring_leave_no_host_file(tiny_tp, tmp_path):
+    """Rank 0 refuses a serve port in use before it joins the ring, and launch stops rank 1 as it waits
+    there: neither removed its host file itself, launch does."""
+    folder, _ = tiny_tp
+    busy = socket.create_server(("127.0.0.1", 0))
+    try:
+        done = subprocess.run(
+            [PY, "-m", "mlx_infer.distributed.launch", "--hosts", "127.0.0.1,127.0.0.1", "--port",
+             str(free_port()), "--", "serve", "-m", str(folder), "--port", str(busy.getsockname()[1])],
+            capture_output=True, text=True, timeout=120, cwd=TESTS.parent,
+            env={**ENV, "TMPDIR": str(tmp_path)},
+        )  # fmt: skip
+    finally:
+        busy.close()
+    assert done.returncode == 2 and "Address already in use" in done.stderr + done.stdout, done.stderr
+    assert not list(tmp_path.glob("mlx-infer-hosts.*"))
+
+
 def test_hosts_check_flags_a_ring_port_already_in_use():
     """Before launch nothing of its own listens on the ring's ports: one that answers is taken, and the
     ring would fail to bind it."""
