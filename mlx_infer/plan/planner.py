@@ -221,13 +221,10 @@ def make_plan(
         pool_tokens = int(free / (per_token * (1 + pool_copies)))
     # The most sequences of N tokens: each brings its K/V (and their copies), its logits and its states,
     # whatever S was asked for.
-    unshared = _fixed_scratch(meta.model, compute_dtype, 0, step_tokens, native)
-    per_sequence = (
-        seq_tokens * per_token * (1 + pool_copies)
-        + _fixed_scratch(meta.model, compute_dtype, 1, step_tokens, native) - unshared
-        + 2 * layout_state_bytes(layout)
-    )
-    room = budget - weights_bytes - unshared - window_kv_bytes * (1 + pool_copies)
+    shared_scratch = fixed_scratch - _logits_bytes(meta.model, max_num_seqs)
+    kv_per_sequence = seq_tokens * per_token * (1 + pool_copies)
+    per_sequence = kv_per_sequence + _logits_bytes(meta.model, 1) + state_bytes // max_num_seqs
+    room = budget - weights_bytes - shared_scratch - window_kv_bytes * (1 + pool_copies)
     seqs_that_fit = int(max(room, 0) // per_sequence)
     bandwidth, bandwidth_source = memory_bandwidth()
     # kv/memory.kv_budget_bytes without --kv-memory, the weights being what is loaded by then.
@@ -299,8 +296,12 @@ def _fixed_scratch(model: Any, dtype: str, max_num_seqs: int, step_tokens: int, 
     else:
         per_token = 8 * hidden + 2 * (heads + 2 * kv_heads) * head_dim + 3 * intermediate
         activations = IN_FLIGHT_STEPS * step_tokens * per_token * FLOAT_BYTES[dtype]
-    logits = IN_FLIGHT_STEPS * max_num_seqs * args.vocab_size * 4  # float32 for sampling
-    return activations + logits
+    return activations + _logits_bytes(model, max_num_seqs)
+
+
+def _logits_bytes(model: Any, num_seqs: int) -> int:
+    """The float32 logits (for sampling) of ``num_seqs`` sequences in the steps in flight."""
+    return IN_FLIGHT_STEPS * num_seqs * model.args.vocab_size * 4
 
 
 def _dtypes_text(tensors: list) -> str:
