@@ -75,12 +75,12 @@ def _stop_with_the_launcher() -> None:
     """A rank started by ``launch`` on this machine stops (SIGTERM, as ``launch`` would stop it) once
     ``launch`` is gone without stopping it (SIGKILL): its ranks run in sessions of their own, so nothing
     else would end them, and rank 0's end then ends the others' ("lost rank 0")."""
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher is None or os.getppid() != int(launcher):
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "-1"))
+    if os.getppid() != launcher:
         return
 
     def watch() -> None:
-        while os.getppid() == int(launcher):
+        while os.getppid() == launcher:
             time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGTERM)
 

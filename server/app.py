@@ -80,8 +80,8 @@ def authorized(request: Request, api_key: str | None) -> bool:
 
 
 def from_anthropic_client(request: Request) -> bool:
-    """Whether Anthropic's client sent ``request`` (every one sends ``anthropic-version``): on the routes
-    both clients use, it is answered in Anthropic's shapes."""
+    """Whether ``request`` is answered in Anthropic's shapes: on /v1/messages, and on the routes both
+    clients use when Anthropic's client sent it (every one sends ``anthropic-version``)."""
     return anthropic_shaped(request.url.path, request.headers)
 
 

@@ -36,6 +36,11 @@ from mlx_infer.server.model_registry import Engine, ModelSpec
 log = logging.getLogger("mlx_infer")
 
 
+def model_kind(path: str, pooling: str | None) -> str:
+    """What a model serves, in LM Studio's words: ``llm`` or ``embeddings``."""
+    return "embeddings" if is_embedding_model(path, pooling) else "llm"
+
+
 def model_specs(models: list[str], models_dir: str | None, pooling: str | None = None) -> list[ModelSpec]:
     """Every model offered: each ``-m`` (named as a single model is: file stem, folder name or repo
     id), then each GGUF file and model folder under ``models_dir`` (named by its path inside it).
@@ -44,7 +49,7 @@ def model_specs(models: list[str], models_dir: str | None, pooling: str | None =
     found: list[tuple[str, model_store.LocalModel, str]] = []
     for spec in models:
         local = model_store.local_model(resolve(spec))  # a missing model fails at start, not on first use
-        kind = "embeddings" if is_embedding_model(local.path, pooling) else "llm"
+        kind = model_kind(local.path, pooling)
         found.append((served_name(spec, None), local, kind))
     if models_dir is not None:
         root = Path(models_dir).expanduser()
@@ -58,7 +63,7 @@ def model_specs(models: list[str], models_dir: str | None, pooling: str | None =
                 log.warning("--models-dir: %s is left out: its header or config cannot be read", local.path)
                 continue
             try:
-                kind = "embeddings" if is_embedding_model(local.path, pooling) else "llm"
+                kind = model_kind(local.path, pooling)
             except MlxInferError as e:
                 log.warning("--models-dir: %s is left out: %s", local.path, e)
                 continue
