@@ -37,6 +37,7 @@ from mlx_infer.server.errors import (
     anthropic_error_body,
     describe,
 )
+from mlx_infer.server.null_defaults import NullMeansDefault
 from mlx_infer.server.request_body import read_json
 from mlx_infer.server.responses import new_id
 from mlx_infer.server.schemas import INT32_MAX, MAX_STOP_LENGTH
@@ -50,7 +51,7 @@ log = logging.getLogger("mlx_infer")
 
 
 # ---- request schema ------------------------------------------------------------------------------
-class _Lenient(BaseModel):
+class _Lenient(NullMeansDefault):
     # Fields this server does not use (cache_control, citations, container, service_tier, ...) are
     # accepted and ignored, as the SDK sends them freely; NaN and infinities are refused.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)

@@ -295,10 +295,7 @@ class OpenAIServer:
     # ---- completions ----------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
-        try:
-            messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
-        except ValueError as e:
-            raise InvalidRequest(str(e), param="messages") from None
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
         # Templating and tokenizing a long prompt takes a while: off the loop that feeds every stream.
         # A conversation longer than the context loses whole turns or fails, per its policy.
         policy, max_prompt = request_policy(

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Discriminator,
     Field,
@@ -43,6 +42,7 @@ from mlx_infer.sampling import SamplingParams
 from mlx_infer.server import chat_output
 from mlx_infer.server.engine_call import LatencyClock, collect, default_max_tokens, submit
 from mlx_infer.server.errors import describe
+from mlx_infer.server.null_defaults import NullMeansDefault
 from mlx_infer.server.responses import new_id, now
 from mlx_infer.server.schemas import INT32_MAX
 from mlx_infer.server.structured import SCHEMA_NAME_PATTERN, text_format_constraint
@@ -56,7 +56,7 @@ log = logging.getLogger("mlx_infer")
 
 
 # ---- request schema ------------------------------------------------------------------------------
-class _Lenient(BaseModel):
+class _Lenient(NullMeansDefault):
     # Fields this server does not use (include, truncation, user, service_tier, ...) are accepted and
     # ignored; NaN and infinities are refused.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)

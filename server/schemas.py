@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from mlx_infer.context_policy import Policy
 from mlx_infer.errors import InvalidRequest
 from mlx_infer.sampling import SamplingParams
+from mlx_infer.server.null_defaults import NullMeansDefault
 from mlx_infer.server.structured import StructuredOutputFields
 
 INT32_MAX = 2**31 - 1
@@ -19,7 +20,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(StructuredOutputFields):
+class _SamplingFields(StructuredOutputFields, NullMeansDefault):
     # Unknown fields (user, service_tier, ...) are accepted and ignored, as OpenAI-compatible servers do.
     # Every number is range-checked here, at the edge: NaN and infinities are refused outright.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -123,11 +124,29 @@ class _SamplingFields(StructuredOutputFields):
         )
 
 
+class FunctionCallParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"  # OpenAI's is a JSON string; some clients send the object
+
+
+class ToolCallParam(BaseModel):
+    """A call an assistant message made, as OpenAI's clients send it back."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallParam] | None = None
 
     @model_validator(mode="after")
     def _complete(self) -> ChatMessage:
@@ -139,14 +158,25 @@ class ChatMessage(BaseModel):
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(
+        cls, value: str | list[dict[str, Any]] | None, info: ValidationInfo
+    ) -> str | list[dict[str, Any]] | None:
+        # Text parts only (an assistant's may be a refusal); images, audio and files are not supported.
+        kinds = ("text", "refusal") if info.data.get("role") == "assistant" else ("text",)
+        for i, part in enumerate(value if isinstance(value, list) else []):
+            kind = part.get("type")
+            key = "refusal" if kind == "refusal" else "text"
+            if kind not in kinds:
+                raise ValueError(f"content.{i}: {kind!r} parts are not supported, only text parts")
+            if not isinstance(part.get(key), str):
+                raise ValueError(f"content.{i}: a {kind} part needs its {key} as a string")
+        return value
+
     def text(self) -> str:
         if isinstance(self.content, list):
-            # The text parts of a multi-part message; images and audio are not supported.
-            parts = []
-            for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts are supported")
-                parts.append(part["text"])
+            parts = [part.get("text", part.get("refusal")) for part in self.content]
             # A line each, as vLLM joins them; an assistant's parts are pieces of one answer.
             return ("" if self.role == "assistant" else "\n").join(parts)
         return self.content or ""
@@ -208,9 +238,8 @@ class ChatCompletionRequest(_SamplingFields):
                     f"answering each call; none answers {', '.join(sorted(pending))}",
                     param=where,
                 )
-            calls = getattr(message, "tool_calls", None) if message and message.role == "assistant" else None
-            calls = calls if isinstance(calls, list) else []
-            offered = {c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)}
+            calls = message.tool_calls if message and message.role == "assistant" else None
+            offered = {call.id for call in calls or []}
             pending = set(offered)
         return self
 

@@ -90,6 +90,12 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
         _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
         400,
     ),
+    # an assistant's tool_calls that are not a list of calls, a text part without its text
+    *(
+        ("POST", CHAT, _chat(messages=[W1, {"role": "assistant", "content": "w2", "tool_calls": c}, W1]), 400)
+        for c in ("x", 5, {"id": "c1"}, ["c1"], [None], [{"id": "c1", "type": "function", "function": "f"}])
+    ),
+    ("POST", CHAT, _chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400),
     ("POST", CHAT, _chat(temperature="hot"), 400),
     ("POST", CHAT, _chat(max_tokens="many"), 400),
     ("POST", CHAT, _chat(max_tokens=1.5), 400),
@@ -205,6 +211,30 @@ def test_200_bad_requests_get_openai_errors_and_server_stays_healthy(http: TestC
     chat = http.post(CHAT, json=GOOD_CHAT)
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
     assert http.post(COMPLETIONS, json=GOOD_COMPLETION).status_code == 200
+
+
+def test_null_means_the_default_as_openai_documents(http: TestClient):
+    # The openai client sends null for a parameter an app passes as None ("number or null" in the docs).
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream"])
+    chat = http.post(CHAT, json={**GOOD_CHAT, **nulls, "logprobs": None, "parallel_tool_calls": None})
+    assert chat.status_code == 200 and len(chat.json()["choices"]) == 1, chat.text
+    completion = http.post(COMPLETIONS, json={**GOOD_COMPLETION, **nulls, "echo": None})
+    assert completion.status_code == 200 and len(completion.json()["choices"]) == 1, completion.text
+    response = http.post("/v1/responses", json={"input": "w1", "max_output_tokens": 4, "temperature": None})
+    assert response.status_code == 200 and response.json()["temperature"] == 1.0, response.text
+
+
+def test_malformed_message_parts_are_named(http: TestClient):
+    calls = [{"id": "c1", "type": "function", "function": {"name": "", "arguments": "{}"}}]
+    called = {"role": "assistant", "content": None, "tool_calls": calls}
+    error = assert_openai_error(http.post(CHAT, json=_chat(messages=[W1, called, _tool_result("c1")])), 400)
+    assert "messages.1.tool_calls.0.function.name" in error["message"]
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    user = {"role": "user", "content": [image]}
+    error = assert_openai_error(http.post(CHAT, json=_chat(messages=[user])), 400)
+    assert "'image_url' parts are not supported" in error["message"] and "messages.0" in error["message"]
+    refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "w2"}]}
+    assert http.post(CHAT, json=_chat(messages=[W1, refusal, W1])).status_code == 200
 
 
 def test_prompt_longer_than_context_names_both_numbers(http: TestClient):

@@ -16,7 +16,7 @@ NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": Fals
 def function_of(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     """The ``function`` object of an OpenAI tool (``{"type": "function", "function": {...}}``)."""
     function = tool.get("function") if tool.get("type", "function") == "function" else None
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
         raise InvalidRequest("each tool must be {'type': 'function', 'function': {'name': ...}}", "tools")
     parameters = function.get("parameters")
     if parameters is not None and not _an_object_schema(parameters):
