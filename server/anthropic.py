@@ -40,7 +40,7 @@ from mlx_infer.server.errors import (
 from mlx_infer.server.null_defaults import NullMeansDefault
 from mlx_infer.server.request_body import read_json
 from mlx_infer.server.responses import new_id
-from mlx_infer.server.schemas import INT32_MAX, MAX_STOP_LENGTH
+from mlx_infer.server.schemas import INT32_MAX, stop_list
 from mlx_infer.server.structured import json_schema_constraint
 
 if TYPE_CHECKING:
@@ -176,6 +176,7 @@ class MessagesRequest(_Conversation):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=INT32_MAX)
     stop_sequences: list[str] | None = None
+    stop: Any = None  # the OpenAI name, which clients moving from it send: refused, not ignored
     stream: bool = False
     metadata: dict[str, Any] | None = None
     # Structured outputs: the answer is JSON valid against the schema (``output_format`` is the beta's).
@@ -189,11 +190,14 @@ class MessagesRequest(_Conversation):
     @field_validator("stop_sequences")
     @classmethod
     def _stops(cls, value: list[str] | None) -> list[str] | None:
-        if value and len(value) > 16:
-            raise ValueError("at most 16 stop sequences")
-        if value and any(len(s) > MAX_STOP_LENGTH for s in value):
-            raise ValueError(f"stop sequences are at most {MAX_STOP_LENGTH} characters long")
+        stop_list(value)
         return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_is_chat_name(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("Anthropic's Messages API names it stop_sequences")
 
     def format_constraint(self) -> ConstraintSpec | None:
         """The JSON schema the answer follows (``output_config.format``, or the beta's ``output_format``)."""
@@ -433,8 +437,13 @@ class _Call:
 
     def stop(self) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence) of the finished request."""
-        # max_tokens first: a call it cut off is no call to run (its input is incomplete).
-        if self.last is None or self.last.finish_reason == "length":
+        # Cut off first: a call cut off is no call to run (its input is incomplete).
+        if self.last is not None and self.last.finish_reason == "length":
+            # Short of max_tokens, the answer filled the context (raising max_tokens would not help).
+            if self.last.num_output_tokens < self.body.max_tokens:
+                return "model_context_window_exceeded", None
+            return "max_tokens", None
+        if self.last is None:
             return "max_tokens", None
         if self.blocks.has_tool_use:
             return "tool_use", None

@@ -44,7 +44,7 @@ from mlx_infer.server.engine_call import LatencyClock, collect, default_max_toke
 from mlx_infer.server.errors import describe
 from mlx_infer.server.null_defaults import NullMeansDefault
 from mlx_infer.server.responses import new_id, now
-from mlx_infer.server.schemas import INT32_MAX
+from mlx_infer.server.schemas import INT32_MAX, stop_list
 from mlx_infer.server.structured import SCHEMA_NAME_PATTERN, text_format_constraint
 from mlx_infer.tool_calls import ToolChoice
 
@@ -225,6 +225,7 @@ class ResponsesRequest(_Lenient):
     # Extensions (through extra_body), as the chat route takes them.
     top_k: int = Field(default=0, ge=0, le=INT32_MAX)
     seed: int | None = None
+    stop: str | list[str] | None = None  # not OpenAI's Responses API, which has no stop strings
     ignore_eos: bool = False
     speculative: bool = True  # false: this request never speculates (when the server does)
     # The chat API's names, which clients moving from it send: refused (as OpenAI refuses them) where
@@ -234,6 +235,12 @@ class ResponsesRequest(_Lenient):
     messages: Any = None
     response_format: Any = None
     n: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stop_list(value)
+        return value
 
     @field_validator("max_tokens", "max_completion_tokens", "messages", "response_format", "n")
     @classmethod
@@ -263,6 +270,7 @@ class ResponsesRequest(_Lenient):
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
+            stop=stop_list(self.stop),
             ignore_eos=self.ignore_eos,
             speculative=self.speculative,
             logprobs=self.logprobs_count(),

@@ -14,6 +14,17 @@ from mlx_infer.server.structured import StructuredOutputFields
 
 INT32_MAX = 2**31 - 1
 MAX_STOP_LENGTH = 1024  # characters per stop string: the matcher holds back up to this much text
+MAX_STOPS = 16
+
+
+def stop_list(value: str | list[str] | None) -> list[str]:
+    """A request's stop strings as a list; ValueError past the count or length the matcher takes."""
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop sequences")
+    if any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise ValueError(f"stop sequences are at most {MAX_STOP_LENGTH} characters long")
+    return stops
 
 
 class StreamOptions(BaseModel):
@@ -78,11 +89,7 @@ class _SamplingFields(StructuredOutputFields, NullMeansDefault):
     @field_validator("stop")
     @classmethod
     def _stop_count(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop sequences")
-        if any(len(s) > MAX_STOP_LENGTH for s in stops):
-            raise ValueError(f"stop sequences are at most {MAX_STOP_LENGTH} characters long")
+        stop_list(value)
         return value
 
     def prompt_logprobs_count(self) -> int | None:
@@ -93,11 +100,6 @@ class _SamplingFields(StructuredOutputFields, NullMeansDefault):
     def scores_only(self) -> bool:
         """Whether the prompt is only scored, nothing generated."""
         return False
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         return SamplingParams(
@@ -112,7 +114,7 @@ class _SamplingFields(StructuredOutputFields, NullMeansDefault):
             logit_bias=dict(self.logit_bias or {}),
             # n choices from one seed must differ, and stay reproducible.
             seed=None if self.seed is None else self.seed + choice,
-            stop=self.stop_list(),
+            stop=stop_list(self.stop),
             ignore_eos=self.ignore_eos,
             stop_token_ids=list(self.stop_token_ids or []),
             min_tokens=self.min_tokens,

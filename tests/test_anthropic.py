@@ -14,6 +14,7 @@ import anthropic
 import httpx
 import httpx2
 import pytest
+from conftest import TINY_LLAMA_CONFIG
 from pydantic import BaseModel
 from server_helpers import LiveServer, wait_for_idle
 from starlette.testclient import TestClient
@@ -112,6 +113,7 @@ BAD_REQUESTS: list[tuple[str, object, int]] = [
     (MESSAGES, _msg(top_k=-1), 400),
     (MESSAGES, _msg(stop_sequences="w1"), 400),
     (MESSAGES, _msg(stop_sequences=["w1"] * 17), 400),
+    (MESSAGES, _msg(stop=["w1"]), 400),  # the OpenAI name, not ignored
     (MESSAGES, _msg(stream=[1]), 400),
     (MESSAGES, _msg(tools=[{"name": "lookup"}]), 400),  # no input_schema
     (MESSAGES, _msg(tools=[TOOL, TOOL]), 400),  # two tools of one name
@@ -207,6 +209,14 @@ def test_stream_event_sequence_and_equality_with_the_whole_message(http: TestCli
     # The prompt is counted once either way: computed now or read from the prefix cache.
     prompt = [u["input_tokens"] + u["cache_read_input_tokens"] for u in (final["usage"], whole["usage"])]
     assert prompt[0] == prompt[1] == http.post(COUNT, json=GOOD).json()["input_tokens"]
+
+
+def test_an_answer_that_fills_the_context_says_so(http: TestClient):
+    context = TINY_LLAMA_CONFIG["max_position_embeddings"]
+    body = _user("w1 " * (context - 8)) | {"max_tokens": 1000, "ignore_eos": True}
+    whole = http.post(MESSAGES, json=body).json()
+    assert whole["stop_reason"] == "model_context_window_exceeded", whole
+    assert 0 < whole["usage"]["output_tokens"] < 1000
 
 
 def test_count_tokens_is_the_templated_prompt(http: TestClient, tiny_engine: Engine):

@@ -81,6 +81,7 @@ BAD_REQUESTS: list[tuple[object, int]] = [
     (_resp(messages=[{"role": "user", "content": "w1"}]), 400),
     (_resp(response_format={"type": "json_object"}), 400),
     (_resp(n=2), 400),
+    (_resp(stop=["w1"] * 17), 400),
     (
         _resp(
             input=[
@@ -282,6 +283,10 @@ def test_responses_create_plain_and_streamed(client: openai.OpenAI, tok: Tokeniz
     assert "".join(deltas) == FRANCE_ANSWER == final.output_text
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert final.usage.input_tokens_details.cached_tokens > 0  # the same prompt again
+    # stop, as the chat route takes it (an extension: OpenAI's Responses API has no stop strings)
+    stopped = client.responses.create(**kwargs, extra_body={"stop": ["never", "is Par"]})
+    assert stopped.status == "completed"
+    assert stopped.output_text == FRANCE_ANSWER[: FRANCE_ANSWER.index("is Par")]
     short = client.responses.create(model="smollm2", input=FRANCE, temperature=0, max_output_tokens=3)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
     with pytest.raises(openai.BadRequestError):
