@@ -9,6 +9,7 @@ prefilled. A conversation longer than the context is sent without its oldest tur
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from mlx_infer.engine.request import RequestOutput
 from mlx_infer.errors import InvalidRequest, RequestFailed
 from mlx_infer.sampling import SamplingParams
 from mlx_infer.tool_calls import ChatPlan, Event, OutputParser, ParsedOutput
+from mlx_infer.user_text import checked_text
 
 CONVERSATION_ROLES = ("user", "assistant")
 
@@ -150,7 +152,7 @@ class ChatSession:
     ) -> Iterator[Event]:
         """Stream the answer to ``user_text`` as text, reasoning and tool-call events. The turn enters
         the history once answered; a turn that fails or is interrupted leaves the conversation as it was."""
-        turn = [{"role": "user", "content": user_text}]
+        turn = [{"role": "user", "content": checked_text(user_text, "the message")}]
         policy, max_tokens = self.context_overflow, self.params.max_tokens
         fitted = fit_for_engine(self.conversation() + turn, self._render, self.engine, max_tokens, policy)
         stats.dropped_turns = fitted.dropped_turns
@@ -165,9 +167,17 @@ class ChatSession:
         self.messages.extend(turn + [_assistant_message(parser.result)])
 
     def save(self, path: str) -> None:
-        """Write the conversation as JSON in OpenAI's messages shape (system prompt first)."""
+        """Write the conversation as JSON in OpenAI's messages shape (system prompt first). The file is
+        replaced whole or not at all: written beside it, then renamed over it."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        Path(path).write_text(json.dumps(system + self.messages, ensure_ascii=False, indent=2) + "\n")
+        data = (json.dumps(system + self.messages, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+        target = Path(path)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        try:
+            partial.write_bytes(data)
+            partial.replace(target)
+        finally:
+            partial.unlink(missing_ok=True)
 
     def load(self, path: str) -> None:
         """Replace the conversation (and the system prompt) with one ``save`` wrote, or any list of
@@ -199,13 +209,15 @@ def _parse_messages(data: Any, path: str) -> tuple[str | None, list[dict[str, An
     system = None
     messages = []
     for i, m in enumerate(data):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise InvalidRequest(f"{path}: message {i} needs a string 'content'")
+        content = _content_text(m)
+        if content is None:
+            raise InvalidRequest(f"{path}: message {i} needs its content as a string or a list of text parts")
+        checked_text(json.dumps(m, ensure_ascii=False), f"{path}: message {i}")
         role = m.get("role")
         if role == "system" and i == 0:
-            system = m["content"]
+            system = content
         elif role in CONVERSATION_ROLES:
-            message = {"role": role, "content": m["content"]}
+            message = {"role": role, "content": content}
             if role == "assistant" and isinstance(m.get("tool_calls"), list):
                 message["tool_calls"] = m["tool_calls"]  # what /save wrote of a turn that called a tool
             messages.append(message)
@@ -214,3 +226,18 @@ def _parse_messages(data: Any, path: str) -> tuple[str | None, list[dict[str, An
         else:
             raise InvalidRequest(f"{path}: message {i}: role must be 'user' or 'assistant', not {role!r}")
     return system, messages
+
+
+def _content_text(message: Any) -> str | None:
+    """A message's content as text, in each shape OpenAI's API has for it: a string, a list of text
+    parts, or null on an assistant message that only calls tools; None for anything else."""
+    if not isinstance(message, dict):
+        return None
+    content = message.get("content")
+    if content is None and message.get("role") == "assistant" and message.get("tool_calls"):
+        return ""
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    return content if isinstance(content, str) else None

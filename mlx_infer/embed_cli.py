@@ -9,6 +9,7 @@ import sys
 from mlx_infer import cli_options, model_store
 from mlx_infer.embedding import POOLING_MODES, load_embedding_model
 from mlx_infer.errors import InvalidRequest
+from mlx_infer.user_text import checked_text
 
 MAX_BATCH_TOKENS = 4096  # padded tokens of one forward
 MAX_BATCH_SIZE = 32  # inputs of one forward
@@ -46,7 +47,7 @@ def _texts(args: argparse.Namespace) -> list[str]:
             texts.append(text)
     if not texts:
         raise InvalidRequest("no text to embed: give texts as arguments, or '-' to read them from stdin")
-    return texts
+    return [checked_text(text, f"text {i + 1}") for i, text in enumerate(texts)]
 
 
 def run(args: argparse.Namespace) -> int:

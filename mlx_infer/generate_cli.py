@@ -23,6 +23,7 @@ from mlx_infer.errors import EngineFailure, InvalidRequest, MlxInferError, Termi
 from mlx_infer.terminal import StdoutConsole
 from mlx_infer.tool_calls import Event, ReasoningDelta, TextDelta, ToolCallArgumentsDelta, ToolCallStart
 from mlx_infer.tool_calls import cli as tool_cli
+from mlx_infer.user_text import checked_text
 
 HELP = (
     "commands: /reset (forget the conversation), /system [TEXT], /save FILE, /load FILE, /stats (toggle the "
@@ -59,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     prompt = cli_options.stdin_prompt() if args.prompt == "-" else args.prompt
     if args.prompt == "-" and not prompt:
         raise InvalidRequest("-p -: nothing was piped in (an empty prompt)")
+    if prompt is not None:
+        checked_text(prompt, "the prompt")
+    if args.system is not None:
+        checked_text(args.system, "--system")
     with cli_options.open_engine(args) as opened:
         if opened is None:  # a follower rank under `mlx-infer launch`
             return 0
@@ -289,7 +294,11 @@ class _Chat:
             session.reset()
             console.print("[dim](conversation cleared)[/dim]")
         elif name == "/system":
-            session.system = arg or None
+            try:
+                session.system = checked_text(arg, "the system prompt") or None
+            except InvalidRequest as e:
+                console.print(f"[red]{escape(str(e))}[/red] [dim](the system prompt is unchanged)[/dim]")
+                return False
             session.reset()
             console.print(f"[dim](system prompt {'set' if arg else 'cleared'}; conversation cleared)[/dim]")
         elif name == "/stats":
@@ -304,8 +313,9 @@ class _Chat:
                     console.print(f"[dim](saved to {escape(arg)})[/dim]", soft_wrap=True)
                 else:
                     session.load(arg)
+                    count = len(session.messages)
                     console.print(
-                        f"[dim](loaded {len(session.messages)} messages from {escape(arg)})[/dim]",
+                        f"[dim](loaded {count} message{'' if count == 1 else 's'} from {escape(arg)})[/dim]",
                         soft_wrap=True,
                     )
             except OSError as e:
@@ -313,7 +323,7 @@ class _Chat:
                     f"[red]cannot {name[1:]} {escape(arg)}: {escape(str(e.strerror))}[/red]", soft_wrap=True
                 )
             except MlxInferError as e:
-                console.print(f"[red]cannot load: {escape(str(e))}[/red]", soft_wrap=True)
+                console.print(f"[red]cannot {name[1:]}: {escape(str(e))}[/red]", soft_wrap=True)
         elif name in ("/help", "/?"):
             console.print(f"[dim]{escape(HELP)}[/dim]")
         else:

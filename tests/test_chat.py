@@ -155,11 +155,43 @@ def test_bad_load_file_changes_nothing(smollm2_path, tmp_path):
         child.sendline(f"/load {tmp_path / 'missing.json'}")
         child.expect_exact("cannot load")
         child.expect_exact(PROMPT)
+        half_emoji = tmp_path / "half.json"  # valid JSON, but no UTF-8 text: refused, not saved later
+        half_emoji.write_text('[{"role": "user", "content": "bad \\ud800 x"}]')
+        child.sendline(f"/load {half_emoji}")
+        child.expect_exact("message 0 is not valid UTF-8 text: half an emoji (U+D800)")
+        child.expect_exact(PROMPT)
         _, match = _turn(child, "Hi!")
-        assert int(match.group(1)) < 40  # nothing of the bad file entered the conversation
+        assert int(match.group(1)) < 40  # nothing of the bad files entered the conversation
         _exit(child)
     finally:
         child.close(force=True)
+
+
+def test_load_takes_openai_message_shapes_and_save_replaces_whole(smollm2_path, tmp_path):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    openai_shaped = tmp_path / "openai.json"
+    openai_shaped.write_text(json.dumps([
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]))
+    saved = tmp_path / "saved.json"
+    saved.write_text("[]")
+    child = _chat(smollm2_path, "--max-tokens", "8")
+    try:
+        child.sendline(f"/load {openai_shaped}")
+        child.expect_exact("(loaded 2 messages")
+        child.expect_exact(PROMPT)
+        child.sendline(f"/save {saved}")
+        child.expect_exact("saved to")
+        child.expect_exact(PROMPT)
+        _exit(child)
+    finally:
+        child.close(force=True)
+    assert json.loads(saved.read_text()) == [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["openai.json", "saved.json"]  # no partial file left
 
 
 def test_commands_a_slash_message_and_ctrl_c_at_the_prompt(smollm2_path, tmp_path):

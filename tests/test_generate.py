@@ -70,6 +70,19 @@ def test_piped_chat_writes_only_the_answers_to_stdout(smollm2_path):
     assert ">>> " in result.stderr and "/reset" in result.stderr
 
 
+def test_piped_bytes_that_are_not_utf8_are_refused_a_line_at_a_time(smollm2_path):
+    piped = b"/system caf\xe9\nHi \xff\nWhat is the capital of France?\n"  # as a Latin-1 file holds them
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "LC_ALL": "C"}  # stdin decoded with surrogateescape
+    result = subprocess.run(
+        [*CLI, "generate", "-m", str(smollm2_path), "--temp", "0"], capture_output=True, input=piped, env=env
+    )
+    stderr = result.stderr.decode()
+    assert result.returncode == 0 and "Traceback" not in stderr, stderr
+    assert "the system prompt is not valid UTF-8 text: the byte 0xe9 at character 3" in stderr
+    assert "the message is not valid UTF-8 text: the byte 0xff at character 3" in stderr
+    assert result.stdout.decode().splitlines() == ["The capital of France is Paris."]
+
+
 def test_prompt_from_stdin_and_stop_string(smollm2_path):
     result = _run(
         "generate",
@@ -97,6 +110,9 @@ def test_prompt_from_stdin_and_stop_string(smollm2_path):
         (["generate", "-m", "{model}", "-p", "hi", "--kv-memory", "nan"], "--kv-memory must be positive"),
         (["generate", "-m", "{model}", "-p", "hi", "--json"], "unrecognized arguments: --json"),
         (["generate", "-m", "{model}", "-p", "hi", "--system", "x", "--no-chat-template"], "--system needs"),
+        # bytes that are not UTF-8 (Python's surrogateescape spells the byte 0xff as U+DCFF in argv)
+        (["generate", "-m", "{model}", "-p", "Hi \udcff"], "not valid UTF-8 text: the byte 0xff"),
+        (["generate", "-m", "{model}", "-p", "hi", "--system", "caf\udce9"], "--system is not valid UTF-8"),
         (["serve", "-m", "{model}", "--port", "70000"], "a port is 0 to 65535"),
         (["serve", "-m", "{model}", "--host", "999.1.1.1"], "cannot listen on 999.1.1.1:8080"),
         (["launch", "--hosts", "127.0.0.1", "--port", "0", "--", "generate"], "a port is 1 to 65535"),
