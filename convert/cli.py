@@ -7,6 +7,7 @@ errors ``run`` raises into one line and an exit code.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from .pipeline import DTYPES, Options, convert
@@ -40,9 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        _convert(args)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (Terminated): the output folder is moved in place last
+        print(f"interrupted: nothing was written to {args.out}", file=sys.stderr)
+        raise
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> None:
     convert(Options(
         model=args.model, out=args.out, q_bits=args.q_bits, q_group_size=args.q_group_size,
         q_mode=args.q_mode, recipe=args.recipe, dtype=args.dtype, dequantize=args.dequantize, pure=args.pure,
         force=args.force, eval_file=args.eval_file, eval_tokens=args.eval_tokens, no_eval=args.no_eval,
     ))
-    return 0

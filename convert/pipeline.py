@@ -77,6 +77,9 @@ def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
     with _progress(console) as progress:
         task = progress.add_task("loading", total=None, detail=opts.model)
         ckpt = open_checkpoint(opts.model)
+        # The evaluation text is read and tokenized now: a bad one fails before the work, not after it.
+        text = opts.eval_file or evaluate.DEFAULT_EVAL_FILE
+        windows = None if opts.no_eval else evaluate.eval_windows(ckpt.tokenizer, text, opts.eval_tokens)
         model = build_model(ckpt.config, ckpt.weights, ckpt.path.name)
         ckpt.weights = {}
         progress.update(task, total=1, completed=1)
@@ -116,7 +119,7 @@ def convert(opts: Options, console: Console | None = None) -> dict[str, Any]:
             output.write_json(tmp / "config.json", config)
             max_length = int(ckpt.config.get("max_position_embeddings") or 4096)
             tokenizer_files = output.write_tokenizer(tmp, ckpt.path, ckpt.tokenizer, max_length)
-            quality = None if opts.no_eval else _evaluate(opts, ckpt, tmp, progress)
+            quality = None if windows is None else _evaluate(opts, windows, tmp, progress)
             report = build_report(
                 command=opts.command_line(), source=ckpt.path, out=opts.out, plan=plan, dtype=dtype_name,
                 dequantize=opts.dequantize, source_bytes=source_bytes, source_params=source_params_count,
@@ -142,7 +145,8 @@ def _validate(opts: Options) -> QuantParams | None:
     if opts.eval_tokens < 2:
         raise InvalidRequest(f"--eval-tokens must be at least 2, got {opts.eval_tokens}")
     if opts.eval_file is not None and not opts.eval_file.is_file():
-        raise InvalidRequest(f"evaluation text {opts.eval_file} does not exist")
+        missing = "is not a file" if opts.eval_file.exists() else "does not exist"
+        raise InvalidRequest(f"evaluation text {opts.eval_file} {missing}")
     if not opts.quantize:
         return None
     params = quant_params(opts.q_mode, opts.q_bits, opts.q_group_size)
@@ -233,10 +237,8 @@ def _flat(model: nn.Module) -> list[tuple[str, mx.array]]:
     return tree_flatten(model.parameters())
 
 
-def _evaluate(opts: Options, ckpt: Checkpoint, folder: Path, progress: Progress) -> evaluate.Quality:
-    text = opts.eval_file or evaluate.DEFAULT_EVAL_FILE
-    windows = evaluate.eval_windows(ckpt.tokenizer, text, opts.eval_tokens)
-    detail = f"{sum(len(w) for w in windows)} tokens"
+def _evaluate(opts: Options, windows: list[list[int]], folder: Path, progress: Progress) -> evaluate.Quality:
+    detail = f"{sum(len(w) - 1 for w in windows)} tokens"  # the tokens predicted, as the report counts
     task = progress.add_task("evaluating", total=len(windows), detail=detail)
     source = float32_model(open_checkpoint(opts.model))
     converted = float32_model(open_checkpoint(str(folder)))

@@ -274,7 +274,7 @@ def _umask() -> int:
     return mask
 
 
-def test_interrupted_write_leaves_nothing(tiny_llama_folder: Path, tmp_path: Path, monkeypatch):
+def test_interrupted_write_leaves_nothing(tiny_llama_folder: Path, tmp_path: Path, monkeypatch, capsys):
     real_save = mx.save_safetensors
 
     def save_then_fail(path, arrays, metadata=None):
@@ -286,6 +286,7 @@ def test_interrupted_write_leaves_nothing(tiny_llama_folder: Path, tmp_path: Pat
     with pytest.raises(KeyboardInterrupt):
         convert(tiny_llama_folder, tmp_path / "out", "--q-bits", "4", "--no-eval")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
+    assert f"interrupted: nothing was written to {tmp_path / 'out'}" in capsys.readouterr().err
 
     # With --force over an existing folder, a failure keeps the old folder as it was.
     monkeypatch.setattr(output.mx, "save_safetensors", real_save)
@@ -296,6 +297,17 @@ def test_interrupted_write_leaves_nothing(tiny_llama_folder: Path, tmp_path: Pat
         convert(tiny_llama_folder, tmp_path / "out", "--q-bits", "4", "--no-eval", "--force")
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny-llama"]
+
+
+def test_a_bad_evaluation_text_fails_before_the_work(tiny_llama_folder: Path, tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(output, "write_weights", lambda *a, **k: pytest.fail("converted before reading it"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(InvalidRequest, match="has fewer than 2 tokens"):
+        convert(tiny_llama_folder, tmp_path / "out", "--eval-file", str(empty))
+    with pytest.raises(InvalidRequest, match="is not a file"):
+        convert(tiny_llama_folder, tmp_path / "out", "--eval-file", str(tmp_path))
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
