@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 from collections import Counter
@@ -155,18 +156,24 @@ def _models_under(root: Path, skip: set[str] = frozenset()) -> Iterator[Path]:
                 yield here / name
 
 
-def _hf_cache_models() -> Iterator[LocalModel]:
+def _hf_cache_models(problems: list[str] | None = None) -> Iterator[LocalModel]:
+    """The models of the Hugging Face cache; a line for each repo it cannot read goes to ``problems``."""
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
     try:
-        cache = scan_cache_dir()
+        cache = scan_cache_dir(_hf_hub_cache())
     except CacheNotFound:
         return
+    if problems is not None:
+        problems.extend(_cache_problems(cache.warnings))
     for repo in sorted(cache.repos, key=lambda r: r.repo_id):
-        if repo.repo_type != "model" or not repo.revisions:
+        if repo.repo_type != "model":
             continue
-        snapshot = max(repo.revisions, key=lambda r: r.last_modified).snapshot_path
+        revision = _listed_revision(repo.revisions)
+        if revision is None:  # only empty snapshot folders: no model
+            continue
+        snapshot = revision.snapshot_path
         ggufs = sorted(snapshot.rglob("*.gguf"))
         if (snapshot / "config.json").is_file() or not ggufs:
             arch, quant = describe(snapshot)
@@ -178,9 +185,65 @@ def _hf_cache_models() -> Iterator[LocalModel]:
                 yield LocalModel(str(path), str(path), "hf-cache", path.stat().st_size, arch, quant)
 
 
-def list_models(extra_dirs: Iterable[str] = (), check_fit: bool = True) -> list[LocalModel]:
-    """Every model in the Hugging Face cache, mlx-infer's cache and the configured folders."""
-    found = list(_hf_cache_models())
+def _listed_revision(revisions: Iterable[Any]) -> Any | None:
+    """The snapshot ``models`` describes: the one refs/main names (what ``-m ORG/NAME`` loads), else the
+    newest, ties broken by commit hash (the same every run); snapshots with no file are none."""
+    held = [r for r in revisions if r.files]
+    main = [r for r in held if "main" in r.refs]
+    if main:
+        return main[0]
+    return max(held, key=lambda r: (r.last_modified, r.commit_hash), default=None)
+
+
+def _cache_problems(warnings: Iterable[Exception]) -> list[str]:
+    """One line per model repo of the Hugging Face cache that scan_cache_dir could not read (a corrupt or
+    partial download): what is wrong and how to delete it."""
+    lines = {}
+    for warning in warnings:
+        message = " ".join(str(warning).split())
+        found = re.search(r"models--([^/\s'\")]+)", message)
+        if not found:  # a dataset's or Space's, or a stray folder: not a model
+            continue
+        folder = found.group(1)
+        repo_id = folder.replace("--", "/")
+        if "Blob missing" in message:
+            what = f"a snapshot file links to a missing blob ({message.rsplit(': ', 1)[-1]})"
+        elif "Snapshots dir doesn't exist" in message:
+            repo_path = _hf_hub_cache() / f"models--{folder}"
+            refs = sorted(p for p in (repo_path / "refs").rglob("*") if p.is_file())
+            if any((repo_path / "blobs").glob("*.incomplete")):
+                what = "no snapshot, only an interrupted download (blobs/*.incomplete)"
+            elif refs:
+                named = ", ".join(
+                    f"{p.relative_to(repo_path / 'refs')} -> {p.read_text().strip()}" for p in refs
+                )
+                what = f"a ref names a snapshot that is missing ({named})"
+            else:
+                what = "no snapshot"
+        elif "missing commit hashes" in message:
+            missing = re.findall(r"'([^']+)': \{([^}]*)\}", message)
+            named = ", ".join(f"{refs.replace(chr(39), '')} -> {sha}" for sha, refs in missing)
+            what = f"a ref names a snapshot that is missing ({named or message})"
+        else:
+            what = message
+        lines.setdefault(
+            repo_id, f"{repo_id}: unreadable cache entry, {what}; `mlx-infer rm {repo_id}` deletes it"
+        )
+    return [lines[k] for k in sorted(lines)]
+
+
+def _hf_hub_cache() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE).expanduser().resolve()
+
+
+def list_models(
+    extra_dirs: Iterable[str] = (), check_fit: bool = True, problems: list[str] | None = None
+) -> list[LocalModel]:
+    """Every model in the Hugging Face cache, mlx-infer's cache and the configured folders; ``problems``
+    gets a line for each Hugging Face cache entry that could not be read."""
+    found = list(_hf_cache_models(problems))
     sources = [(mlx_infer_cache(), "mlx-infer", _CACHE_SKIP)] + [
         (d, "folder", set()) for d in configured_dirs(extra_dirs)
     ]
@@ -292,51 +355,136 @@ def _remember_ref(repo_id: str, revision: str, sha: str) -> None:
 
 
 # ---- rm --------------------------------------------------------------------------------------------
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def remove(name: str) -> tuple[str, int]:
     """Delete ``name`` (a repo id of the Hugging Face cache, or a path in mlx-infer's cache or the Hugging
     Face cache as ``models`` lists it); returns (what was deleted, bytes freed). Models in the user's own
     folders are not deleted: those files are the user's."""
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
-
     try:
-        cache = scan_cache_dir()
-    except CacheNotFound:
-        cache = None
-    if cache is not None:
-        for repo in cache.repos:
-            if repo.repo_type == "model" and repo.repo_id == name:
-                shutil.rmtree(repo.repo_path)  # every revision, ref and blob of the repo
-                return f"{name} ({repo.repo_path})", repo.size_on_disk
-    # Not resolved: a file of a Hugging Face snapshot is a link to its blob, and both must go.
-    path = Path(os.path.abspath(Path(name).expanduser()))
-    roots = [Path(os.path.abspath(mlx_infer_cache()))]
-    if cache is not None:
-        from huggingface_hub import constants
-
-        roots.append(Path(os.path.abspath(constants.HF_HUB_CACHE)))
-    # Only what `models` lists from the caches: the rest of a cache (the planner's measurements, built
+        hub_cache: Path | None = _hf_hub_cache()
+    except (OSError, RuntimeError):
+        hub_cache = None
+    # A repo id: its folder, whatever state it is in (a corrupt or partial download scan_cache_dir cannot
+    # read too): every revision, ref and blob.
+    if hub_cache is not None and _REPO_ID.fullmatch(name):
+        repo_path = hub_cache / f"models--{name.replace('/', '--')}"
+        if repo_path.is_dir() and not repo_path.is_symlink():
+            return f"{name} ({repo_path})", _remove_tree(repo_path)
+    path = _canonical(Path(name).expanduser())
+    present = path.exists() or path.is_symlink()
+    if hub_cache is not None and present and path.is_relative_to(hub_cache):
+        parts = path.relative_to(hub_cache).parts
+        repo_path = hub_cache / parts[0]
+        if parts[0].startswith("models--") and repo_path.is_dir() and not repo_path.is_symlink():
+            repo_id = parts[0].removeprefix("models--").replace("--", "/")
+            # A GGUF file of a snapshot (of any revision): a model of its own.
+            if len(parts) > 3 and parts[1] == "snapshots" and path.suffix == ".gguf" and not path.is_dir():
+                return _remove_snapshot_file(path, repo_path, repo_id)
+            # The repo folder, a snapshot folder (the path `models` gives a model folder) or a file in one:
+            # the snapshot's files are links to blobs that other revisions may share, and a snapshot gone
+            # alone leaves refs naming it, so the whole repo goes, as `rm ORG/NAME` does.
+            if len(parts) == 1 or parts[1] == "snapshots" and len(parts) > 2:
+                return f"{repo_id}, the whole repo, every revision ({repo_path})", _remove_tree(repo_path)
+    # Only what `models` lists from mlx-infer's cache: the rest of it (the planner's measurements, built
     # kernels, a user's notes) is not a model, and a path that merely lies under a cache is not one.
-    listed = {os.path.abspath(m.path) for m in list_models(check_fit=False) if m.where != "folder"}
-    for root in roots:
-        if path.exists() and path.is_relative_to(root) and str(path) in listed:
-            size = _size(path)
+    root = Path(os.path.realpath(mlx_infer_cache()))
+    if present and path.is_relative_to(root):
+        listed = {_canonical(Path(m.path)) for m in list_models(check_fit=False) if m.where == "mlx-infer"}
+        if path in listed:
             if path.is_symlink():
-                # A snapshot file links to its blob in the same cache: both go. A link to anything
-                # outside the cache (or to a folder) is removed alone: what it points at is not ours.
+                # A file linked from elsewhere in the cache goes with its link. A link to anything outside
+                # the cache (or to a folder) is removed alone: what it points at is not ours.
                 target = path.resolve()
-                if target.is_file() and target.is_relative_to(Path(os.path.realpath(root))):
-                    target.unlink()
-                path.unlink()
-            elif path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-            return str(path), size
+                gone = [target] if target.is_file() and target.is_relative_to(root) else []
+                freed = _freed_by_removing(gone)
+                for f in [*gone, path]:
+                    f.unlink()
+                return str(path), freed
+            if path.is_dir():
+                return str(path), _remove_tree(path)
+            freed = _freed_by_removing([path])
+            path.unlink()
+            return str(path), freed
     raise ModelNotFound(
         f"{name}: not a model in the Hugging Face cache or in {mlx_infer_cache()} (`mlx-infer models` "
         "lists them by the name rm takes; files in your own folders are yours to delete)"
     )
+
+
+def _canonical(path: Path) -> Path:
+    """``path`` absolute, with the folders above it real and its last component as given (a link is
+    removed, not what it points at)."""
+    path = Path(os.path.abspath(path))
+    return Path(os.path.realpath(path.parent)) / path.name
+
+
+def _freed_by_removing(files: Iterable[Path]) -> int:
+    """The bytes deleting ``files`` frees: regular files (not links) all of whose hard links are among
+    them, each once."""
+    inodes: dict[tuple[int, int], list[os.stat_result]] = {}
+    for f in files:
+        try:
+            st = f.lstat()
+        except OSError:
+            continue
+        if not os.path.islink(f) and f.is_file():
+            inodes.setdefault((st.st_dev, st.st_ino), []).append(st)
+    return sum(sts[0].st_size for sts in inodes.values() if len(sts) >= sts[0].st_nlink)
+
+
+def _remove_tree(folder: Path) -> int:
+    """Delete ``folder`` and what it holds (links, not what they point at); returns the bytes freed."""
+    files = [Path(d) / f for d, _, names in os.walk(folder) for f in names]
+    freed = _freed_by_removing(files)
+    shutil.rmtree(folder)
+    return freed
+
+
+def _link_target(link: Path) -> Path:
+    """Where a link points, one hop (as huggingface-hub reads a snapshot's link to its blob)."""
+    return _canonical(link.parent / os.readlink(link))
+
+
+def _remove_snapshot_file(path: Path, repo_path: Path, repo_id: str) -> tuple[str, int]:
+    """Delete one GGUF file of a snapshot: its link, and its blob unless another file of the repo (another
+    revision's) links to it. A repo left with no model (no GGUF, no config.json) goes whole."""
+    snapshots = repo_path / "snapshots"
+    gone = [path]
+    if path.is_symlink():
+        blob = _link_target(path)
+        others = (
+            Path(d) / f
+            for d, _, names in os.walk(snapshots)
+            for f in names
+            if Path(d) / f != path and os.path.islink(Path(d) / f)
+        )
+        shared = any(_link_target(other) == blob for other in others)
+        if not shared and blob.parent == repo_path / "blobs" and (blob.exists() or blob.is_symlink()):
+            gone.append(blob)
+    freed = _freed_by_removing(gone)
+    for f in gone:
+        f.unlink()
+    # Folders the file was alone in go too; a snapshot left empty with the refs naming it (they would
+    # name a missing snapshot, which makes the repo unreadable to huggingface-hub).
+    snapshot = snapshots / path.relative_to(snapshots).parts[0]
+    folder = path.parent
+    while folder != snapshot and not any(folder.iterdir()):
+        folder.rmdir()
+        folder = folder.parent
+    if not any(f for _, _, names in os.walk(snapshot) for f in names):
+        freed += _remove_tree(snapshot)
+        refs = repo_path / "refs"
+        for ref in [Path(d) / f for d, _, names in os.walk(refs) for f in names]:
+            if ref.read_text().strip() == snapshot.name:
+                freed += _freed_by_removing([ref])
+                ref.unlink()
+    left = (f for _, _, names in os.walk(snapshots) for f in names)
+    if not any(f == "config.json" or f.endswith(".gguf") for f in left):
+        freed += _remove_tree(repo_path)
+        return f"{path} and the rest of {repo_id}, which holds no model now ({repo_path})", freed
+    return str(path), freed
 
 
 def served_name(model: str, explicit: str | None = None) -> str:

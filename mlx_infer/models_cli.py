@@ -40,7 +40,10 @@ def run(args: argparse.Namespace) -> int:
     for folder in args.dir:  # one the user typed (those of the environment variable may come and go)
         if not Path(folder).expanduser().is_dir():
             raise InvalidRequest(f"--dir {folder}: no such folder")
-    found = model_store.list_models(args.dir, check_fit=False)
+    problems: list[str] = []
+    found = model_store.list_models(args.dir, check_fit=False, problems=problems)
+    for line in problems:  # corrupt or partial downloads in the Hugging Face cache: not listed
+        print(f"mlx-infer models: warning: {line}", file=sys.stderr)
     budget, budget_source = memory_budget()
     fit_texts = {m.path: _check_fit(m, budget) for m in found}
     if args.json:

@@ -371,3 +371,148 @@ def test_describe_config_names_the_quantization():
     )
     gptq = {"model_type": "qwen2", "quantization_config": {"quant_method": "gptq", "bits": 4}}
     assert model_store.describe_config(gptq) == ("qwen2", "gptq 4-bit")
+
+
+# ---- the Hugging Face cache as found: several revisions, corrupt and partial entries ---------------
+@pytest.fixture
+def hf_hub(tmp_path: Path, monkeypatch) -> Path:
+    """An empty Hugging Face cache under tmp_path, as this process's huggingface-hub sees it."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import _cache_manager
+
+    hub = tmp_path / "hf" / "hub"
+    hub.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(_cache_manager, "HF_HUB_CACHE", str(hub))  # bound when it was imported
+    monkeypatch.setenv("MLX_INFER_CACHE", str(tmp_path / "mlx-infer-cache"))
+    monkeypatch.setenv(model_store.MODELS_PATH_ENV, "")
+    return hub.resolve()
+
+
+def add_revision(
+    hub: Path, repo: str, commit: str, files: dict[str, bytes], refs: tuple[str, ...] = ("main",), mtime=None
+) -> Path:
+    """A snapshot of ``repo`` as huggingface-hub writes one: each file a relative link to its blob."""
+    repo_path = hub / f"models--{repo.replace('/', '--')}"
+    snapshot = repo_path / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo_path / "blobs").mkdir(exist_ok=True)
+    for name, data in files.items():
+        blob = repo_path / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        if mtime is not None:
+            os.utime(blob, (mtime, mtime))
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    for ref in refs:
+        (repo_path / "refs").mkdir(exist_ok=True)
+        (repo_path / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+def files_bytes(folder: Path) -> int:
+    return sum(p.lstat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def hf_rows() -> dict[str, model_store.LocalModel]:
+    return {m.name: m for m in model_store.list_models(check_fit=False) if m.where == "hf-cache"}
+
+
+def test_rm_a_snapshot_folder_deletes_the_whole_repo(hf_hub: Path, monkeypatch):
+    config = json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}).encode()
+    add_revision(hf_hub, "acme/two", "1" * 40, {"config.json": config, "w.safetensors": b"a" * 5000}, ("v1",))
+    new = add_revision(hf_hub, "acme/two", "2" * 40, {"config.json": config, "w.safetensors": b"b" * 7000})
+    repo_path = hf_hub / "models--acme--two"
+    assert hf_rows()["acme/two"].path == str(new)
+    freed = files_bytes(repo_path)  # the blobs (config.json's shared by both revisions) and the refs
+    deleted, size = model_store.remove(str(new))
+    assert not repo_path.exists()  # every revision, ref and blob: no skeleton left behind
+    assert size == freed and "acme/two" in deleted and "whole repo" in deleted
+    # A file inside a snapshot folder (and the folder given as a relative path) does the same.
+    inside = add_revision(hf_hub, "acme/two", "3" * 40, {"config.json": config, "sub/x.json": b"{}"})
+    monkeypatch.chdir(inside)
+    deleted, size = model_store.remove("sub/x.json")
+    assert not repo_path.exists() and size == len(config) + 2 + 40
+
+
+def test_rm_a_gguf_keeps_a_blob_another_revision_links_and_an_emptied_repo_goes(hf_hub: Path):
+    q4, q8 = b"q4" * 1000, b"q8" * 3000
+    old = add_revision(hf_hub, "acme/g-GGUF", "1" * 40, {"m.Q4_1.gguf": q4}, ("v1",), mtime=1_000_000)
+    new = add_revision(hf_hub, "acme/g-GGUF", "2" * 40, {"m.Q4_1.gguf": q4, "m.Q8_0.gguf": q8})
+    repo_path = hf_hub / "models--acme--g-GGUF"
+    assert set(hf_rows()) == {str(new / "m.Q4_1.gguf"), str(new / "m.Q8_0.gguf")}
+
+    deleted, size = model_store.remove(str(new / "m.Q4_1.gguf"))
+    assert deleted == str(new / "m.Q4_1.gguf") and size == 0  # the blob is v1's too: it stays
+    assert (old / "m.Q4_1.gguf").read_bytes() == q4
+    deleted, size = model_store.remove(str(new / "m.Q8_0.gguf"))
+    # Its blob, and the emptied snapshot with the ref naming it: the repo stays readable, v1 listed.
+    assert size == len(q8) + 40 and not (repo_path / "blobs" / hashlib.sha256(q8).hexdigest()).exists()
+    assert not new.exists() and not (repo_path / "refs" / "main").exists()
+    assert set(hf_rows()) == {str(old / "m.Q4_1.gguf")}
+    # The last model of the repo: the whole repo goes, not a skeleton `models` would list as a phantom.
+    deleted, size = model_store.remove(str(old / "m.Q4_1.gguf"))
+    assert not repo_path.exists() and "acme/g-GGUF" in deleted
+    assert size == len(q4) + 40  # the blob and refs/v1
+    assert hf_rows() == {}
+
+
+def test_models_describes_the_snapshot_refs_main_names_else_the_newest(hf_hub: Path):
+    llama = json.dumps({"model_type": "llama", "torch_dtype": "float16"}).encode()
+    qwen = json.dumps({"model_type": "qwen2", "torch_dtype": "float16"}).encode()
+    # main is the older snapshot (a newer commit fetched by hash records no ref): `-m` loads main.
+    main = add_revision(hf_hub, "acme/pinned", "f" * 40, {"config.json": llama}, mtime=1_000_000)
+    add_revision(hf_hub, "acme/pinned", "0" * 40, {"config.json": qwen}, ())
+    row = hf_rows()["acme/pinned"]
+    assert (row.path, row.architecture) == (str(main), "llama")
+    # No ref, the same times: the newest by commit hash, every time.
+    for commit, config in (("a" * 40, llama), ("c" * 40, qwen), ("b" * 40, llama)):
+        add_revision(hf_hub, "acme/unpinned", commit, {"config.json": config}, (), mtime=1_000_000)
+    os.utime(hf_hub / "models--acme--unpinned" / "blobs", (1_000_000, 1_000_000))
+    paths = {hf_rows()["acme/unpinned"].path for _ in range(5)}
+    assert paths == {str(hf_hub / "models--acme--unpinned" / "snapshots" / ("c" * 40))}
+
+
+def test_models_warns_of_corrupt_or_partial_entries_and_rm_deletes_them(hf_hub: Path, capsys):
+    import argparse
+
+    from mlx_infer import models_cli
+
+    config = json.dumps({"model_type": "llama"}).encode()
+    model = {"config.json": config, "model.safetensors": b"w" * 100}
+    snapshot = add_revision(hf_hub, "bad/config-link", "1" * 40, model)
+    (snapshot / "config.json").resolve().unlink()  # a broken link
+    snapshot = add_revision(hf_hub, "bad/weights-link", "2" * 40, model)
+    (snapshot / "model.safetensors").resolve().unlink()
+    blobs = hf_hub / "models--bad--interrupted" / "blobs"  # a download stopped in its first file
+    blobs.mkdir(parents=True)
+    (blobs / ("0" * 64 + ".incomplete")).write_bytes(b"x" * 1000)
+    refs = hf_hub / "models--bad--no-snapshot" / "refs"
+    refs.mkdir(parents=True)
+    (refs / "main").write_text("a" * 40)
+    (hf_hub / "models--bad--empty-snapshot" / "snapshots" / ("b" * 40)).mkdir(parents=True)
+    add_revision(hf_hub, "ok/model", "3" * 40, model)
+
+    problems: list[str] = []
+    assert list(model_store.list_models(check_fit=False, problems=problems)) != []
+    assert set(hf_rows()) == {"ok/model"}  # an empty snapshot folder is not a model either
+    broken = ["bad/config-link", "bad/interrupted", "bad/no-snapshot", "bad/weights-link"]
+    assert len(problems) == len(broken)
+    for line, repo in zip(problems, broken, strict=True):
+        assert line.startswith(f"{repo}: ") and f"`mlx-infer rm {repo}` deletes it" in line
+    assert "missing blob" in problems[0] and "interrupted download" in problems[1]
+    assert "main -> " + "a" * 40 in problems[2]
+    # `models` says so on stderr, one line each, and lists the rest.
+    (hf_hub / "models--ok--model").rename(hf_hub.parent / "elsewhere")
+    assert models_cli.run(argparse.Namespace(dir=[], json=True)) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == []
+    assert err.splitlines() == [f"mlx-infer models: warning: {line}" for line in problems]
+    for repo in [*broken, "bad/empty-snapshot"]:
+        repo_path = hf_hub / f"models--{repo.replace('/', '--')}"
+        deleted, size = model_store.remove(repo)
+        assert deleted == f"{repo} ({repo_path})" and not repo_path.exists()
+    assert size == 0 and model_store.list_models(check_fit=False, problems=problems) == []
