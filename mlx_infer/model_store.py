@@ -274,9 +274,11 @@ def models_in(folder: Path) -> list[LocalModel]:
 
 
 def memory_budget() -> int:
-    from mlx_infer.kv.memory import device_memory_bytes
+    """FIT_FRACTION of the machine's budget: ``$MLX_INFER_MEMORY_BUDGET`` where set, as ``plan`` and
+    ``serve`` of one model take it, else the device's memory."""
+    from mlx_infer.plan.planner import memory_budget as machine_budget
 
-    return int(device_memory_bytes() * FIT_FRACTION)
+    return int(machine_budget()[0] * FIT_FRACTION)
 
 
 def fits(weight_bytes: int, budget: int) -> bool:

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="GIB",
         help="with several models, most memory their weights and KV pools may hold together, in GiB "
-        f"(default: {FIT_FRACTION * 100:.0f}%% of device memory)",
+        f"(default: {FIT_FRACTION * 100:.0f}%% of device memory, or of $MLX_INFER_MEMORY_BUDGET)",
     )
     g.add_argument(
         "--api-key",

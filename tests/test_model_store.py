@@ -516,3 +516,9 @@ def test_models_warns_of_corrupt_or_partial_entries_and_rm_deletes_them(hf_hub: 
         deleted, size = model_store.remove(repo)
         assert deleted == f"{repo} ({repo_path})" and not repo_path.exists()
     assert size == 0 and model_store.list_models(check_fit=False, problems=problems) == []
+
+
+def test_the_fit_budget_follows_the_memory_budget_variable(monkeypatch):
+    # What serve of several models may hold by default (--models-memory), as plan and serve of one see it.
+    monkeypatch.setenv("MLX_INFER_MEMORY_BUDGET", "1GiB")
+    assert model_store.memory_budget() == int(2**30 * model_store.FIT_FRACTION)
