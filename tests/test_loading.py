@@ -26,6 +26,7 @@ from mlx_infer.errors import InvalidCheckpoint, ModelNotFound, UnsupportedArchit
 from mlx_infer.interface.batch import SequenceSlice, build_metadata
 from mlx_infer.interface.kv import new_cache
 from mlx_infer.loading import load, policy
+from mlx_infer.loading.build import build_model
 from mlx_infer.loading.gguf import gguf_to_hf_names
 from mlx_infer.loading.gguf_config import MODEL_TYPES, llama3_scaling
 from mlx_infer.loading.gguf_file import read_header, tensor_bytes
@@ -454,3 +455,22 @@ def test_unknown_architecture(tiny_llama_folder: Path, tmp_path: Path):
     with pytest.raises(UnsupportedArchitecture) as excinfo:
         load(str(tmp_path / "m.gguf"))
     assert_one_line_error(excinfo)
+
+
+def test_building_models_again_and_again_holds_no_memory():
+    # A server that swaps models builds one per load: each layer's random initial weights (replaced
+    # unevaluated) split MLX's global random key, whose lazy graph kept every split (~0.4 MiB a build
+    # of this 32-layer model) until build_model evaluated the key.
+    config = {**TINY_LLAMA_CONFIG, "num_hidden_layers": 32}
+    weights = dict(tree_flatten(make_tiny_llama(0, num_hidden_layers=32).parameters()))
+    mx.eval(weights)
+
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+    for _ in range(50):  # allocator pools settle
+        build_model(config, dict(weights), "tiny")
+    before = resident()
+    for _ in range(250):
+        build_model(config, dict(weights), "tiny")
+    assert resident() - before < 20 * 2**20

@@ -45,6 +45,10 @@ def build_model(
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise InvalidCheckpoint(f"{source}: {one_line(e)[:300]}") from None
+    # The layers' random initial weights, replaced unevaluated, each split MLX's global random key
+    # lazily: left so, the key's graph keeps every split of every model built (a server that swaps
+    # models grew by about a MiB a load).
+    mx.eval(mx.random.state)
     return model
 
 
