@@ -247,6 +247,27 @@ def test_chat_streams_stops_frees_blocks_and_survives_a_reload(browser, smollm2_
     page.screenshot(path=str(shot), full_page=True)
     print(f"screenshot of the chat page: {shot}")
     assert shot.stat().st_size > 10_000
+
+    # A reload mid-answer: the browser cuts the request (the server frees its blocks), and the answer so
+    # far comes back marked interrupted, not as a lost connection.
+    page.click("#settings-toggle")
+    page.fill("#max-tokens", "2000")
+    page.dispatch_event("#max-tokens", "change")
+    page.fill("#extra", json.dumps({"ignore_eos": True}))
+    page.dispatch_event("#extra", "change")
+    page.fill("#prompt", "Count to one thousand.")
+    page.press("#prompt", "Enter")
+    last = ".msg.assistant >> nth=1"
+    page.wait_for_function(
+        "() => document.querySelectorAll('.msg.assistant')[1]?.textContent.length > 100", timeout=60_000
+    )
+    shown = page.inner_text(f"{last} >> .content")
+    page.reload()
+    page.wait_for_function("() => document.getElementById('model-name').textContent === 'smollm2'")
+    assert page.inner_text(f"{last} >> .content").startswith(shown[:50])
+    assert "interrupted" in page.inner_text(f"{last} >> .stats")
+    assert page.locator(f"{last} >> .error").count() == 0
+    assert wait_for_idle(server)["mlx_infer_kv_blocks_used"] == 0
     page.close()
 
 
@@ -366,4 +387,222 @@ def test_page_shows_thinking_and_html_as_text_and_tabs_keep_each_others_chats(
     phone.click("#settings-toggle")  # the settings open, the message box stays on screen
     assert phone.evaluate("() => document.documentElement.scrollWidth") <= 320
     assert phone.eval_on_selector("#send", "e => e.getBoundingClientRect().bottom") <= 568
+    context.close()
+
+
+# ---- a server that comes and goes, answers that stream on (the page alone: canned or faked answers) ----
+MODELS = json.dumps({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+# An answer that streams until stopped (a real model would finish, or lag, at unknown times): a word every
+# 15 ms, a paragraph every five. `window.cutStreams()` breaks every stream as a lost connection does.
+ENDLESS_ANSWER = """
+(() => {
+  const realFetch = (window.realFetch = window.fetch);
+  const open = new Map(); // stream controller -> its timer
+  const end = (controller, error) => {
+    clearInterval(open.get(controller));
+    open.delete(controller);
+    controller.error(error);
+  };
+  window.cutStreams = () => [...open.keys()].forEach((c) => end(c, new TypeError("network error")));
+  window.fetch = (url, options) => {
+    if (!String(url).endsWith("chat/completions")) return realFetch(url, options);
+    const encoder = new TextEncoder();
+    const body = new ReadableStream({
+      start(controller) {
+        let i = 0;
+        open.set(controller, setInterval(() => {
+          i += 1;
+          const delta = { content: "word" + i + (i % 5 ? " " : "\\n\\n") };
+          const event = { choices: [{ index: 0, delta, finish_reason: null }] };
+          controller.enqueue(encoder.encode("data: " + JSON.stringify(event) + "\\n\\n"));
+        }, 15));
+        const aborted = new DOMException("aborted", "AbortError");
+        options.signal.addEventListener("abort", () => end(controller, aborted));
+      },
+    });
+    return Promise.resolve(new Response(body, { headers: { "Content-Type": "text/event-stream" } }));
+  };
+})();
+"""
+
+
+def _routed_context(browser, server: LiveServer, **options):
+    """A browser context whose /v1/models lists one model "tiny" (the page itself from ``server``);
+    returns it and the bodies of the chat requests it sends, which get a canned answer "Hello."."""
+    context = browser.new_context(**options)
+    context.route("**/v1/models", lambda route: route.fulfill(status=200, body=MODELS))
+    sent = []
+
+    def answer(route):
+        sent.append(json.loads(route.request.post_data))
+        body = _canned_stream([], ["Hello."])
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=body)
+
+    context.route("**/v1/chat/completions", answer)
+    return context, sent
+
+
+def _open(context, server: LiveServer):
+    page = context.new_page()
+    page.goto(server.base_url + "/")
+    page.wait_for_function("() => document.getElementById('model-name').textContent === 'tiny'")
+    return page
+
+
+def _wait_for_words(page, answer: int):
+    """Until the answer ``answer`` (0 the first) has streamed a few words."""
+    content = f"document.querySelectorAll('.msg.assistant')[{answer}].textContent"
+    page.wait_for_function(f"() => {content}.includes('word3')")
+
+
+def test_send_asks_again_for_a_server_that_was_unreachable(browser, keyed_server: LiveServer):
+    context, sent = _routed_context(browser, keyed_server)
+    reachable = False
+    models = lambda route: route.fulfill(status=200, body=MODELS) if reachable else route.abort()  # noqa: E731
+    context.route("**/v1/models", models)
+    page = context.new_page()
+    page.goto(keyed_server.base_url + "/")
+    page.wait_for_function("() => document.getElementById('model-name').textContent.includes('cannot reach')")
+
+    # Still unreachable: the page says so, and the message stays in its box.
+    page.fill("#prompt", "hello")
+    page.click("#send")
+    page.wait_for_selector("#send-error:has-text('Not sent: cannot reach the server')")
+    assert page.input_value("#prompt") == "hello" and page.locator(".msg").count() == 0
+
+    # Back: Send finds the model and sends.
+    reachable = True
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant .stats:has-text('generated')")
+    assert page.inner_text(".msg.assistant .content") == "Hello."
+    assert page.inner_text("#model-name") == "tiny" and page.inner_text("#send-error") == ""
+    assert [m["content"] for m in sent[-1]["messages"]] == ["hello"]
+    context.close()
+
+
+def test_connection_errors_are_said_in_words(browser, keyed_server: LiveServer):
+    context, _ = _routed_context(browser, keyed_server)
+    context.unroute("**/v1/chat/completions")
+    context.add_init_script(ENDLESS_ANSWER)
+    page = _open(context, keyed_server)
+    # A connection lost mid-answer keeps the answer so far, and says so (not the browser's "network error").
+    page.fill("#prompt", "a story")
+    page.press("#prompt", "Enter")
+    _wait_for_words(page, 0)
+    page.evaluate("window.cutStreams()")
+    page.wait_for_selector(".msg.assistant .error")
+    assert page.inner_text(".msg.assistant .error") == "lost connection to the server"
+    assert "word3" in page.inner_text(".msg.assistant .content")
+    # A request that cannot reach the server: not the browser's "Failed to fetch".
+    context.route("**/v1/chat/completions", lambda route: route.abort())
+    page.evaluate("window.fetch = window.realFetch")
+    page.fill("#prompt", "again")
+    page.press("#prompt", "Enter")
+    page.wait_for_selector(".msg.assistant >> nth=1 >> .error")
+    assert page.inner_text(".msg.assistant >> nth=1 >> .error") == "cannot reach the server"
+    context.close()
+
+
+def test_the_keyboard_stays_in_the_message_box_after_send_and_stop(browser, keyed_server: LiveServer):
+    context, _ = _routed_context(browser, keyed_server)
+    context.unroute("**/v1/chat/completions")
+    context.add_init_script(ENDLESS_ANSWER)
+    page = _open(context, keyed_server)
+    page.get_by_label("Message", exact=True).fill("a story")  # the box has a name
+    page.click("#send")
+    _wait_for_words(page, 0)
+    assert page.evaluate("document.activeElement.id") == "prompt"
+    page.click("#stop")
+    page.wait_for_selector(".msg.assistant .stats:has-text('stopped')")
+    assert page.evaluate("document.activeElement.id") == "prompt"
+    context.close()
+
+
+def test_an_emptied_temperature_is_not_sent(browser, keyed_server: LiveServer):
+    context, sent = _routed_context(browser, keyed_server)
+    page = _open(context, keyed_server)
+    page.click("#settings-toggle")
+    # Emptied: the server's default, not 0.
+    for turn, (value, expected) in enumerate((("", None), ("0.3", 0.3))):
+        page.fill("#temperature", value)
+        page.dispatch_event("#temperature", "change")
+        page.fill("#prompt", "w1")
+        page.click("#send")
+        page.wait_for_selector(f".msg.assistant >> nth={turn} >> .stats:has-text('generated')")
+        assert sent[-1].get("temperature") == expected and sent[-1]["max_tokens"] == 512
+    context.close()
+
+
+def test_titles_are_cut_between_characters(browser, keyed_server: LiveServer):
+    context, _ = _routed_context(browser, keyed_server)
+    page = _open(context, keyed_server)
+    title = "a" + "\N{GRINNING FACE}" * 60  # 48 UTF-16 units would end in half an emoji
+    page.fill("#prompt", title)
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant .stats:has-text('generated')")
+    assert page.inner_text("#conversations li.current .open") == title[:48]
+    context.close()
+
+
+def test_images_show_their_alt_text_and_forget_key_needs_a_key(browser, keyed_server: LiveServer):
+    context, _ = _routed_context(browser, keyed_server)
+    page = _open(context, keyed_server)
+    # A markdown image shows its alt text, a link: nothing is loaded from elsewhere.
+    image = page.evaluate(
+        "() => { const d = document.createElement('div'); renderMarkdown(d, '![a cat](https://example.com/c.png)');"
+        " const a = d.querySelector('a'); return [d.querySelector('img') === null, a?.textContent, a?.href] }"
+    )
+    assert image == [True, "a cat", "https://example.com/c.png"]
+    # Forget API key only where there is a key to forget.
+    page.click("#settings-toggle")
+    assert page.is_hidden("#forget-key")
+    page.evaluate("localStorage.setItem('mlx-infer.api-key', 'k')")
+    page.reload()
+    page.wait_for_function("() => document.getElementById('model-name').textContent === 'tiny'")
+    page.click("#settings-toggle")
+    assert page.is_visible("#forget-key")
+    context.close()
+
+
+def test_an_answer_cut_by_a_reload_comes_back_marked_interrupted(browser, keyed_server: LiveServer):
+    context, _ = _routed_context(browser, keyed_server)
+    context.unroute("**/v1/chat/completions")
+    context.add_init_script(ENDLESS_ANSWER)
+    page = _open(context, keyed_server)
+    page.fill("#prompt", "a long story")
+    page.click("#send")
+    page.wait_for_function("() => document.querySelector('.msg.assistant .content').textContent.length > 300")
+    shown = page.inner_text(".msg.assistant .content")
+    page.reload()
+    page.wait_for_function("() => document.getElementById('model-name').textContent === 'tiny'")
+    assert page.inner_text(".msg.assistant .content").startswith(shown[:200])
+    assert "interrupted" in page.inner_text(".msg.assistant .stats")
+    assert page.is_visible("#send") and page.is_hidden("#stop")
+    context.close()
+
+
+def test_the_view_follows_the_answer_only_from_the_end(browser, keyed_server: LiveServer):
+    context, _ = _routed_context(browser, keyed_server, viewport={"width": 1000, "height": 500})
+    context.unroute("**/v1/chat/completions")
+    context.add_init_script(ENDLESS_ANSWER)
+    page = _open(context, keyed_server)
+    page.fill("#prompt", "a long story")
+    page.click("#send")
+    box = "document.getElementById('messages')"
+    page.wait_for_function(f"() => {box}.scrollHeight > {box}.clientHeight + 300")
+    # Scrolled up to read: the answer grows below, the view stays. Back at the end, it follows again.
+    page.evaluate(f"{box}.scrollTop = 0")
+    height = page.evaluate(f"{box}.scrollHeight")
+    page.wait_for_function(f"() => {box}.scrollHeight > {height} + 100")
+    assert page.evaluate(f"{box}.scrollTop") == 0
+    page.evaluate(f"{box}.scrollTop = {box}.scrollHeight")
+    height = page.evaluate(f"{box}.scrollHeight")
+    page.wait_for_function(f"() => {box}.scrollHeight > {height} + 100")
+    assert page.evaluate(f"{box}.scrollHeight - {box}.scrollTop - {box}.clientHeight") < 40
+    # The answer's last drawing (Stop here) leaves the view where it was, too.
+    page.evaluate(f"{box}.scrollTop = 0")
+    page.click("#stop")
+    page.wait_for_selector(".msg.assistant .stats:has-text('stopped')")
+    assert page.evaluate(f"{box}.scrollTop") == 0
     context.close()

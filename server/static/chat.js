@@ -13,6 +13,7 @@
     data: load(),
     controller: null, // AbortController of the request in flight
     streaming: null, // the conversation being answered
+    connecting: null, // the /v1/models request in flight
   };
 
   // ---- storage -----------------------------------------------------------------------------------
@@ -72,11 +73,26 @@
     renderSidebar();
     // Not while this tab answers, or while the user types an edit or a system prompt here.
     const typing = document.querySelector("#messages .edit-box") || document.activeElement === $("system");
-    if (!state.controller && !typing) renderMessages();
+    if (!state.controller && !typing) refreshMessages();
   });
+
+  // A reload or a closed tab mid-answer keeps the answer so far (saved as it streams, and here the rest).
+  // The browser then cuts the request, and the answer's end still runs: that cut is no lost connection,
+  // and the answer stays marked unfinished (shown as interrupted when the page is back).
+  let leaving = false;
+  window.addEventListener("pagehide", () => {
+    leaving = true;
+    if (state.streaming) save();
+  });
+  window.addEventListener("pageshow", () => (leaving = false)); // (back from the back-forward cache)
 
   function current() {
     return state.data.conversations.find((c) => c.id === state.data.current) || null;
+  }
+
+  // Cut by code points, not UTF-16 units: a cut through an emoji would leave half of it (shown as �).
+  function titleOf(text) {
+    return Array.from(text).slice(0, 48).join("");
   }
 
   function newConversation() {
@@ -96,12 +112,25 @@
     return h;
   }
 
+  const NO_SERVER = "cannot reach the server";
+
+  // One /v1/models request at a time, whoever asks (the page loading, Send, the periodic re-check).
+  function reconnect() {
+    if (!state.connecting) {
+      state.connecting = connect()
+        .catch((e) => ($("model-name").textContent = "error: " + (e.message || e)))
+        .finally(() => (state.connecting = null));
+    }
+    return state.connecting;
+  }
+
   async function connect() {
+    $("forget-key").hidden = !localStorage.getItem(API_KEY); // (nothing to forget without a stored key)
     let response;
     try {
       response = await fetch("v1/models", { headers: headers() });
     } catch (e) {
-      $("model-name").textContent = "server unreachable";
+      $("model-name").textContent = NO_SERVER;
       return;
     }
     if (response.status === 401) {
@@ -116,6 +145,7 @@
       return;
     }
     $("key-form").hidden = true;
+    $("send-error").textContent = "";
     // Several models (serve -m A -m B): a picker over those that chat; embedding models cannot.
     const models = (await response.json()).data.filter((m) => m.type !== "embeddings");
     if (!models.length) {
@@ -180,8 +210,12 @@
 
   function requestBody(conv) {
     const settings = state.data.settings;
-    const body = { temperature: Number(settings.temperature) };
-    if (Number(settings.max_tokens) > 0) body.max_tokens = Number(settings.max_tokens);
+    const body = {};
+    // An emptied field means the server's default, not 0.
+    const temperature = numberSetting(settings.temperature);
+    if (temperature !== null) body.temperature = temperature;
+    const maxTokens = numberSetting(settings.max_tokens);
+    if (maxTokens > 0) body.max_tokens = maxTokens;
     Object.assign(body, parseExtra(settings.extra) || {});
     return Object.assign(body, {
       model: state.model,
@@ -190,6 +224,12 @@
       stream_options: { include_usage: true },
       n: 1,
     });
+  }
+
+  function numberSetting(value) {
+    if (value === null || value === undefined || String(value).trim() === "") return null;
+    const number = Number(value);
+    return Number.isFinite(number) ? number : null;
   }
 
   function parseExtra(text) {
@@ -207,14 +247,16 @@
   async function complete(conv) {
     const reply = conv.messages[conv.messages.length - 1];
     const stats = (reply.stats = { chunks: 0 });
+    reply.partial = true; // stored while it streams: what a reload finds, it shows as interrupted
     const controller = (state.controller = new AbortController());
     state.streaming = conv;
     setBusy(true);
     const started = performance.now();
     let first = null;
     let last = null;
+    let response = null;
     try {
-      const response = await fetch("v1/chat/completions", {
+      response = await fetch("v1/chat/completions", {
         method: "POST", headers: headers(), body: JSON.stringify(requestBody(conv)), signal: controller.signal,
       });
       if (response.status === 401) {
@@ -258,13 +300,17 @@
               if (first === null) first = last;
               stats.chunks += 1;
               scheduleRender(conv);
+              saveSoon(conv);
             }
             if (choice.finish_reason) stats.finish = choice.finish_reason;
           }
         }
       }
     } catch (e) {
+      if (leaving) return; // (the finally below still runs)
       if (e.name === "AbortError") stats.finish = "stopped";
+      // The browser's words for a failed fetch ("Failed to fetch", "network error") tell a user nothing.
+      else if (e instanceof TypeError) reply.error = response ? "lost connection to the server" : NO_SERVER;
       else reply.error = String(e.message || e);
     } finally {
       if (first !== null) {
@@ -274,6 +320,7 @@
       }
       state.controller = null;
       state.streaming = null;
+      if (!leaving) delete reply.partial;
       conv.updated = Date.now();
       const model = state.models.find((m) => m.id === state.model);
       if (model && !reply.error && model.state && model.state !== "loaded") {
@@ -282,15 +329,27 @@
       }
       save();
       setBusy(false);
-      renderMessages();
+      refreshMessages();
     }
+  }
+
+  // The answer so far goes to storage at most every SAVE_EVERY_MS: a reload or a crash loses little of
+  // it, and a long answer does not rewrite the whole store at every token.
+  const SAVE_EVERY_MS = 500;
+  let lastSave = 0;
+  function saveSoon(conv) {
+    const now = Date.now();
+    if (now - lastSave < SAVE_EVERY_MS) return;
+    lastSave = now;
+    conv.updated = now; // (newer than the copy other tabs hold, so their merges take it)
+    save();
   }
 
   // ---- actions -----------------------------------------------------------------------------------
   function send(text) {
     if (state.controller || !state.model) return;
     const conv = current() || newConversation();
-    if (!conv.messages.length) conv.title = text.slice(0, 48);
+    if (!conv.messages.length) conv.title = titleOf(text);
     conv.messages.push({ role: "user", content: text }, { role: "assistant", content: "" });
     conv.updated = Date.now();
     save();
@@ -313,7 +372,7 @@
     const conv = current();
     if (!conv || state.controller) return;
     conv.messages.length = index;
-    if (index === 0) conv.title = text.slice(0, 48);
+    if (index === 0) conv.title = titleOf(text);
     conv.messages.push({ role: "user", content: text }, { role: "assistant", content: "" });
     conv.updated = Date.now();
     save();
@@ -329,9 +388,11 @@
     renderPending = true;
     requestAnimationFrame(() => {
       renderPending = false;
+      // Follow the answer only from the end: a reader who scrolled up to read stays where they are.
+      const follow = atEnd();
       const item = document.querySelector("#messages .msg:last-child");
       if (item && conv === current()) renderAnswer(item, conv.messages[conv.messages.length - 1]);
-      scrollToEnd();
+      if (follow) scrollToEnd();
     });
   }
 
@@ -348,8 +409,22 @@
     box.scrollTop = box.scrollHeight;
   }
 
-  function statsLine(stats) {
-    if (!stats) return "";
+  function atEnd() {
+    const box = $("messages");
+    return box.scrollHeight - box.scrollTop - box.clientHeight < 40; // (within about two lines)
+  }
+
+  // The same conversation drawn again (an answer ended, another tab saved): the reader keeps their place.
+  function refreshMessages() {
+    const box = $("messages");
+    const top = box.scrollTop;
+    const follow = atEnd();
+    renderMessages();
+    if (!follow) box.scrollTop = top;
+  }
+
+  function statsLine(stats, interrupted) {
+    if (!stats) return interrupted ? "interrupted" : "";
     const parts = [];
     if (stats.ttft !== undefined) parts.push("TTFT " + Math.round(stats.ttft * 1000) + " ms");
     if (stats.tps !== undefined) parts.push(stats.tps.toFixed(1) + " tok/s");
@@ -361,6 +436,7 @@
       parts.push("~" + stats.chunks + " generated");
     }
     if (stats.finish) parts.push(stats.finish);
+    if (interrupted) parts.push("interrupted");
     return parts.join(" · ");
   }
 
@@ -379,6 +455,8 @@
     box.replaceChildren();
     $("system").value = conv ? conv.system : "";
     if (!conv) return;
+    // An answer stored mid-stream and not streaming in this tab: its page was reloaded or closed.
+    const live = state.streaming && state.streaming.messages[state.streaming.messages.length - 1];
     conv.messages.forEach((m, index) => {
       const item = document.createElement("div");
       item.className = "msg " + m.role;
@@ -407,7 +485,7 @@
       if (m.role === "assistant") {
         const stats = document.createElement("span");
         stats.className = "stats";
-        stats.textContent = statsLine(m.stats);
+        stats.textContent = statsLine(m.stats, m.partial && m !== live);
         actions.append(stats);
         if (index === conv.messages.length - 1) actions.append(button("Regenerate", "regenerate", regenerate));
       } else if (m.role === "user") {
@@ -423,12 +501,13 @@
     if (state.controller) return;
     const area = document.createElement("textarea");
     area.className = "edit-box";
+    area.setAttribute("aria-label", "Edit message");
     area.value = text;
     const actions = document.createElement("div");
     actions.className = "actions";
     actions.append(
       button("Send", "resend", () => area.value.trim() && editAndResend(index, area.value)),
-      button("Cancel", "cancel", renderMessages),
+      button("Cancel", "cancel", refreshMessages),
     );
     item.querySelector(".content").replaceWith(area);
     item.querySelector(".actions").replaceWith(actions);
@@ -464,8 +543,13 @@
   }
 
   function setBusy(busy) {
+    // Send and Stop take each other's place: focus on the one hidden (or on a message's button that the
+    // answer redraws) would drop to the page, so the keyboard user goes back to the message box.
+    const focus = document.activeElement;
+    const lost = !focus || focus === document.body || focus === $("send") || focus === $("stop");
     $("send").hidden = busy;
     $("stop").hidden = !busy;
+    if (lost) $("prompt").focus();
     for (const b of document.querySelectorAll("#messages .actions button")) b.disabled = busy;
   }
 
@@ -504,7 +588,7 @@
       else localStorage.removeItem(API_KEY);
       $("api-key").value = "";
       $("key-error").textContent = "";
-      connect();
+      connect(); // (not one already under way: that one asks with the old key)
     });
     $("api-key").addEventListener("keydown", (e) => {
       if (e.key === "Enter") $("api-key-save").click();
@@ -518,10 +602,19 @@
       $("prompt").focus();
     });
     $("stop").addEventListener("click", () => state.controller && state.controller.abort());
-    $("composer").addEventListener("submit", (e) => {
+    $("composer").addEventListener("submit", async (e) => {
       e.preventDefault();
+      if (!$("prompt").value.trim() || state.controller) return;
+      // No model yet (the server was unreachable, or refused the page, when it loaded): ask again now.
+      if (!state.model) await reconnect();
+      if (!state.model) {
+        $("send-error").textContent =
+          "Not sent: " + $("model-name").textContent + ". Your message is kept; Send tries again.";
+        return;
+      }
       const text = $("prompt").value;
-      if (!text.trim() || state.controller || !state.model) return;
+      if (!text.trim() || state.controller) return;
+      $("send-error").textContent = "";
       $("prompt").value = "";
       send(text);
     });
@@ -533,8 +626,17 @@
     });
   }
 
+  // A server that was unreachable may come back: look again now and then, and when the tab is back in
+  // front (not while the key form waits for the user: each 401 would take the focus to it again).
+  const RECHECK_MS = 10000;
+  function recheck() {
+    if (!state.model && $("key-form").hidden) reconnect();
+  }
+
   wire();
   renderSidebar();
   renderMessages();
-  connect();
+  reconnect();
+  setInterval(recheck, RECHECK_MS);
+  window.addEventListener("focus", recheck);
 })();

@@ -9,10 +9,14 @@ window.renderMarkdown = (function () {
   const escapeHtml = (text) =>
     text.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/"/g, "&quot;");
   // A block of HTML keeps its lines.
+  // An image is not loaded (the page fetches nothing from elsewhere, and works offline): its alt text is
+  // shown instead, a link to it.
   marked.use({
     renderer: {
       html: ({ text, block }) =>
         block ? '<p class="raw-html">' + escapeHtml(text.replace(/\n+$/, "")) + "</p>" : escapeHtml(text),
+      image: ({ href, text }) =>
+        '<a class="image" href="' + escapeHtml(href || "") + '">' + escapeHtml(text || href || "image") + "</a>",
     },
   });
   // Links open in a new tab and cannot reach back into this page.
