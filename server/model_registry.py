@@ -182,8 +182,9 @@ class ModelRegistry:
             except asyncio.CancelledError:
                 future.add_done_callback(lambda f: self._landed(spec, start, f))
                 raise
-            except BaseException:
+            except BaseException as e:
                 del self._loading[spec.name]
+                log.error("could not load %r: %s", spec.name, e)  # the client gets it too, the log keeps it
                 raise
             return self._landed(spec, start, future)
 

@@ -9,6 +9,7 @@ other, eviction with ``--max-loaded-models 1``, 404 ``model_not_found`` naming t
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from conftest import TINY_LLAMA_CONFIG, make_tiny_llama, write_hf_folder
 from mlx.utils import tree_flatten
 from server_helpers import LiveServer
 
-from mlx_infer.errors import ModelNotFound, ModelTooLarge, ServiceUnavailable
+from mlx_infer.errors import InvalidCheckpoint, ModelNotFound, ModelTooLarge, ServiceUnavailable
 from mlx_infer.server.model_registry import ModelRegistry, ModelSpec
 
 
@@ -66,12 +67,15 @@ class Loader:
         self.models: dict[str, FakeModel] = {}
         self.gate = threading.Event()
         self.gate.set()
+        self.broken: set[str] = set()  # models whose load fails
 
     def specs(self) -> list[ModelSpec]:
         return [ModelSpec(name, f"/models/{name}", size) for name, size in self.sizes.items()]
 
     def load(self, spec: ModelSpec) -> FakeModel:
         self.gate.wait(10)
+        if spec.name in self.broken:
+            raise InvalidCheckpoint(f"{spec.path}: truncated")
         self.loads.append(spec.name)
         self.models[spec.name] = FakeModel(spec.name, spec.size)
         return self.models[spec.name]
@@ -121,6 +125,20 @@ def test_the_least_recently_used_idle_model_is_unloaded():
     assert (registry.stats.loads, registry.stats.unloads) == (3, 1)
     registry.close()
     assert loader.models["a"].closed and loader.models["c"].closed
+
+
+def test_a_failed_load_is_logged_and_leaves_the_model_loadable(caplog):
+    loader = Loader({"a": 10})
+    registry = loader.registry()
+    loader.broken.add("a")
+    with caplog.at_level(logging.ERROR, logger="mlx_infer"), pytest.raises(InvalidCheckpoint):
+        run(registry.acquire("a"))
+    assert "could not load 'a': /models/a: truncated" in caplog.text
+    assert registry.state("a") == "not-loaded"
+    loader.broken.clear()  # the file fixed: the next request loads it
+    run(registry.acquire("a"))
+    assert registry.state("a") == "loaded"
+    registry.close()
 
 
 def test_a_loaded_models_stalled_step_is_reported():
