@@ -26,7 +26,7 @@ from mlx_infer.embedding import is_embedding_model
 from mlx_infer.engine.async_engine import AsyncEngine
 from mlx_infer.errors import InvalidRequest, MlxInferError
 from mlx_infer.kv.memory import kv_budget_bytes
-from mlx_infer.loading import resolve
+from mlx_infer.loading import resolve, single_gguf
 from mlx_infer.model_store import served_name
 from mlx_infer.plan import make_plan
 from mlx_infer.server.app import OpenAIServer, ServerConfig
@@ -109,6 +109,7 @@ def declared_context(path: str) -> int | None:
     """The context length a model's headers declare (``/v1/models`` of a model not loaded)."""
     try:
         p = Path(path)
+        p = (single_gguf(p) or p) if p.is_dir() else p  # a GGUF repo's snapshot: its file
         if p.is_file():
             from mlx_infer.loading.gguf_file import read_header
 

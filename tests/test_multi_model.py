@@ -24,6 +24,7 @@ from server_helpers import LiveServer
 
 from mlx_infer.errors import InvalidCheckpoint, ModelNotFound, ModelTooLarge, ServiceUnavailable
 from mlx_infer.server.model_registry import ModelRegistry, ModelSpec
+from mlx_infer.server.served_model import declared_context
 
 
 # ---- the registry, on fake models ---------------------------------------------------------------------
@@ -322,6 +323,15 @@ def test_unknown_model_is_404_naming_the_loaded_ones(two_models):
     # Several models and none named: a 400 that lists them.
     response = httpx.post(two_models.base_url + "/v1/completions", json={"prompt": "w1"})
     assert response.status_code == 400 and "'tiny'" in response.json()["error"]["message"]
+
+
+def test_a_gguf_repos_snapshot_declares_its_files_context(smollm2_path, tmp_path):
+    # `-m ORG/NAME` of a GGUF repo resolves to its snapshot folder: /v1/models of the model not loaded
+    # reads the context from the one GGUF file in it (it said null).
+    snapshot = tmp_path / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "SmolLM2.Q4_1.gguf").symlink_to(smollm2_path)
+    assert declared_context(str(snapshot)) == declared_context(str(smollm2_path)) == 8192
 
 
 def test_models_dir_eviction_with_one_loaded_and_a_model_too_large(smollm2_path, tmp_path):

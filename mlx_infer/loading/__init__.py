@@ -56,7 +56,7 @@ def open_checkpoint(spec: str, kquant_blocks: bool = False) -> Checkpoint:
     from mlx_infer.tokenizer import Tokenizer
 
     path = resolve(spec)
-    gguf_file = path if path.is_file() else _single_gguf(path)
+    gguf_file = path if path.is_file() else single_gguf(path)
     if gguf_file is not None:
         from mlx_infer.loading.gguf import read_gguf
 
@@ -107,7 +107,8 @@ def resolve(spec: str) -> Path:
     raise ModelNotFound(f"{spec}: no such file or folder")
 
 
-def _single_gguf(folder: Path) -> Path | None:
+def single_gguf(folder: Path) -> Path | None:
+    """The one GGUF file of a folder without a config.json (a GGUF repo's snapshot), or None."""
     if (folder / "config.json").exists():
         return None
     found = sorted(folder.glob("*.gguf"))

@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_infer.errors import InvalidCheckpoint, InvalidRequest, ModelNotFound, UnreadableWeights
-from mlx_infer.loading import hf, hub
+from mlx_infer.loading import hf, hub, single_gguf
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def read_metadata(spec: str, backend: str, keep_quantized: bool | None) -> Metad
     """The metadata of ``spec`` (a GGUF file, a model folder, or a Hub repo id already in the cache or
     fetched as its JSON files only), with tensors as ``load`` would read them on ``backend``."""
     path = _resolve(spec)
-    gguf_file = path if path.is_file() else _single_gguf(path)
+    gguf_file = path if path.is_file() else single_gguf(path)
     if gguf_file is not None:
         return _gguf_metadata(gguf_file, backend, keep_quantized)
     return _folder_metadata(path)
@@ -108,13 +108,6 @@ def _resolve(spec: str) -> Path:
         raise ModelNotFound(f"{spec}: not in the Hugging Face cache (offline or Hub unreachable)") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise ModelNotFound(f"{spec}: no metadata from the Hugging Face Hub ({hf.one_line(e)})") from None
-
-
-def _single_gguf(folder: Path) -> Path | None:
-    if (folder / "config.json").exists():
-        return None
-    found = sorted(folder.glob("*.gguf"))
-    return found[0] if len(found) == 1 else None
 
 
 def lazy_model(config: dict[str, Any], source: str) -> nn.Module:
