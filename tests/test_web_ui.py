@@ -450,6 +450,14 @@ def _open(context, server: LiveServer):
     return page
 
 
+def _endless_page(browser, server: LiveServer, **options):
+    """A page whose answers stream words until stopped or cut (ENDLESS_ANSWER); returns (context, page)."""
+    context, _ = _routed_context(browser, server, **options)
+    context.unroute("**/v1/chat/completions")
+    context.add_init_script(ENDLESS_ANSWER)
+    return context, _open(context, server)
+
+
 def _wait_for_words(page, answer: int):
     """Until the answer ``answer`` (0 the first) has streamed a few words."""
     content = f"document.querySelectorAll('.msg.assistant')[{answer}].textContent"
@@ -482,10 +490,7 @@ def test_send_asks_again_for_a_server_that_was_unreachable(browser, keyed_server
 
 
 def test_connection_errors_are_said_in_words(browser, keyed_server: LiveServer):
-    context, _ = _routed_context(browser, keyed_server)
-    context.unroute("**/v1/chat/completions")
-    context.add_init_script(ENDLESS_ANSWER)
-    page = _open(context, keyed_server)
+    context, page = _endless_page(browser, keyed_server)
     # A connection lost mid-answer keeps the answer so far, and says so (not the browser's "network error").
     page.fill("#prompt", "a story")
     page.press("#prompt", "Enter")
@@ -505,10 +510,7 @@ def test_connection_errors_are_said_in_words(browser, keyed_server: LiveServer):
 
 
 def test_the_keyboard_stays_in_the_message_box_after_send_and_stop(browser, keyed_server: LiveServer):
-    context, _ = _routed_context(browser, keyed_server)
-    context.unroute("**/v1/chat/completions")
-    context.add_init_script(ENDLESS_ANSWER)
-    page = _open(context, keyed_server)
+    context, page = _endless_page(browser, keyed_server)
     page.get_by_label("Message", exact=True).fill("a story")  # the box has a name
     page.click("#send")
     _wait_for_words(page, 0)
@@ -566,10 +568,7 @@ def test_images_show_their_alt_text_and_forget_key_needs_a_key(browser, keyed_se
 
 
 def test_an_answer_cut_by_a_reload_comes_back_marked_interrupted(browser, keyed_server: LiveServer):
-    context, _ = _routed_context(browser, keyed_server)
-    context.unroute("**/v1/chat/completions")
-    context.add_init_script(ENDLESS_ANSWER)
-    page = _open(context, keyed_server)
+    context, page = _endless_page(browser, keyed_server)
     page.fill("#prompt", "a long story")
     page.click("#send")
     page.wait_for_function("() => document.querySelector('.msg.assistant .content').textContent.length > 300")
@@ -583,10 +582,7 @@ def test_an_answer_cut_by_a_reload_comes_back_marked_interrupted(browser, keyed_
 
 
 def test_the_view_follows_the_answer_only_from_the_end(browser, keyed_server: LiveServer):
-    context, _ = _routed_context(browser, keyed_server, viewport={"width": 1000, "height": 500})
-    context.unroute("**/v1/chat/completions")
-    context.add_init_script(ENDLESS_ANSWER)
-    page = _open(context, keyed_server)
+    context, page = _endless_page(browser, keyed_server, viewport={"width": 1000, "height": 500})
     page.fill("#prompt", "a long story")
     page.click("#send")
     box = "document.getElementById('messages')"
