@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
     )
     server_config.web = not args.no_web
-    supervisor = Supervisor()
+    supervisor = Supervisor(web=not args.no_web)
     stopped = threading.Event()
 
     def load_and_serve() -> None:

@@ -12,7 +12,7 @@ from types import FrameType
 
 import uvicorn
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
+from starlette.responses import HTMLResponse, JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlx_infer.cli_options import FINAL_ERROR_S
@@ -29,7 +29,8 @@ ENGINE_FAILURE_GRACE_SECONDS = 3.0  # /health reports the failure this long befo
 class Supervisor:
     """The ASGI app uvicorn serves: 503 for everything while the model loads, then the real app."""
 
-    def __init__(self) -> None:
+    def __init__(self, web: bool = True) -> None:
+        self.web = web  # the chat page at /: a browser there gets a page that waits, not JSON
         self.app: ASGIApp | None = None
         self.engine: AsyncEngine | None = None
         self.load_error: BaseException | None = None
@@ -62,13 +63,24 @@ class Supervisor:
         if scope["type"] != "http":
             return
         loading, retry = "the model is loading; retry shortly", {"Retry-After": "5"}
+        headers = Headers(scope=scope)
         if scope["path"] == "/health":
             response = JSONResponse({"status": "loading"}, status_code=503)
-        elif anthropic_shaped(scope["path"], Headers(scope=scope)):
+        elif self.web and scope["path"] == "/" and "text/html" in headers.get("accept", ""):
+            response = HTMLResponse(LOADING_PAGE, status_code=503, headers=retry)
+        elif anthropic_shaped(scope["path"], headers):
             response = anthropic_error_response(503, loading, headers=retry)
         else:
             response = error_response(503, loading, "server_error", headers=retry)
         await response(scope, receive, send)
+
+
+# What a browser opening the chat page sees while the model loads: a line, and a reload every 3 s.
+LOADING_PAGE = (
+    '<!doctype html><html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="3">'
+    "<title>mlx-infer: loading</title></head><body><p>The model is loading; this page opens the chat "
+    "when it is ready.</p></body></html>"
+)
 
 
 def _with_request_id(scope: Scope, send: Send) -> Send:

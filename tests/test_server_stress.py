@@ -585,6 +585,10 @@ def test_health_is_503_while_the_model_loads(tiny_folder: Path):
         assert server.wait_for_health(503, 60).json() == {"status": "loading"}
         refused = httpx.post(f"{server.base_url}{CHAT}", json=GOOD_CHAT, timeout=10)
         assert assert_openai_error(refused, 503)["type"] == "server_error"
+        # A browser opening the chat page gets a page that waits for the model, not JSON.
+        page = httpx.get(f"{server.base_url}/", headers={"Accept": "text/html,*/*"}, timeout=10)
+        assert page.status_code == 503 and page.headers["content-type"].startswith("text/html")
+        assert "The model is loading" in page.text and 'http-equiv="refresh"' in page.text
         assert server.wait_for_health(200, 60).json() == {"status": "ok"}
         assert httpx.post(f"{server.base_url}{CHAT}", json=GOOD_CHAT, timeout=30).status_code == 200
     finally:
