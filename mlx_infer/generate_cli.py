@@ -194,12 +194,14 @@ class _Chat:
     """The interactive loop: a failing turn is reported in one line and dropped; the chat goes on.
 
     ``console`` gets the answers; ``notes`` the help, the prompts, the stats and the notices. They are the
-    same terminal in a chat; with piped input they part, so stdout holds only the answers (as ``-p``)."""
+    same terminal in a chat; with piped input they part, so stdout holds only the answers (as ``-p``), and
+    a script learns from the exit status that a turn failed (the first failure's, as ``-p`` would exit)."""
 
     session: ChatSession
     console: Console
     notes: Console
     show_stats: bool = True
+    failure: int = 0  # the exit status of the first turn that failed
 
     def run(self) -> int:
         _enable_line_editing()
@@ -210,7 +212,7 @@ class _Chat:
                 text = self._read_message()
             except EOFError:
                 self.notes.print()
-                return 0
+                return 0 if sys.stdin.isatty() else self.failure
             except Terminated:
                 raise
             except KeyboardInterrupt:
@@ -261,9 +263,11 @@ class _Chat:
             raise  # stdout's reader went away: nobody reads another answer
         except MlxInferError as e:
             self._dropped(f"error: {e}", printer.printed)
+            self.failure = self.failure or e.exit_code
             return
         except Exception as e:  # noqa: BLE001 - any failure costs this turn, never the conversation
             self._dropped(f"error: {type(e).__name__}: {e}", printer.printed)
+            self.failure = self.failure or 1
             return
         printer.finish()
         console.print()
