@@ -602,3 +602,94 @@ def test_the_view_follows_the_answer_only_from_the_end(browser, keyed_server: Li
     page.wait_for_selector(".msg.assistant .stats:has-text('stopped')")
     assert page.evaluate(f"{box}.scrollTop") == 0
     context.close()
+
+
+# An answer that streams 30 words, a word every 20 ms, then ends: "<the question> -> w1 ... w30" (the
+# question: the last message sent), so two tabs answering at once stream at the same time.
+NAMED_ANSWER = """
+(() => {
+  const realFetch = window.fetch;
+  window.fetch = (url, options) => {
+    if (!String(url).endsWith("chat/completions")) return realFetch(url, options);
+    const messages = JSON.parse(options.body).messages;
+    const words = [messages[messages.length - 1].content + " ->"];
+    for (let i = 1; i <= 30; i++) words.push(" w" + i);
+    const encoder = new TextEncoder();
+    const event = (delta, finish_reason) =>
+      "data: " + JSON.stringify({ choices: [{ index: 0, delta, finish_reason }] }) + "\\n\\n";
+    const body = new ReadableStream({
+      start(controller) {
+        let i = 0;
+        const timer = setInterval(() => {
+          if (i < words.length) {
+            controller.enqueue(encoder.encode(event({ content: words[i++] }, null)));
+            return;
+          }
+          clearInterval(timer);
+          controller.enqueue(encoder.encode(event({}, "stop") + "data: [DONE]\\n\\n"));
+          controller.close();
+        }, 20);
+        options.signal.addEventListener("abort", () => {
+          clearInterval(timer);
+          controller.error(new DOMException("aborted", "AbortError"));
+        });
+      },
+    });
+    return Promise.resolve(new Response(body, { headers: { "Content-Type": "text/event-stream" } }));
+  };
+})();
+"""
+
+
+def test_two_tabs_answering_in_one_conversation_keep_both_answers(browser, keyed_server: LiveServer):
+    context, _ = _routed_context(browser, keyed_server)
+    context.unroute("**/v1/chat/completions")
+    context.add_init_script(NAMED_ANSWER)
+    a = _open(context, keyed_server)
+    b = _open(context, keyed_server)  # shares a's storage, as a second tab does
+    stored = (
+        "() => JSON.parse(localStorage.getItem('mlx-infer.chat.v1')).conversations"
+        ".map(c => c.messages.map(m => [m.role, m.content]))"
+    )
+    shown = "() => [...document.querySelectorAll('#messages .msg .content')].map(e => e.textContent.trim())"
+    answer = " ->" + "".join(f" w{i}" for i in range(1, 31))
+
+    a.fill("#prompt", "first")
+    a.press("#prompt", "Enter")
+    a.wait_for_selector(".msg.assistant .stats:has-text('stop')")
+    b.wait_for_selector("#conversations .open:has-text('first')")
+    b.click("#conversations .open:has-text('first')")
+    b.wait_for_selector(".msg.assistant .stats:has-text('stop')")
+
+    # Both tabs ask at once in the same conversation: both questions and both whole answers stay.
+    a.fill("#prompt", "A: same conv")
+    b.fill("#prompt", "B: same conv")
+    a.press("#prompt", "Enter")
+    b.press("#prompt", "Enter")
+    for page in (a, b):
+        page.wait_for_selector("#send:not([hidden])")
+    expected = ["first", "first" + answer, "A: same conv", "A: same conv" + answer, "B: same conv"]
+    (messages,) = a.evaluate(stored)
+    assert [content for _, content in messages[:5]] == expected, messages
+    assert messages[5][1].startswith("B: same conv ->") and len(messages) == 6, messages  # (sent with A's)
+    for page in (a, b):
+        page.wait_for_function(f"() => ({shown})().length === 6")
+        assert page.evaluate(shown)[:5] == expected
+    c = _open(context, keyed_server)
+    c.click("#conversations .open:has-text('first')")
+    assert c.evaluate(shown) == [content for _, content in messages]
+    c.close()
+
+    # Edit in one tab cuts the conversation there in both; a deleted conversation goes from both.
+    b.click(".msg.user >> nth=1 >> .edit")
+    b.fill(".msg.user .edit-box", "edited")
+    b.click(".msg.user .resend")
+    b.wait_for_selector("#send:not([hidden])")
+    cut = ["first", "first" + answer, "edited", "edited" + answer]
+    for page in (a, b):
+        page.wait_for_function(f"(cut) => JSON.stringify(({shown})()) === JSON.stringify(cut)", arg=cut)
+    assert [content for _, content in a.evaluate(stored)[0]] == cut
+    a.click("#conversations li:has-text('first') .delete")
+    b.wait_for_function("() => document.querySelectorAll('#conversations li').length === 0")
+    assert b.evaluate(shown) == [] and a.evaluate(stored) == []
+    context.close()

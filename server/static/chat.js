@@ -13,14 +13,41 @@
     data: load(),
     controller: null, // AbortController of the request in flight
     streaming: null, // the conversation being answered
+    reply: null, // its answer, the message streaming in this tab
     connecting: null, // the /v1/models request in flight
   };
 
   // ---- storage -----------------------------------------------------------------------------------
-  // Other tabs of this page share the storage: every write first merges what is stored (the newer copy
-  // of a conversation wins; one deleted anywhere stays deleted), and their writes are merged in here,
-  // so no tab overwrites another's conversations.
+  // Other tabs of this page share the storage: every write first merges what is stored, and their writes
+  // are merged in here, so no tab overwrites another's conversations or messages. A conversation merges
+  // message by message (each has an id and the time it last changed, `at`): the newer copy of a message
+  // wins, except that the answer streaming in this tab is this tab's; messages another tab added stay,
+  // in the stored order, with this tab's new ones after them; a message cut anywhere (Edit, Regenerate)
+  // stays cut (the conversation's `cut` ids), and a conversation deleted anywhere stays deleted.
   const MAX_DELETED = 500; // remembered deletions
+  const MAX_CUT = 1000; // remembered cut messages, a conversation
+
+  // The time of a change, later than any change before it here (two in one millisecond stay in order).
+  let clock = 0;
+  function now() {
+    clock = Math.max(Date.now(), clock + 1);
+    return clock;
+  }
+
+  function newId() {
+    return String(Date.now()) + Math.random().toString(16).slice(2, 8);
+  }
+
+  // Ids for messages stored before they had them: from their place, the same in every tab.
+  function normalize(data) {
+    for (const conv of data.conversations) {
+      conv.cut = conv.cut || [];
+      conv.messages.forEach((m, index) => {
+        if (!m.id) m.id = conv.id + "." + index;
+      });
+    }
+    return data;
+  }
 
   function parse(text) {
     try {
@@ -36,27 +63,82 @@
     const data = parse(localStorage.getItem(STORE_KEY)) ||
       { conversations: [], current: null, settings: { temperature: 0.7, max_tokens: 512, extra: "" } };
     data.deleted = data.deleted || [];
-    return data;
+    return normalize(data);
   }
 
   function merge(stored) {
     if (!stored) return;
+    normalize(stored);
     const deleted = [...new Set([...state.data.deleted, ...(stored.deleted || [])])].slice(-MAX_DELETED);
     const gone = new Set(deleted);
     const byId = new Map(state.data.conversations.map((c) => [c.id, c]));
     for (const other of stored.conversations) {
       const own = byId.get(other.id);
-      const newer = !own || ((other.updated || 0) > (own.updated || 0) && own !== state.streaming);
-      if (newer) byId.set(other.id, other);
+      if (own) mergeConversation(own, other);
+      else byId.set(other.id, other);
     }
     state.data.deleted = deleted;
     state.data.conversations = [...byId.values()]
       .filter((c) => !gone.has(c.id))
       .sort((a, b) => (b.updated || 0) - (a.updated || 0));
+    // The answer streaming here was cut (or its conversation deleted) in another tab: stop it.
+    const conv = state.streaming;
+    if (conv && state.controller && (gone.has(conv.id) || !conv.messages.includes(state.reply))) {
+      state.controller.abort();
+    }
+  }
+
+  // Merges the stored copy of a conversation into this tab's (the same object: an answer streaming here
+  // goes on streaming into it).
+  function mergeConversation(own, other) {
+    const stamp = (c) => c.edited || c.updated || 0; // (when its title or system prompt last changed)
+    if (stamp(other) > stamp(own)) {
+      own.title = other.title;
+      own.system = other.system;
+      own.edited = other.edited;
+    }
+    own.updated = Math.max(own.updated || 0, other.updated || 0);
+    const cut = new Set([...own.cut, ...other.cut]);
+    own.cut = [...cut].slice(-MAX_CUT);
+    const mine = new Map(own.messages.map((m) => [m.id, m]));
+    const newer = (m, o) => (m === state.reply ? m : (o.at || 0) >= (m.at || 0) ? o : m);
+    const messages = other.messages
+      .filter((o) => !cut.has(o.id))
+      .map((o) => (mine.has(o.id) ? newer(mine.get(o.id), o) : o));
+    const placed = new Set(messages.map((m) => m.id));
+    // This tab's messages not stored yet: each after the one it follows here, and after the messages
+    // other tabs added there (their turns came first).
+    let next = 0;
+    for (const m of own.messages) {
+      if (cut.has(m.id)) continue;
+      if (placed.has(m.id)) {
+        next = messages.findIndex((x) => x.id === m.id) + 1;
+        continue;
+      }
+      while (next < messages.length && !mine.has(messages[next].id)) next += 1;
+      messages.splice(next, 0, m);
+      placed.add(m.id);
+      next += 1;
+    }
+    own.messages = messages;
+  }
+
+  // Takes in what other tabs stored (before an action on the conversation, so that it acts on all of it).
+  function sync() {
+    merge(parse(localStorage.getItem(STORE_KEY)));
+  }
+
+  // Cuts the conversation's messages from `index` on, in every tab.
+  function cutFrom(conv, index) {
+    for (const m of conv.messages.splice(index)) conv.cut.push(m.id);
+  }
+
+  function message(role, content) {
+    return { id: newId(), role, content, at: now() };
   }
 
   function save() {
-    merge(parse(localStorage.getItem(STORE_KEY)));
+    sync();
     try {
       localStorage.setItem(STORE_KEY, JSON.stringify(state.data));
       $("storage-error").textContent = "";
@@ -82,7 +164,10 @@
   let leaving = false;
   window.addEventListener("pagehide", () => {
     leaving = true;
-    if (state.streaming) save();
+    if (state.streaming) {
+      state.streaming.updated = state.reply.at = now();
+      save();
+    }
   });
   window.addEventListener("pageshow", () => (leaving = false)); // (back from the back-forward cache)
 
@@ -96,8 +181,8 @@
   }
 
   function newConversation() {
-    const conv = { id: String(Date.now()) + Math.random().toString(16).slice(2, 8), title: "New chat",
-      system: "", messages: [], updated: Date.now() };
+    const conv = { id: newId(), title: "New chat", system: "", messages: [], cut: [], updated: now(),
+      edited: now() };
     state.data.conversations.unshift(conv);
     state.data.current = conv.id;
     save();
@@ -191,8 +276,8 @@
 
   // The conversation as sent: a turn whose answer failed or never began (an error, a stop before the
   // first token) is left out, as the terminal chat does: sent again, it would only fail again.
-  function sentMessages(conv) {
-    const history = conv.messages.slice(0, -1);
+  function sentMessages(conv, reply) {
+    const history = conv.messages.slice(0, conv.messages.indexOf(reply));
     const messages = [];
     if (conv.system.trim()) messages.push({ role: "system", content: conv.system });
     for (let i = 0; i < history.length; i++) {
@@ -208,7 +293,7 @@
     return messages;
   }
 
-  function requestBody(conv) {
+  function requestBody(conv, reply) {
     const settings = state.data.settings;
     const body = {};
     // An emptied field means the server's default, not 0.
@@ -219,7 +304,7 @@
     Object.assign(body, parseExtra(settings.extra) || {});
     return Object.assign(body, {
       model: state.model,
-      messages: sentMessages(conv),
+      messages: sentMessages(conv, reply),
       stream: true,
       stream_options: { include_usage: true },
       n: 1,
@@ -243,13 +328,13 @@
     return null;
   }
 
-  // Streams the answer into the conversation's last message (an empty assistant message).
-  async function complete(conv) {
-    const reply = conv.messages[conv.messages.length - 1];
+  // Streams the answer into `reply`, the conversation's last message here (an empty assistant message).
+  async function complete(conv, reply) {
     const stats = (reply.stats = { chunks: 0 });
     reply.partial = true; // stored while it streams: what a reload finds, it shows as interrupted
     const controller = (state.controller = new AbortController());
     state.streaming = conv;
+    state.reply = reply;
     setBusy(true);
     const started = performance.now();
     let first = null;
@@ -257,7 +342,7 @@
     let response = null;
     try {
       response = await fetch("v1/chat/completions", {
-        method: "POST", headers: headers(), body: JSON.stringify(requestBody(conv)), signal: controller.signal,
+        method: "POST", headers: headers(), body: JSON.stringify(requestBody(conv, reply)), signal: controller.signal,
       });
       if (response.status === 401) {
         reply.error = "the server refused the API key";
@@ -299,8 +384,8 @@
               last = performance.now();
               if (first === null) first = last;
               stats.chunks += 1;
-              scheduleRender(conv);
-              saveSoon(conv);
+              scheduleRender(conv, reply);
+              saveSoon(conv, reply);
             }
             if (choice.finish_reason) stats.finish = choice.finish_reason;
           }
@@ -320,8 +405,9 @@
       }
       state.controller = null;
       state.streaming = null;
+      state.reply = null;
       if (!leaving) delete reply.partial;
-      conv.updated = Date.now();
+      conv.updated = reply.at = now();
       const model = state.models.find((m) => m.id === state.model);
       if (model && !reply.error && model.state && model.state !== "loaded") {
         model.state = "loaded"; // (its first answer loaded it)
@@ -337,61 +423,82 @@
   // it, and a long answer does not rewrite the whole store at every token.
   const SAVE_EVERY_MS = 500;
   let lastSave = 0;
-  function saveSoon(conv) {
-    const now = Date.now();
-    if (now - lastSave < SAVE_EVERY_MS) return;
-    lastSave = now;
-    conv.updated = now; // (newer than the copy other tabs hold, so their merges take it)
+  function saveSoon(conv, reply) {
+    if (Date.now() - lastSave < SAVE_EVERY_MS) return;
+    lastSave = Date.now();
+    conv.updated = reply.at = now(); // (newer than the copy other tabs hold, so their merges take it)
     save();
   }
 
   // ---- actions -----------------------------------------------------------------------------------
   function send(text) {
     if (state.controller || !state.model) return;
+    sync();
     const conv = current() || newConversation();
-    if (!conv.messages.length) conv.title = titleOf(text);
-    conv.messages.push({ role: "user", content: text }, { role: "assistant", content: "" });
-    conv.updated = Date.now();
+    if (!conv.messages.length) {
+      conv.title = titleOf(text);
+      conv.edited = now();
+    }
+    const reply = message("assistant", "");
+    conv.messages.push(message("user", text), reply);
+    conv.updated = now();
     save();
     renderSidebar();
     renderMessages();
-    complete(conv);
+    complete(conv, reply);
   }
 
-  function regenerate() {
+  // Asks again for the answer `id` (the conversation's last message, the answers that end it all cut).
+  function regenerate(id) {
+    if (!current() || state.controller) return;
+    sync();
     const conv = current();
-    if (!conv || state.controller) return;
-    while (conv.messages.length && conv.messages[conv.messages.length - 1].role === "assistant") conv.messages.pop();
-    if (!conv.messages.length) return;
-    conv.messages.push({ role: "assistant", content: "" });
+    const last = conv && conv.messages[conv.messages.length - 1];
+    if (!last || last.id !== id) return refreshMessages(); // (another tab went on meanwhile)
+    let index = conv.messages.length;
+    while (index > 0 && conv.messages[index - 1].role === "assistant") index -= 1;
+    if (!index) return;
+    cutFrom(conv, index);
+    const reply = message("assistant", "");
+    conv.messages.push(reply);
+    conv.updated = now();
+    save();
     renderMessages();
-    complete(conv);
+    complete(conv, reply);
   }
 
-  function editAndResend(index, text) {
+  // Cuts the conversation at the message `id` (in every tab) and sends `text` in its place.
+  function editAndResend(id, text) {
+    if (!current() || state.controller) return;
+    sync();
     const conv = current();
-    if (!conv || state.controller) return;
-    conv.messages.length = index;
-    if (index === 0) conv.title = titleOf(text);
-    conv.messages.push({ role: "user", content: text }, { role: "assistant", content: "" });
-    conv.updated = Date.now();
+    const index = conv ? conv.messages.findIndex((m) => m.id === id) : -1;
+    if (index < 0) return refreshMessages(); // (cut or deleted in another tab meanwhile)
+    cutFrom(conv, index);
+    if (index === 0) {
+      conv.title = titleOf(text);
+      conv.edited = now();
+    }
+    const reply = message("assistant", "");
+    conv.messages.push(message("user", text), reply);
+    conv.updated = now();
     save();
     renderSidebar();
     renderMessages();
-    complete(conv);
+    complete(conv, reply);
   }
 
   // ---- rendering ---------------------------------------------------------------------------------
   let renderPending = false;
-  function scheduleRender(conv) {
+  function scheduleRender(conv, reply) {
     if (renderPending) return;
     renderPending = true;
     requestAnimationFrame(() => {
       renderPending = false;
       // Follow the answer only from the end: a reader who scrolled up to read stays where they are.
       const follow = atEnd();
-      const item = document.querySelector("#messages .msg:last-child");
-      if (item && conv === current()) renderAnswer(item, conv.messages[conv.messages.length - 1]);
+      const item = document.querySelector('#messages .msg[data-id="' + CSS.escape(reply.id) + '"]');
+      if (item && conv === current()) renderAnswer(item, reply);
       if (follow) scrollToEnd();
     });
   }
@@ -456,10 +563,11 @@
     $("system").value = conv ? conv.system : "";
     if (!conv) return;
     // An answer stored mid-stream and not streaming in this tab: its page was reloaded or closed.
-    const live = state.streaming && state.streaming.messages[state.streaming.messages.length - 1];
+    const live = state.reply;
     conv.messages.forEach((m, index) => {
       const item = document.createElement("div");
       item.className = "msg " + m.role;
+      item.dataset.id = m.id;
       const role = document.createElement("div");
       role.className = "role";
       role.textContent = m.role;
@@ -487,9 +595,9 @@
         stats.className = "stats";
         stats.textContent = statsLine(m.stats, m.partial && m !== live);
         actions.append(stats);
-        if (index === conv.messages.length - 1) actions.append(button("Regenerate", "regenerate", regenerate));
+        if (index === conv.messages.length - 1) actions.append(button("Regenerate", "regenerate", () => regenerate(m.id)));
       } else if (m.role === "user") {
-        actions.append(button("Edit", "edit", () => startEdit(item, index, m.content)));
+        actions.append(button("Edit", "edit", () => startEdit(item, m.id, m.content)));
       }
       item.append(actions);
       box.append(item);
@@ -497,7 +605,7 @@
     scrollToEnd();
   }
 
-  function startEdit(item, index, text) {
+  function startEdit(item, id, text) {
     if (state.controller) return;
     const area = document.createElement("textarea");
     area.className = "edit-box";
@@ -506,7 +614,7 @@
     const actions = document.createElement("div");
     actions.className = "actions";
     actions.append(
-      button("Send", "resend", () => area.value.trim() && editAndResend(index, area.value)),
+      button("Send", "resend", () => area.value.trim() && editAndResend(id, area.value)),
       button("Cancel", "cancel", refreshMessages),
     );
     item.querySelector(".content").replaceWith(area);
@@ -529,7 +637,7 @@
       });
       const remove = button("×", "delete", () => {
         if (state.controller) return;
-        state.data.conversations = state.data.conversations.filter((c) => c !== conv);
+        state.data.conversations = state.data.conversations.filter((c) => c.id !== conv.id);
         state.data.deleted.push(conv.id);
         if (state.data.current === conv.id) state.data.current = null;
         save();
@@ -573,7 +681,7 @@
     $("system").addEventListener("change", (e) => {
       const conv = current() || newConversation();
       conv.system = e.target.value;
-      conv.updated = Date.now();
+      conv.updated = conv.edited = now();
       save();
       renderSidebar();
     });
