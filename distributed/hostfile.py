@@ -69,8 +69,16 @@ def read(path: str | Path) -> HostFile:
             Host(e["ssh"], list(e.get("ips") or [_address(e["ssh"])]), list(e.get("rdma", [])))
             for e in entries
         ]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DistributedError(f"{path}: not an MLX host file ({e})") from None
+    except OSError as e:
+        raise DistributedError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise DistributedError(f"{path}: not JSON ({e})") from None
+    except (KeyError, TypeError, AttributeError):
+        # Python's words for a wrong shape (list indices must be integers...) tell a user nothing.
+        raise DistributedError(
+            f'{path}: not an MLX host file: expected a list of {{"ssh": HOST, "ips": [ADDRESS, ...]}} '
+            '(or {"hosts": [...]}, as mlx.launch writes it)'
+        ) from None
     if not hosts:
         raise DistributedError(f"{path}: no hosts")
     backend = data.get("backend", "") if isinstance(data, dict) else ""

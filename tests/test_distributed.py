@@ -490,6 +490,17 @@ def test_host_list_resolves_names_and_ring_ports_count_up():
         hostfile.ring_addresses(table.hosts, 65535)
 
 
+def test_a_host_file_of_another_shape_is_refused_saying_the_expected_one(tmp_path: Path):
+    runtime = tmp_path / "runtime.json"  # MLX's own runtime format (MLX_HOSTFILE), not a launch host file
+    runtime.write_text('[["127.0.0.1:18250"], ["127.0.0.1:18251"]]')
+    with pytest.raises(DistributedError, match='expected a list of {"ssh": HOST, "ips"') as e:
+        hostfile.read(runtime)
+    assert "indices" not in str(e.value)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(DistributedError, match="bad.json: not JSON"):
+        hostfile.read(tmp_path / "bad.json")
+
+
 def test_generate_prompt_from_stdin_is_read_by_launch(monkeypatch: pytest.MonkeyPatch):
     """No rank has launch's stdin (rank 0 may be another host): ``-p -`` is replaced by what it holds."""
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is 2+2?\n"))
