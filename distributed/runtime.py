@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +48,10 @@ BACKEND_ENV = "MLX_INFER_BACKEND"
 # Host files launch writes on each host; a rank deletes its own once it has joined.
 TEMP_PREFIX = "mlx-infer-hosts."
 LAUNCHER_PID_ENV = "MLX_INFER_LAUNCHER_PID"  # set for a rank `launch` started on its own machine
+# How long a rank waits for the group to form: MLX's join waits forever for a peer that never comes (an
+# ssh that connected but never started its rank), and nothing else would end the wait.
+JOIN_TIMEOUT_ENV = "MLX_INFER_JOIN_TIMEOUT"
+JOIN_TIMEOUT_S = 120.0
 Shard = PipelineShard | TensorShard
 
 
@@ -58,17 +64,38 @@ def init_group() -> mx.distributed.Group | None:
     if "MLX_RANK" not in os.environ:
         return None
     _stop_with_the_launcher()
+    rank = os.environ["MLX_RANK"]
+    timeout = float(os.environ.get(JOIN_TIMEOUT_ENV, JOIN_TIMEOUT_S))
+    message = (
+        f"error: rank {rank}: the {backend} group did not form within {timeout:.0f} s (a peer never joined: "
+        f"is every host's rank running and reachable? ${JOIN_TIMEOUT_ENV} sets the wait)"
+    )
+    # MLX's join holds the interpreter (no thread of this process could act): a process of its own
+    # waits for the join to end (its stdin closed) and, when it does not in time, says so and ends this.
+    watchdog = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, str(timeout), message, str(os.getpid())], stdin=subprocess.PIPE
+    )
     try:
         group = mx.distributed.init(strict=True, backend=backend)
     except RuntimeError as e:
-        raise DistributedError(
-            f"rank {os.environ['MLX_RANK']}: cannot join the {backend} group ({e})"
-        ) from None
+        raise DistributedError(f"rank {rank}: cannot join the {backend} group ({e})") from None
+    finally:
+        watchdog.stdin.close()
+        watchdog.wait()
     for name in ("MLX_HOSTFILE", "MLX_IBV_DEVICES"):
         path = Path(os.environ.get(name, ""))
         if path.name.startswith(TEMP_PREFIX):
             path.unlink(missing_ok=True)
     return group if group.size() > 1 else None
+
+
+_WATCHDOG = """
+import os, select, signal, sys
+timeout, message, pid = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+if not select.select([sys.stdin], [], [], timeout)[0]:
+    print(message, file=sys.stderr, flush=True)
+    os.kill(pid, signal.SIGKILL)
+"""
 
 
 def _stop_with_the_launcher() -> None:

@@ -501,6 +501,18 @@ def test_a_host_file_of_another_shape_is_refused_saying_the_expected_one(tmp_pat
         hostfile.read(tmp_path / "bad.json")
 
 
+def test_a_rank_whose_peer_never_joins_stops_saying_so(tmp_path: Path):
+    # MLX's join would wait forever for a peer that never starts (an ssh that connected and hung).
+    port = free_port(2)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    env = {**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": str(hosts), "MLX_INFER_JOIN_TIMEOUT": "2"}
+    code = "from mlx_infer.distributed.runtime import init_group; init_group()"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert "rank 0: the ring group did not form within 2 s (a peer never joined" in result.stderr
+
+
 def test_generate_prompt_from_stdin_is_read_by_launch(monkeypatch: pytest.MonkeyPatch):
     """No rank has launch's stdin (rank 0 may be another host): ``-p -`` is replaced by what it holds."""
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is 2+2?\n"))
