@@ -12,12 +12,13 @@ from mlx_infer.errors import InvalidRequest
 _ESCAPED_BYTES = range(0xDC80, 0xDD00)  # surrogateescape's stand-ins for the bytes 0x80-0xff
 
 
-def checked_text(text: str, what: str) -> str:
-    """``text`` when UTF-8 can encode it; InvalidRequest naming ``what`` and the first bad character."""
+def checked_text(text: str, what: str, param: str | None = None) -> str:
+    """``text`` when UTF-8 can encode it; InvalidRequest naming ``what`` and the first bad character
+    (``param``: the request field it came from, for the server's error)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         code = ord(text[e.start])
         bad = f"the byte 0x{code - 0xDC00:02x}" if code in _ESCAPED_BYTES else f"half an emoji (U+{code:04X})"
-        raise InvalidRequest(f"{what} is not valid UTF-8 text: {bad} at character {e.start}") from None
+        raise InvalidRequest(f"{what} is not valid UTF-8 text: {bad} at character {e.start}", param) from None
     return text

@@ -438,12 +438,10 @@ class _Call:
     def stop(self) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence) of the finished request."""
         # Cut off first: a call cut off is no call to run (its input is incomplete).
-        if self.last is not None and self.last.finish_reason == "length":
+        if self.last is None or self.last.finish_reason == "length":
             # Short of max_tokens, the answer filled the context (raising max_tokens would not help).
-            if self.last.num_output_tokens < self.body.max_tokens:
+            if self.last is not None and self.last.num_output_tokens < self.body.max_tokens:
                 return "model_context_window_exceeded", None
-            return "max_tokens", None
-        if self.last is None:
             return "max_tokens", None
         if self.blocks.has_tool_use:
             return "tool_use", None

@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from mlx_infer.errors import InvalidRequest, RequestTimeout, RequestTooLarge, ServiceUnavailable
+from mlx_infer.user_text import checked_text
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 MAX_NESTING_DEPTH = 64  # arrays and objects; a JSON schema of tools nests well under this
@@ -113,15 +114,8 @@ def _refuse_lone_surrogates(value: Any, path: list[str]) -> None:
     """InvalidRequest naming the first string (or key) holding an unpaired UTF-16 surrogate: no tokenizer
     can encode it, and it is no character to answer about."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            param = ".".join(path) or None
-            where = f"{param}: " if param else ""
-            raise InvalidRequest(
-                f"{where}the text holds an unpaired UTF-16 surrogate (half of a character such as an emoji)",
-                param=param,
-            ) from None
+        param = ".".join(path) or None
+        checked_text(value, param or "a key of the request body", param)
     elif isinstance(value, dict):
         for key, item in value.items():
             _refuse_lone_surrogates(key, path)
