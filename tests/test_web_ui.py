@@ -443,10 +443,11 @@ def _routed_context(browser, server: LiveServer, **options):
     return context, sent
 
 
-def _open(context, server: LiveServer):
+def _open(context, server: LiveServer, until: str = "textContent === 'tiny'"):
+    """A page of ``context`` on the chat, once the header's model name satisfies ``until``."""
     page = context.new_page()
     page.goto(server.base_url + "/")
-    page.wait_for_function("() => document.getElementById('model-name').textContent === 'tiny'")
+    page.wait_for_function(f"() => document.getElementById('model-name').{until}")
     return page
 
 
@@ -469,9 +470,7 @@ def test_send_asks_again_for_a_server_that_was_unreachable(browser, keyed_server
     reachable = False
     models = lambda route: route.fulfill(status=200, body=MODELS) if reachable else route.abort()  # noqa: E731
     context.route("**/v1/models", models)
-    page = context.new_page()
-    page.goto(keyed_server.base_url + "/")
-    page.wait_for_function("() => document.getElementById('model-name').textContent.includes('cannot reach')")
+    page = _open(context, keyed_server, until="textContent.includes('cannot reach')")
 
     # Still unreachable: the page says so, and the message stays in its box.
     page.fill("#prompt", "hello")
